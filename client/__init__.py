@@ -1,0 +1,19 @@
+"""The trainer side of grain-elevator: a Grain IterDataset fed by the service.
+
+    from grain_elevator.client import RemoteDataset
+    ds = RemoteDataset("localhost:50051", "train", global_batch_size=256)
+"""
+
+from grain_elevator.client.remote_dataset import RemoteDataset, describe
+from grain_elevator.proto.spec import DatasetInfo
+from grain_elevator.server.errors import (ConfigError, ElevatorError,
+                                          EndOfDataError, InvalidRequestError,
+                                          ServiceUnavailableError,
+                                          StreamMismatchError,
+                                          UnknownDatasetError)
+
+__all__ = [
+    "RemoteDataset", "describe", "DatasetInfo", "ElevatorError", "ConfigError",
+    "EndOfDataError", "InvalidRequestError", "ServiceUnavailableError",
+    "StreamMismatchError", "UnknownDatasetError",
+]

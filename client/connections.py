@@ -1,0 +1,171 @@
+"""Channels to one or more replicas, and fetching steps with failover.
+
+Several channels per target, each its own TCP connection, so the kernel
+spreads them over the server's worker processes. A fetch that fails with a
+retriable status moves to the next channel (next replica) with capped,
+jittered exponential backoff; steps already received are kept, so each step
+reaches the trainer exactly once whichever replica served it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import random
+import threading
+import time
+from typing import Sequence
+
+import grpc
+import numpy as np
+
+from grain_elevator.proto import elevator_pb2 as pb
+from grain_elevator.proto import elevator_pb2_grpc as pb_grpc
+from grain_elevator.proto import wire
+from grain_elevator.proto.spec import DatasetInfo
+from grain_elevator.server import errors
+
+RETRIABLE = frozenset({
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.ABORTED,
+    grpc.StatusCode.CANCELLED,  # e.g. a server shutting down; ours are filtered.
+})
+
+
+class Cancelled(Exception):
+  """The fetch was cancelled by the client (close or set_state)."""
+
+
+@dataclasses.dataclass
+class RetryPolicy:
+  timeout_s: float = 60.0  # give up after this long without progress
+  initial_backoff_s: float = 0.05
+  max_backoff_s: float = 2.0
+  request_timeout_s: float = 120.0  # per RPC
+
+
+class CancelToken:
+  """Lets another thread cancel one fetch, including its in-flight RPC."""
+
+  def __init__(self) -> None:
+    self._lock = threading.Lock()
+    self._cancelled = False
+    self._call: grpc.Call | None = None
+
+  @property
+  def cancelled(self) -> bool:
+    return self._cancelled
+
+  def attach(self, call: grpc.Call | None) -> None:
+    with self._lock:
+      self._call = call
+      if self._cancelled and call is not None:
+        call.cancel()
+
+  def cancel(self) -> None:
+    with self._lock:
+      self._cancelled = True
+      if self._call is not None:
+        self._call.cancel()
+
+
+def parse_targets(target: str | Sequence[str]) -> list[str]:
+  targets = [target] if isinstance(target, str) else list(target)
+  if not targets or not all(isinstance(t, str) and t for t in targets):
+    raise ValueError(f"target must be 'host:port' or a list of them, got {target!r}")
+  return targets
+
+
+class ConnectionPool:
+  """gRPC channels to every replica; fetches steps with failover."""
+
+  def __init__(self, targets: Sequence[str], *, connections_per_target: int = 4,
+               retry: RetryPolicy | None = None):
+    self.targets = list(targets)
+    self.retry = retry or RetryPolicy()
+    options = [
+        ("grpc.use_local_subchannel_pool", 1),  # one TCP connection per channel
+        ("grpc.max_receive_message_length", -1),
+    ]
+    # Interleave replicas so consecutive requests go to different ones.
+    self._channels = [
+        grpc.insecure_channel(t, options=options)
+        for _, t in itertools.product(range(connections_per_target), self.targets)
+    ]
+    self._stubs = [pb_grpc.ElevatorStub(c) for c in self._channels]
+    self._next = itertools.count()
+    self._closed = False
+
+  def close(self) -> None:
+    self._closed = True
+    for c in self._channels:
+      c.close()
+
+  def _pick(self) -> int:
+    return next(self._next) % len(self._stubs)
+
+  def _backoff(self, attempt: int) -> float:
+    cap = min(self.retry.max_backoff_s, self.retry.initial_backoff_s * 2**attempt)
+    return random.uniform(cap / 2, cap)
+
+  def _give_up(self, what: str, last: grpc.RpcError | None) -> errors.ServiceUnavailableError:
+    detail = f" (last error: {last.code().name}: {last.details()})" if last else ""
+    return errors.ServiceUnavailableError(
+        f"no replica of {', '.join(self.targets)} could serve {what} within "
+        f"{self.retry.timeout_s:.0f}s{detail}")
+
+  def describe(self, dataset: str = "", global_batch_size: int = 0) -> list[DatasetInfo]:
+    request = pb.DescribeRequest(dataset=dataset, global_batch_size=global_batch_size)
+    deadline = time.monotonic() + self.retry.timeout_s
+    last = None
+    for attempt in itertools.count():
+      try:
+        response = self._stubs[self._pick()].Describe(
+            request, timeout=self.retry.request_timeout_s)
+        return [DatasetInfo.from_proto(d) for d in response.datasets]
+      except grpc.RpcError as e:
+        if e.code() not in RETRIABLE or self._closed:
+          raise errors.from_status(e.code(), e.details()) from e
+        last = e
+      if time.monotonic() >= deadline:
+        raise self._give_up(f"Describe({dataset!r})", last)
+      time.sleep(self._backoff(attempt))
+    raise AssertionError("unreachable")
+
+  def fetch(self, request: pb.BatchRequest, token: CancelToken) -> list[list[np.ndarray]]:
+    """Steps [start, start+num) of `request`, in order, from any replica."""
+    out: list[list[np.ndarray]] = []
+    deadline = time.monotonic() + self.retry.timeout_s
+    last = None
+    attempt = 0
+    while True:
+      remaining = pb.BatchRequest()
+      remaining.CopyFrom(request)
+      remaining.start_step = request.start_step + len(out)
+      remaining.num_steps = request.num_steps - len(out)
+      try:
+        call = self._stubs[self._pick()].GetBatches(
+            remaining, timeout=self.retry.request_timeout_s)
+        token.attach(call)
+        for batch in call:
+          out.append(wire.decode_leaves(batch))
+          deadline = time.monotonic() + self.retry.timeout_s  # progress made
+          attempt = 0
+        token.attach(None)
+        return out
+      except grpc.RpcError as e:
+        token.attach(None)
+        if token.cancelled or self._closed:
+          raise Cancelled() from e
+        if e.code() not in RETRIABLE:
+          raise errors.from_status(e.code(), e.details()) from e
+        last = e
+      if time.monotonic() >= deadline:
+        raise self._give_up(
+            f"dataset {request.dataset!r} step {remaining.start_step}", last)
+      time.sleep(self._backoff(attempt))
+      attempt += 1
+      if token.cancelled:
+        raise Cancelled()

@@ -1,0 +1,251 @@
+"""`RemoteDataset`: a `grain.IterDataset` of global-batch slices from the service.
+
+Step k of host h of H is rows [h*G/H, (h+1)*G/H) of global batch k
+(DESIGN.md §1). The iterator keeps up to `prefetch` steps in flight over
+several connections and replicas, delivers them in step order, and its state
+is a global cursor that resumes in O(1) on any number of hosts.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import threading
+import weakref
+from typing import Any, Sequence
+
+import grain
+
+from grain_elevator.client import connections, state as state_lib
+from grain_elevator.client.embedded import EmbeddedBackend
+from grain_elevator.proto import elevator_pb2 as pb
+from grain_elevator.proto import tree
+from grain_elevator.proto.spec import DatasetInfo
+from grain_elevator.server import contract
+from grain_elevator.server.errors import ElevatorError, UnknownDatasetError
+
+LOCAL_PREFIX = "local:"
+
+
+def make_backend(target: str | Sequence[str], *, connections_per_target: int = 4,
+                 retry: connections.RetryPolicy | None = None):
+  """A ConnectionPool for "host:port" targets, or an EmbeddedBackend for
+  "local:CONFIG_PATH"."""
+  targets = connections.parse_targets(target)
+  local = [t for t in targets if t.startswith(LOCAL_PREFIX)]
+  if local:
+    if len(targets) != 1:
+      raise ValueError(f"'local:CONFIG' cannot be mixed with other targets: {targets}")
+    return EmbeddedBackend(local[0][len(LOCAL_PREFIX):])
+  return connections.ConnectionPool(
+      targets, connections_per_target=connections_per_target, retry=retry)
+
+
+def describe(target: str | Sequence[str], dataset: str | None = None) -> list[DatasetInfo]:
+  """What a server (or a local config) offers."""
+  backend = make_backend(target, connections_per_target=1)
+  try:
+    return backend.describe(dataset or "")
+  finally:
+    backend.close()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Chunk:
+  start: int
+  num_steps: int
+  future: concurrent.futures.Future
+  token: connections.CancelToken
+
+
+class RemoteDataset(grain.IterDataset):
+  """Host `shard_index`'s slices of a served dataset's global batches.
+
+  Example:
+    ds = RemoteDataset("localhost:50051", "train", global_batch_size=256,
+                       shard_index=jax.process_index(),
+                       shard_count=jax.process_count())
+    for batch in ds: ...  # dict of numpy arrays, G/H rows each
+
+  Args:
+    target: "host:port", a list of replicas, or "local:CONFIG_PATH" to run the
+      same pipeline in-process (embedded mode, bit-identical).
+    dataset: a dataset name registered in the server's config.
+    global_batch_size: G, the batch size summed over all hosts.
+    shard_index: h, this host's index in [0, shard_count).
+    shard_count: H, the number of hosts; must divide G.
+    prefetch: steps kept in flight ahead of the trainer (0: fetch on demand).
+    steps_per_request: consecutive steps asked for in one streaming RPC.
+    connections_per_target: TCP connections per replica (spread over the
+      server's worker processes).
+    retry_timeout_s: how long to keep retrying without progress before
+      raising ServiceUnavailableError.
+    request_timeout_s: deadline of one RPC.
+  """
+
+  def __init__(self, target: str | Sequence[str], dataset: str,
+               global_batch_size: int, *, shard_index: int = 0,
+               shard_count: int = 1, prefetch: int = 8,
+               steps_per_request: int = 1, connections_per_target: int = 4,
+               retry_timeout_s: float = 60.0, request_timeout_s: float = 120.0):
+    super().__init__()
+    contract.check_geometry(global_batch_size, shard_index, shard_count)
+    if prefetch < 0 or steps_per_request < 1 or connections_per_target < 1:
+      raise ValueError("need prefetch >= 0, steps_per_request >= 1 and "
+                       "connections_per_target >= 1")
+    self.targets = connections.parse_targets(target)
+    self.dataset = dataset
+    self.global_batch_size = global_batch_size
+    self.shard_index = shard_index
+    self.shard_count = shard_count
+    self.prefetch = prefetch
+    self.steps_per_request = steps_per_request
+    self.connections_per_target = connections_per_target
+    self.retry = connections.RetryPolicy(timeout_s=retry_timeout_s,
+                                         request_timeout_s=request_timeout_s)
+    self._iterators: weakref.WeakSet[_RemoteIterator] = weakref.WeakSet()
+
+  @classmethod
+  def embedded(cls, config_path: str, dataset: str, global_batch_size: int,
+               **kwargs: Any) -> "RemoteDataset":
+    """Embedded mode: the same stream computed in-process from a config."""
+    return cls(LOCAL_PREFIX + str(config_path), dataset, global_batch_size, **kwargs)
+
+  def __iter__(self) -> "_RemoteIterator":
+    it = _RemoteIterator(self)
+    self._iterators.add(it)
+    return it
+
+  def close(self) -> None:
+    """Cancels every iterator's in-flight requests and closes its connections."""
+    for it in list(self._iterators):
+      it.close()
+
+  def __enter__(self) -> "RemoteDataset":
+    return self
+
+  def __exit__(self, *exc: object) -> None:
+    self.close()
+
+  def __str__(self) -> str:
+    return (f"RemoteDataset(targets={self.targets}, dataset={self.dataset!r}, "
+            f"G={self.global_batch_size}, h={self.shard_index}/{self.shard_count})")
+
+
+class _RemoteIterator(grain.DatasetIterator):
+  """Delivers steps in order while keeping `prefetch` of them in flight."""
+
+  def __init__(self, ds: RemoteDataset):
+    super().__init__()
+    self._ds = ds
+    self._backend = make_backend(ds.targets,
+                                 connections_per_target=ds.connections_per_target,
+                                 retry=ds.retry)
+    self._closed = False
+    try:
+      (self._info,) = self._backend.describe(ds.dataset, ds.global_batch_size)
+    except BaseException:
+      self._backend.close()
+      raise
+    if self._info.name != ds.dataset:
+      raise UnknownDatasetError(f"server answered for {self._info.name!r}, "
+                                f"not {ds.dataset!r}")
+    self._total = self._info.total_steps(ds.global_batch_size)
+    self._structure = self._info.element_spec.structure
+    self._step = 0  # next step the trainer receives
+    self._requested = 0  # first step not yet requested
+    self._chunks: collections.deque[_Chunk] = collections.deque()
+    self._lock = threading.Lock()
+    self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+  # -- fetching -------------------------------------------------------------
+
+  def _request(self, start: int, num_steps: int) -> pb.BatchRequest:
+    ds = self._ds
+    return pb.BatchRequest(
+        dataset=ds.dataset, global_batch_size=ds.global_batch_size,
+        shard_index=ds.shard_index, shard_count=ds.shard_count,
+        start_step=start, num_steps=num_steps,
+        config_fingerprint=self._info.config_fingerprint)
+
+  def _fill(self) -> None:
+    """Requests steps until `prefetch` (at least 1) are in flight."""
+    limit = self._step + max(1, self._ds.prefetch)
+    if self._total is not None:
+      limit = min(limit, self._total)
+    if self._requested < limit and self._pool is None:
+      workers = max(1, -(-self._ds.prefetch // self._ds.steps_per_request))
+      self._pool = concurrent.futures.ThreadPoolExecutor(
+          max_workers=workers, thread_name_prefix="grain-elevator-fetch")
+    while self._requested < limit:
+      n = min(self._ds.steps_per_request, limit - self._requested)
+      token = connections.CancelToken()
+      future = self._pool.submit(self._backend.fetch,
+                                 self._request(self._requested, n), token)
+      self._chunks.append(_Chunk(self._requested, n, future, token))
+      self._requested += n
+
+  def _cancel_all(self) -> None:
+    while self._chunks:
+      chunk = self._chunks.popleft()
+      chunk.token.cancel()
+      chunk.future.cancel()
+    self._requested = self._step
+
+  def __next__(self) -> Any:
+    with self._lock:
+      if self._closed:
+        raise ElevatorError(f"{self._ds} iterator is closed")
+      if self._total is not None and self._step >= self._total:
+        self._stop_pool()  # Ended: leave no threads behind.
+        raise StopIteration
+      self._fill()
+      chunk = self._chunks[0]
+      try:
+        leaves = chunk.future.result()[self._step - chunk.start]
+      except connections.Cancelled:
+        raise ElevatorError(f"{self._ds} iterator was closed") from None
+      if self._step == chunk.start + chunk.num_steps - 1:
+        self._chunks.popleft()
+      self._step += 1
+      if self._ds.prefetch:
+        self._fill()  # keep the window full while the trainer works
+    return tree.unflatten(self._structure, leaves)
+
+  # -- checkpointing --------------------------------------------------------
+
+  def get_state(self) -> dict[str, Any]:
+    return state_lib.make(self._step, self._info, self._ds.global_batch_size)
+
+  def set_state(self, state: dict[str, Any]) -> None:
+    step = state_lib.check(state, self._info, self._ds.global_batch_size,
+                           self._total)
+    with self._lock:
+      self._cancel_all()
+      self._step = self._requested = step
+
+  # -- lifecycle ------------------------------------------------------------
+
+  def _stop_pool(self) -> None:
+    if self._pool is not None:
+      self._pool.shutdown(wait=True, cancel_futures=True)
+      self._pool = None
+
+  def close(self) -> None:
+    with self._lock:
+      if self._closed:
+        return
+      self._closed = True
+      self._cancel_all()
+      self._backend.close()
+      self._stop_pool()
+
+  def __del__(self) -> None:
+    try:
+      self.close()
+    except Exception:  # pylint: disable=broad-except
+      pass
+
+  def __str__(self) -> str:
+    return f"{self._ds} @ step {self._step}"

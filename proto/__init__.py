@@ -1,0 +1,1 @@
+"""The wire: elevator.proto, its generated stubs, and batch encoding."""

@@ -1,0 +1,99 @@
+"""What a client learns about a dataset: its element spec and stream size.
+
+Plain data shared by the server (which computes it), the wire (which carries
+it in Describe) and the client (which checks cursors against it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from grain_elevator.proto import elevator_pb2 as pb
+from grain_elevator.proto import tree
+from grain_elevator.server import contract
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafSpec:
+  path: str
+  dtype: np.dtype
+  shape: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class ElementSpec:
+  structure: tree.Structure
+  leaves: tuple[LeafSpec, ...]
+
+  @property
+  def record_bytes(self) -> int:
+    return sum(int(np.prod(l.shape, dtype=np.int64)) * l.dtype.itemsize
+               for l in self.leaves)
+
+  @classmethod
+  def of(cls, record: Any) -> "ElementSpec":
+    leaves, structure, paths = tree.flatten(record)
+    arrays = [tree.as_array(l) for l in leaves]
+    return cls(structure, tuple(
+        LeafSpec(p, a.dtype, a.shape) for p, a in zip(paths, arrays)))
+
+  def to_proto(self) -> pb.ElementSpec:
+    return pb.ElementSpec(
+        structure=tree.structure_to_json(self.structure),
+        leaves=[pb.LeafSpec(path=l.path, dtype=l.dtype.name, shape=l.shape)
+                for l in self.leaves])
+
+  @classmethod
+  def from_proto(cls, msg: pb.ElementSpec) -> "ElementSpec":
+    return cls(tree.structure_from_json(msg.structure), tuple(
+        LeafSpec(l.path, np.dtype(l.dtype), tuple(l.shape)) for l in msg.leaves))
+
+
+@dataclasses.dataclass(frozen=True)
+class DatasetInfo:
+  """What a client needs to know about a dataset (the Describe answer)."""
+
+  name: str
+  num_records: int  # per epoch
+  num_epochs: int  # 0 = forever
+  shuffle: bool
+  seed: int
+  config_fingerprint: str
+  element_spec: ElementSpec
+  stream_length: int  # records in the whole stream; FOREVER_LENGTH if forever
+
+  @property
+  def repeats_forever(self) -> bool:
+    return self.num_epochs == 0
+
+  def total_steps(self, global_batch_size: int) -> int | None:
+    """Steps in the stream, or None if it repeats forever."""
+    if self.repeats_forever:
+      return None
+    return contract.total_steps(self.stream_length, global_batch_size)
+
+  def to_proto(self, global_batch_size: int = 0) -> pb.DatasetInfo:
+    msg = pb.DatasetInfo(
+        name=self.name, num_records=self.num_records, num_epochs=self.num_epochs,
+        shuffle=self.shuffle, seed=self.seed,
+        config_fingerprint=self.config_fingerprint,
+        element_spec=self.element_spec.to_proto(),
+        global_batch_size=global_batch_size)
+    if global_batch_size > 0:
+      msg.steps_per_epoch = self.num_records // global_batch_size
+      total = self.total_steps(global_batch_size)
+      msg.total_steps = -1 if total is None else total
+    return msg
+
+  @classmethod
+  def from_proto(cls, msg: pb.DatasetInfo) -> "DatasetInfo":
+    spec = ElementSpec.from_proto(msg.element_spec)
+    length = (msg.num_records * msg.num_epochs if msg.num_epochs
+              else contract.FOREVER_LENGTH)
+    return cls(name=msg.name, num_records=msg.num_records,
+               num_epochs=msg.num_epochs, shuffle=msg.shuffle, seed=msg.seed,
+               config_fingerprint=msg.config_fingerprint, element_spec=spec,
+               stream_length=length)

@@ -1,0 +1,1 @@
+"""The serving side: config, the contract's dataset, gRPC servicer, workers."""

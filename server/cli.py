@@ -1,0 +1,96 @@
+"""The `elevator` command: serve, describe, demo."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from grain_elevator.server.errors import ElevatorError
+
+
+def _serve(args: argparse.Namespace) -> int:
+  from grain_elevator.server import supervisor, worker  # pylint: disable=g-import-not-at-top
+  opts = worker.WorkerOptions(config_path=args.config, host=args.host,
+                              port=args.port, threads=args.threads,
+                              grace_s=args.grace)
+  return supervisor.serve(opts, args.workers)
+
+
+def _describe(args: argparse.Namespace) -> int:
+  from grain_elevator.client import describe  # pylint: disable=g-import-not-at-top
+  infos = describe(args.target, args.dataset or None)
+  out = []
+  for info in infos:
+    row = {
+        "name": info.name, "num_records": info.num_records,
+        "num_epochs": info.num_epochs, "shuffle": info.shuffle,
+        "seed": info.seed, "config_fingerprint": info.config_fingerprint,
+        "element_spec": [
+            {"path": l.path, "dtype": l.dtype.name, "shape": list(l.shape)}
+            for l in info.element_spec.leaves],
+    }
+    if args.global_batch_size:
+      total = info.total_steps(args.global_batch_size)
+      row["steps_per_epoch"] = info.num_records // args.global_batch_size
+      row["total_steps"] = "forever" if total is None else total
+    out.append(row)
+  print(json.dumps(out, indent=2))
+  return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+  from grain_elevator.server import demo  # pylint: disable=g-import-not-at-top
+  return demo.run(steps=args.steps, workers=args.workers, data_dir=args.data_dir)
+
+
+def build_parser() -> argparse.ArgumentParser:
+  parser = argparse.ArgumentParser(
+      prog="elevator",
+      description="grain-elevator: serve deterministic, resumable Grain batches over gRPC.")
+  sub = parser.add_subparsers(dest="command", required=True)
+
+  p = sub.add_parser("serve", help="serve the datasets of a config file")
+  p.add_argument("--config", required=True, help="TOML file naming the datasets")
+  p.add_argument("--host", default="127.0.0.1",
+                 help="address to listen on (default 127.0.0.1; 0.0.0.0 for all)")
+  p.add_argument("--port", type=int, default=50051,
+                 help="port (default 50051; 0 picks a free one and prints it)")
+  p.add_argument("--workers", type=int, default=None,
+                 help="worker processes (default: number of cores)")
+  p.add_argument("--threads", type=int, default=4,
+                 help="concurrent RPCs per worker process (default 4)")
+  p.add_argument("--grace", type=float, default=5.0,
+                 help="seconds in-flight requests get on shutdown (default 5)")
+  p.set_defaults(fn=_serve)
+
+  p = sub.add_parser("describe", help="show the datasets a server (or config) offers")
+  p.add_argument("target", help="HOST:PORT, or local:CONFIG_PATH")
+  p.add_argument("--dataset", default="", help="only this dataset")
+  p.add_argument("-G", "--global-batch-size", type=int, default=0,
+                 help="also show steps per epoch and in total for this G")
+  p.set_defaults(fn=_describe)
+
+  p = sub.add_parser("demo", help="write a small dataset, serve it, train on it, resume")
+  p.add_argument("--steps", type=int, default=200, help="training steps (default 200)")
+  p.add_argument("--workers", type=int, default=2, help="server worker processes")
+  p.add_argument("--data-dir", default=None,
+                 help="where to write the demo dataset (default: a temp folder)")
+  p.set_defaults(fn=_demo)
+  return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+  args = build_parser().parse_args(argv)
+  logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                      format="%(asctime)s elevator %(levelname)s %(message)s")
+  try:
+    return args.fn(args)
+  except ElevatorError as e:
+    print(f"elevator: error: {e}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+  sys.exit(main())

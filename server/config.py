@@ -1,0 +1,168 @@
+"""The operator's dataset registry: a TOML file read with `tomllib`.
+
+```toml
+[datasets.NAME]
+paths = ["shards/train-*.array_record"]  # globs, relative to this file's folder
+pipeline = "package.module:function"     # optional, 1:1 record-level MapDataset
+seed = 42
+shuffle = true
+num_epochs = 1                           # 0 = repeat forever
+[datasets.NAME.options]                  # keyword arguments for `pipeline`
+```
+
+Clients only name a dataset; paths and code come from this file alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import importlib
+import os
+import pathlib
+import tomllib
+from typing import Any, Callable
+
+from grain_elevator.server.errors import ConfigError
+
+_KEYS = {"paths", "pipeline", "seed", "shuffle", "num_epochs", "options"}
+_TOP_KEYS = {"datasets"}
+
+
+@dataclasses.dataclass(frozen=True)
+class DatasetConfig:
+  """One `[datasets.NAME]` table, validated, with its globs expanded."""
+
+  name: str
+  files: tuple[str, ...]  # sorted absolute paths
+  pipeline: str | None = None
+  seed: int = 0
+  shuffle: bool = True
+  num_epochs: int = 1  # 0 = forever
+  options: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+  def pipeline_fn(self) -> Callable[..., Any] | None:
+    return None if self.pipeline is None else import_pipeline(self.name, self.pipeline)
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+  path: str
+  datasets: dict[str, DatasetConfig]
+
+
+def import_pipeline(dataset: str, spec: str) -> Callable[..., Any]:
+  """Resolves "package.module:function"; errors name the dataset."""
+  module_name, sep, attr = spec.partition(":")
+  if not sep or not module_name or not attr:
+    raise ConfigError(
+        f"dataset {dataset!r}: key 'pipeline' must look like "
+        f"'package.module:function', got {spec!r}"
+    )
+  try:
+    module = importlib.import_module(module_name)
+  except Exception as e:  # ImportError, or anything the module raises.
+    raise ConfigError(
+        f"dataset {dataset!r}: key 'pipeline': cannot import module "
+        f"{module_name!r}: {type(e).__name__}: {e}"
+    ) from e
+  fn = module
+  for part in attr.split("."):
+    fn = getattr(fn, part, None)
+    if fn is None:
+      raise ConfigError(
+          f"dataset {dataset!r}: key 'pipeline': module {module_name!r} has "
+          f"no attribute {attr!r}"
+      )
+  if not callable(fn):
+    raise ConfigError(f"dataset {dataset!r}: key 'pipeline': {spec!r} is not callable")
+  return fn
+
+
+def _expect(dataset: str, key: str, value: Any, cls: type, what: str) -> None:
+  # bool is an int subclass; never accept it where a number is wanted.
+  if not isinstance(value, cls) or (cls is not bool and isinstance(value, bool)):
+    raise ConfigError(
+        f"dataset {dataset!r}: key {key!r} must be {what}, got {value!r}"
+    )
+
+
+def parse_dataset(name: str, table: Any, base_dir: pathlib.Path) -> DatasetConfig:
+  """Validates one dataset table; every error names the dataset and key."""
+  if not isinstance(table, dict):
+    raise ConfigError(f"dataset {name!r}: [datasets.{name}] must be a table")
+  unknown = sorted(set(table) - _KEYS)
+  if unknown:
+    raise ConfigError(
+        f"dataset {name!r}: unknown key(s) {', '.join(map(repr, unknown))}; "
+        f"allowed: {', '.join(sorted(_KEYS))}"
+    )
+  if "paths" not in table:
+    raise ConfigError(f"dataset {name!r}: key 'paths' is required")
+  paths = table["paths"]
+  if isinstance(paths, str):
+    paths = [paths]
+  _expect(name, "paths", paths, list, "a list of glob strings")
+  files: set[str] = set()
+  for pattern in paths:
+    _expect(name, "paths", pattern, str, "a list of glob strings")
+    full = os.path.join(base_dir, os.path.expanduser(pattern))
+    matched = [p for p in glob.glob(full, recursive=True) if os.path.isfile(p)]
+    if not matched:
+      raise ConfigError(
+          f"dataset {name!r}: key 'paths': {pattern!r} matches no files "
+          f"(looked for {full})"
+      )
+    files.update(os.path.abspath(p) for p in matched)
+
+  seed = table.get("seed", 0)
+  _expect(name, "seed", seed, int, "an integer in [0, 2**32)")
+  if not 0 <= seed < 2**32:
+    raise ConfigError(f"dataset {name!r}: key 'seed' must be in [0, 2**32), got {seed}")
+  shuffle = table.get("shuffle", True)
+  _expect(name, "shuffle", shuffle, bool, "true or false")
+  num_epochs = table.get("num_epochs", 1)
+  _expect(name, "num_epochs", num_epochs, int, "an integer >= 0 (0 = forever)")
+  if num_epochs < 0:
+    raise ConfigError(
+        f"dataset {name!r}: key 'num_epochs' must be >= 0 (0 = forever), got {num_epochs}"
+    )
+  pipeline = table.get("pipeline")
+  if pipeline is not None:
+    _expect(name, "pipeline", pipeline, str, "a 'package.module:function' string")
+  options = table.get("options", {})
+  _expect(name, "options", options, dict, "a table of keyword arguments")
+  if options and pipeline is None:
+    raise ConfigError(f"dataset {name!r}: key 'options' given without a 'pipeline'")
+
+  config = DatasetConfig(
+      name=name, files=tuple(sorted(files)), pipeline=pipeline, seed=seed,
+      shuffle=shuffle, num_epochs=num_epochs, options=dict(options),
+  )
+  config.pipeline_fn()  # Fail at start-up, not on the first request.
+  return config
+
+
+def load_config(path: str | os.PathLike[str]) -> ServerConfig:
+  """Reads and validates a server config file."""
+  path = pathlib.Path(path).expanduser().resolve()
+  try:
+    with open(path, "rb") as f:
+      data = tomllib.load(f)
+  except FileNotFoundError as e:
+    raise ConfigError(f"config file {str(path)!r} does not exist") from e
+  except tomllib.TOMLDecodeError as e:
+    raise ConfigError(f"config file {str(path)!r} is not valid TOML: {e}") from e
+  unknown = sorted(set(data) - _TOP_KEYS)
+  if unknown:
+    raise ConfigError(
+        f"config {str(path)!r}: unknown top-level key(s) "
+        f"{', '.join(map(repr, unknown))}; datasets go under [datasets.NAME]"
+    )
+  tables = data.get("datasets")
+  if not isinstance(tables, dict) or not tables:
+    raise ConfigError(f"config {str(path)!r} defines no [datasets.NAME] table")
+  datasets = {
+      name: parse_dataset(name, table, path.parent) for name, table in tables.items()
+  }
+  return ServerConfig(path=str(path), datasets=datasets)

@@ -1,0 +1,65 @@
+"""The contract of DESIGN.md §1: which record positions a host gets for a step.
+
+This module is the one home of that mapping. The server and embedded mode
+both call it, so they cannot disagree:
+
+    global batch k = records[k*G : (k+1)*G]
+    host h of H    = rows [h*G/H, (h+1)*G/H) of global batch k
+
+Nothing else (replicas, worker processes, timing, retries) enters.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from grain_elevator.server.errors import EndOfDataError, InvalidRequestError
+
+MAX_SHARD_COUNT = 1 << 20
+# Length Grain gives a stream that repeats forever (`repeat(None)`).
+FOREVER_LENGTH = sys.maxsize
+
+
+def check_geometry(global_batch_size: int, shard_index: int, shard_count: int) -> None:
+  """Raises InvalidRequestError unless (G, h, H) describe a valid host slice."""
+  g, h, n = global_batch_size, shard_index, shard_count
+  if g < 1:
+    raise InvalidRequestError(f"global_batch_size must be >= 1, got {g}")
+  if not 1 <= n <= MAX_SHARD_COUNT:
+    raise InvalidRequestError(
+        f"shard_count must be in [1, {MAX_SHARD_COUNT}], got {n}")
+  if g % n:
+    raise InvalidRequestError(
+        f"global_batch_size {g} is not divisible by shard_count {n}; each host "
+        "must get the same number of rows")
+  if not 0 <= h < n:
+    raise InvalidRequestError(
+        f"shard_index must be in [0, {n}) for shard_count {n}, got {h}")
+
+
+def total_steps(stream_length: int, global_batch_size: int) -> int:
+  """Whole global batches in a stream; the final partial batch is dropped."""
+  return stream_length // global_batch_size
+
+
+def check_steps(start_step: int, num_steps: int, stream_length: int,
+                global_batch_size: int) -> None:
+  """Raises unless steps [start, start+num) all exist in the stream."""
+  if start_step < 0:
+    raise InvalidRequestError(f"start_step must be >= 0, got {start_step}")
+  if num_steps < 1:
+    raise InvalidRequestError(f"num_steps must be >= 1, got {num_steps}")
+  end = total_steps(stream_length, global_batch_size)
+  if start_step + num_steps > end:
+    raise EndOfDataError(
+        f"steps [{start_step}, {start_step + num_steps}) reach past the end: the "
+        f"stream has {end} steps of global batch size {global_batch_size} "
+        f"(the final partial batch is dropped)")
+
+
+def host_positions(step: int, global_batch_size: int, shard_index: int,
+                   shard_count: int) -> range:
+  """Record positions of host h's rows of global batch `step`."""
+  rows = global_batch_size // shard_count
+  start = step * global_batch_size + shard_index * rows
+  return range(start, start + rows)

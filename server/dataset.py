@@ -1,0 +1,171 @@
+"""A registered dataset: the contract's record stream and its host batches.
+
+`records` is built exactly as DESIGN.md §1 states, with Grain's own
+`seed().shuffle().repeat()`; a batch is read with one batched ArrayRecord
+call (Grain's `_getitems` path) rather than one ~60 µs call per record.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Any, Sequence
+
+import grain
+import numpy as np
+
+from grain_elevator.proto import tree
+from grain_elevator.proto.spec import DatasetInfo, ElementSpec
+from grain_elevator.server import collate as collate_lib
+from grain_elevator.server import contract
+from grain_elevator.server.config import DatasetConfig, ServerConfig
+from grain_elevator.server.errors import (ConfigError, InvalidRequestError,
+                                          StreamMismatchError,
+                                          UnknownDatasetError)
+
+# A host's rows for one step must fit in one gRPC message.
+DEFAULT_MAX_BATCH_BYTES = 1 << 30
+
+
+def mark_absl_flags_parsed() -> None:
+  """Grain reads absl flags; outside `absl.app.run` they must be marked parsed."""
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  if not flags.FLAGS.is_parsed():
+    flags.FLAGS.mark_as_parsed()
+
+
+class BatchedArrayRecordSource(grain.sources.ArrayRecordDataSource):
+  """ArrayRecordDataSource that opts in to Grain's batched-read path.
+
+  Grain calls `_getitems` on sources that offer it; ArrayRecord already has a
+  batched `__getitems__` but does not expose it under that name.
+  """
+
+  def _getitems(self, indices: Sequence[int]) -> Sequence[bytes]:
+    return self.__getitems__(indices)
+
+
+def build_records(config: DatasetConfig, source: Any | None = None) -> grain.MapDataset:
+  """The contract's record stream for one dataset (DESIGN.md §1)."""
+  if source is None:
+    source = BatchedArrayRecordSource(list(config.files))
+  ds = grain.MapDataset.source(source).seed(config.seed)
+  if config.shuffle:
+    ds = ds.shuffle()
+  ds = ds.repeat(config.num_epochs or None)
+  fn = config.pipeline_fn()
+  if fn is None:
+    return ds
+  out = fn(ds, **config.options)
+  if not isinstance(out, grain.MapDataset):
+    raise ConfigError(
+        f"dataset {config.name!r}: pipeline {config.pipeline!r} returned "
+        f"{type(out).__name__}, expected a grain.MapDataset (random access is "
+        "what lets any worker serve any step)")
+  if len(out) != len(ds):
+    raise ConfigError(
+        f"dataset {config.name!r}: pipeline {config.pipeline!r} changed the "
+        f"number of records ({len(ds)} -> {len(out)}); it must be 1:1 "
+        "(map/random_map, no filter or batch)")
+  return out
+
+
+def fingerprint(config: DatasetConfig, num_records: int) -> str:
+  """A short hash of everything that defines the record stream."""
+  payload = {
+      "name": config.name,
+      "files": [os.path.basename(f) for f in config.files],
+      "num_records": num_records,
+      "pipeline": config.pipeline,
+      "options": config.options,
+      "seed": config.seed,
+      "shuffle": config.shuffle,
+      "num_epochs": config.num_epochs,
+  }
+  text = json.dumps(payload, sort_keys=True, default=repr)
+  return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+class ElevatorDataset:
+  """One registered dataset, ready to cut host batches for any step."""
+
+  def __init__(self, config: DatasetConfig,
+               max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES):
+    mark_absl_flags_parsed()
+    self.config = config
+    self.max_batch_bytes = max_batch_bytes
+    source = BatchedArrayRecordSource(list(config.files))
+    num_records = len(source)
+    if num_records == 0:
+      raise ConfigError(f"dataset {config.name!r}: its files hold no records")
+    self.records = build_records(config, source)
+    try:
+      first = self.records[0]
+    except Exception as e:
+      raise ConfigError(
+          f"dataset {config.name!r}: the pipeline fails on record 0: "
+          f"{type(e).__name__}: {e}") from e
+    spec = ElementSpec.of(first)
+    self._leaf_specs = [(l.path, l.dtype, l.shape) for l in spec.leaves]
+    self.info = DatasetInfo(
+        name=config.name, num_records=num_records,
+        num_epochs=config.num_epochs, shuffle=config.shuffle, seed=config.seed,
+        config_fingerprint=fingerprint(config, num_records),
+        element_spec=spec, stream_length=len(self.records))
+
+  def check_request(self, global_batch_size: int, shard_index: int,
+                    shard_count: int, start_step: int, num_steps: int,
+                    config_fingerprint: str = "") -> None:
+    """Raises a typed error unless every requested step can be served."""
+    if config_fingerprint and config_fingerprint != self.info.config_fingerprint:
+      raise StreamMismatchError(
+          f"dataset {self.info.name!r}: the client expects config fingerprint "
+          f"{config_fingerprint}, this server has {self.info.config_fingerprint}; "
+          "replicas must share one config")
+    contract.check_geometry(global_batch_size, shard_index, shard_count)
+    rows = global_batch_size // shard_count
+    batch_bytes = rows * self.info.element_spec.record_bytes
+    if batch_bytes > self.max_batch_bytes:
+      raise InvalidRequestError(
+          f"dataset {self.info.name!r}: {rows} rows of "
+          f"{self.info.element_spec.record_bytes} bytes is {batch_bytes} bytes "
+          f"per step, over the limit of {self.max_batch_bytes}; use a smaller "
+          "global_batch_size or more shards")
+    contract.check_steps(start_step, num_steps, self.info.stream_length,
+                         global_batch_size)
+
+  def host_batch_leaves(self, step: int, global_batch_size: int,
+                        shard_index: int, shard_count: int) -> list[np.ndarray]:
+    """Host h's rows of global batch `step`, one stacked array per leaf."""
+    positions = contract.host_positions(step, global_batch_size, shard_index,
+                                        shard_count)
+    rows = self.records._getitems(list(positions))  # pylint: disable=protected-access
+    try:
+      return collate_lib.collate(rows, self.info.element_spec.structure,
+                                 self._leaf_specs)
+    except collate_lib.CollateError as e:
+      raise collate_lib.CollateError(
+          f"dataset {self.info.name!r}, step {step}: {e}") from e
+
+  def host_batch(self, step: int, global_batch_size: int, shard_index: int = 0,
+                 shard_count: int = 1) -> Any:
+    """Like `host_batch_leaves`, as the record's pytree (checked request)."""
+    self.check_request(global_batch_size, shard_index, shard_count, step, 1)
+    leaves = self.host_batch_leaves(step, global_batch_size, shard_index,
+                                    shard_count)
+    return tree.unflatten(self.info.element_spec.structure, leaves)
+
+
+def load_datasets(config: ServerConfig) -> dict[str, ElevatorDataset]:
+  """Opens every dataset of a config; fails fast with a ConfigError."""
+  return {name: ElevatorDataset(c) for name, c in config.datasets.items()}
+
+
+def lookup(datasets: dict[str, ElevatorDataset], name: str) -> ElevatorDataset:
+  try:
+    return datasets[name]
+  except KeyError:
+    raise UnknownDatasetError(
+        f"unknown dataset {name!r}; this server offers: "
+        f"{', '.join(sorted(datasets)) or '(none)'}") from None

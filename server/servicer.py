@@ -1,0 +1,64 @@
+"""The gRPC servicer: Describe and GetBatches over a worker's datasets.
+
+Stateless per client: a request names (dataset, G, h, H, steps) and the
+answer depends on nothing else, so any worker of any replica can serve it.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Iterator
+
+import grpc
+
+from grain_elevator.proto import elevator_pb2 as pb
+from grain_elevator.proto import elevator_pb2_grpc as pb_grpc
+from grain_elevator.proto import wire
+from grain_elevator.server import dataset as dataset_lib
+from grain_elevator.server.errors import ElevatorError, InvalidRequestError
+
+log = logging.getLogger("grain_elevator.server")
+
+
+class ElevatorServicer(pb_grpc.ElevatorServicer):
+  """Serves the datasets of one worker process."""
+
+  def __init__(self, datasets: dict[str, dataset_lib.ElevatorDataset]):
+    self._datasets = datasets
+
+  def Describe(self, request: pb.DescribeRequest,
+               context: grpc.ServicerContext) -> pb.DescribeResponse:
+    try:
+      if request.global_batch_size < 0:
+        raise InvalidRequestError(
+            f"global_batch_size must be >= 0, got {request.global_batch_size}")
+      if request.dataset:
+        chosen = [dataset_lib.lookup(self._datasets, request.dataset)]
+      else:
+        chosen = [self._datasets[n] for n in sorted(self._datasets)]
+    except ElevatorError as e:
+      context.abort(e.code, str(e))
+    return pb.DescribeResponse(
+        datasets=[d.info.to_proto(request.global_batch_size) for d in chosen])
+
+  def GetBatches(self, request: pb.BatchRequest,
+                 context: grpc.ServicerContext) -> Iterator[pb.Batch]:
+    r = request
+    try:
+      ds = dataset_lib.lookup(self._datasets, r.dataset)
+      ds.check_request(r.global_batch_size, r.shard_index, r.shard_count,
+                       r.start_step, r.num_steps, r.config_fingerprint)
+    except ElevatorError as e:
+      context.abort(e.code, str(e))
+    for step in range(r.start_step, r.start_step + r.num_steps):
+      if not context.is_active():  # The client went away: stop computing.
+        return
+      try:
+        leaves = ds.host_batch_leaves(step, r.global_batch_size, r.shard_index,
+                                      r.shard_count)
+      except Exception as e:  # pylint: disable=broad-except
+        log.exception("dataset %r step %d failed", r.dataset, step)
+        context.abort(grpc.StatusCode.INTERNAL,
+                      f"dataset {r.dataset!r}, step {step}: "
+                      f"{type(e).__name__}: {e}")
+      yield wire.encode_batch(step, leaves)

@@ -1,0 +1,94 @@
+"""One worker process: a gRPC server over the datasets of a config.
+
+Several workers bind the same port (SO_REUSEPORT); the kernel spreads client
+connections across them. Each is stateless, so any of them serves any step.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import logging
+import signal
+import sys
+import threading
+from concurrent import futures
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from grain_elevator.proto import elevator_pb2 as pb
+from grain_elevator.proto import elevator_pb2_grpc as pb_grpc
+from grain_elevator.server import config as config_lib
+from grain_elevator.server import dataset as dataset_lib
+from grain_elevator.server.errors import ConfigError
+from grain_elevator.server.servicer import ElevatorServicer
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Elevator"].full_name
+log = logging.getLogger("grain_elevator.server")
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerOptions:
+  config_path: str
+  host: str
+  port: int
+  threads: int = 4  # RPCs one worker runs at once
+  grace_s: float = 5.0  # in-flight RPCs get this long on SIGTERM
+
+
+def _die_with_parent() -> None:
+  """Linux: get SIGTERM if the supervisor dies, so no worker is orphaned."""
+  if sys.platform.startswith("linux"):
+    try:
+      ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+      pass
+
+
+def build_server(datasets: dict[str, dataset_lib.ElevatorDataset],
+                 opts: WorkerOptions) -> tuple[grpc.Server, health.HealthServicer, int]:
+  """A started-able gRPC server with the Elevator, health and reflection services."""
+  server = grpc.server(
+      futures.ThreadPoolExecutor(max_workers=opts.threads,
+                                 thread_name_prefix="elevator-rpc"),
+      options=[
+          ("grpc.so_reuseport", 1),
+          ("grpc.max_send_message_length", -1),
+          ("grpc.max_receive_message_length", 1 << 20),  # requests are tiny
+      ])
+  pb_grpc.add_ElevatorServicer_to_server(ElevatorServicer(datasets), server)
+  health_servicer = health.HealthServicer()
+  health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+  reflection.enable_server_reflection(
+      (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+  port = server.add_insecure_port(f"{opts.host}:{opts.port}")
+  return server, health_servicer, port
+
+
+def run(opts: WorkerOptions, index: int, ready: Any) -> None:
+  """Worker process entry point; reports (index, error or None) on `ready`."""
+  _die_with_parent()
+  signal.signal(signal.SIGINT, signal.SIG_IGN)  # The supervisor handles Ctrl-C.
+  logging.basicConfig(
+      level=logging.INFO, stream=sys.stderr,
+      format=f"%(asctime)s elevator[worker {index}] %(levelname)s %(message)s")
+  stop = threading.Event()
+  signal.signal(signal.SIGTERM, lambda *_: stop.set())
+  try:
+    datasets = dataset_lib.load_datasets(config_lib.load_config(opts.config_path))
+    server, health_servicer, port = build_server(datasets, opts)
+    if port == 0:
+      raise OSError(f"cannot listen on {opts.host}:{opts.port}")
+  except (ConfigError, OSError) as e:
+    ready.put((index, str(e)))
+    return
+  server.start()
+  for service in ("", SERVICE_NAME):
+    health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+  ready.put((index, None))
+  stop.wait()
+  health_servicer.enter_graceful_shutdown()
+  server.stop(opts.grace_s).wait()
