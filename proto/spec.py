@@ -13,6 +13,7 @@ import numpy as np
 
 from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.proto import tree
+from grain_elevator.proto import wire
 from grain_elevator.server import contract
 
 
@@ -43,13 +44,13 @@ class ElementSpec:
   def to_proto(self) -> pb.ElementSpec:
     return pb.ElementSpec(
         structure=tree.structure_to_json(self.structure),
-        leaves=[pb.LeafSpec(path=l.path, dtype=l.dtype.name, shape=l.shape)
+        leaves=[pb.LeafSpec(path=l.path, dtype=wire.dtype_to_str(l.dtype), shape=l.shape)
                 for l in self.leaves])
 
   @classmethod
   def from_proto(cls, msg: pb.ElementSpec) -> "ElementSpec":
     return cls(tree.structure_from_json(msg.structure), tuple(
-        LeafSpec(l.path, np.dtype(l.dtype), tuple(l.shape)) for l in msg.leaves))
+        LeafSpec(l.path, wire.dtype_from_str(l.dtype), tuple(l.shape)) for l in msg.leaves))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,6 +15,21 @@ from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.proto import tree
 
 
+def dtype_to_str(dtype: np.dtype) -> str:
+  """A portable dtype name: "float32", "uint8"; numpy's code ("|S64") where a
+  name would not round-trip (fixed-size bytes and strings)."""
+  try:
+    if np.dtype(dtype.name) == dtype:
+      return dtype.name
+  except TypeError:
+    pass
+  return dtype.newbyteorder("<").str if dtype.byteorder not in "|" else dtype.str
+
+
+def dtype_from_str(text: str) -> np.dtype:
+  return np.dtype(text).newbyteorder("<")
+
+
 def _little_endian(a: np.ndarray) -> np.ndarray:
   if a.dtype.byteorder == ">" or (a.dtype.byteorder == "=" and np.little_endian is False):
     a = a.astype(a.dtype.newbyteorder("<"))
@@ -25,14 +40,14 @@ def encode_batch(step: int, leaves: Sequence[np.ndarray]) -> pb.Batch:
   tensors = []
   for a in leaves:
     a = _little_endian(a)
-    tensors.append(pb.Tensor(dtype=a.dtype.name, shape=a.shape, data=a.tobytes()))
+    tensors.append(pb.Tensor(dtype=dtype_to_str(a.dtype), shape=a.shape, data=a.tobytes()))
   return pb.Batch(step=step, leaves=tensors)
 
 
 def decode_leaves(batch: pb.Batch) -> list[np.ndarray]:
   """The batch's leaves as read-only arrays over the message's bytes."""
   return [
-      np.frombuffer(t.data, dtype=np.dtype(t.dtype).newbyteorder("<")).reshape(t.shape)
+      np.frombuffer(t.data, dtype=dtype_from_str(t.dtype)).reshape(t.shape)
       for t in batch.leaves
   ]
 

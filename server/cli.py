@@ -7,6 +7,7 @@ import json
 import logging
 import sys
 
+from grain_elevator.proto import wire
 from grain_elevator.server.errors import ElevatorError
 
 
@@ -28,7 +29,7 @@ def _describe(args: argparse.Namespace) -> int:
         "num_epochs": info.num_epochs, "shuffle": info.shuffle,
         "seed": info.seed, "config_fingerprint": info.config_fingerprint,
         "element_spec": [
-            {"path": l.path, "dtype": l.dtype.name, "shape": list(l.shape)}
+            {"path": l.path, "dtype": wire.dtype_to_str(l.dtype), "shape": list(l.shape)}
             for l in info.element_spec.leaves],
     }
     if args.global_batch_size:

@@ -1,0 +1,39 @@
+"""Small test helpers: reading whole streams and comparing pytrees bit for bit."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import numpy as np
+
+from grain_elevator.proto import elevator_pb2 as pb
+from grain_elevator.proto import tree
+
+
+def assert_trees_equal(a: Any, b: Any, where: str = "") -> None:
+  la, sa, pa = tree.flatten(a)
+  lb, sb, _ = tree.flatten(b)
+  assert sa == sb, f"{where}: structures differ: {sa} vs {sb}"
+  for path, x, y in zip(pa, la, lb):
+    x, y = np.asarray(x), np.asarray(y)
+    assert x.dtype == y.dtype and x.shape == y.shape, (
+        f"{where} {path}: {x.dtype}{x.shape} vs {y.dtype}{y.shape}")
+    # Compare bytes, so NaNs and -0.0 count as bit differences too.
+    assert x.tobytes() == y.tobytes(), f"{where} {path}: values differ"
+
+
+def assert_streams_equal(a: Iterable[Any], b: Iterable[Any]) -> int:
+  a, b = list(a), list(b)
+  assert len(a) == len(b), f"stream lengths differ: {len(a)} vs {len(b)}"
+  for k, (x, y) in enumerate(zip(a, b)):
+    assert_trees_equal(x, y, f"step {k}")
+  return len(a)
+
+
+def oracle_batch(oracle, dataset: str, step: int, g: int, h: int = 0, n: int = 1) -> Any:
+  """Host h of n's batch for `step`, computed in-process."""
+  (info,) = oracle.describe(dataset)
+  (leaves,) = oracle.fetch(pb.BatchRequest(
+      dataset=dataset, global_batch_size=g, shard_index=h, shard_count=n,
+      start_step=step, num_steps=1))
+  return tree.unflatten(info.element_spec.structure, leaves)
