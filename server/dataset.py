@@ -57,7 +57,12 @@ def build_records(config: DatasetConfig, source: Any | None = None) -> grain.Map
   fn = config.pipeline_fn()
   if fn is None:
     return ds
-  out = fn(ds, **config.options)
+  try:
+    out = fn(ds, **config.options)
+  except Exception as e:
+    raise ConfigError(
+        f"dataset {config.name!r}: pipeline {config.pipeline!r} failed: "
+        f"{type(e).__name__}: {e} (check [datasets.{config.name}.options])") from e
   if not isinstance(out, grain.MapDataset):
     raise ConfigError(
         f"dataset {config.name!r}: pipeline {config.pipeline!r} returned "

@@ -1,0 +1,98 @@
+"""Bad requests get a precise gRPC status; the server keeps serving."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from grain_elevator.client import (InvalidRequestError, RemoteDataset,
+                                   UnknownDatasetError)
+from grain_elevator.proto import elevator_pb2 as pb
+from grain_elevator.proto import elevator_pb2_grpc as pb_grpc
+from grain_elevator.proto import wire
+from helpers import assert_trees_equal, oracle_batch
+
+OK = dict(dataset="plain", global_batch_size=64, shard_index=0, shard_count=1,
+          start_step=0, num_steps=1)
+
+
+@pytest.fixture(scope="module")
+def stub(server):
+  with grpc.insecure_channel(server.target) as channel:
+    yield pb_grpc.ElevatorStub(channel)
+
+
+@pytest.mark.parametrize("change,code,message", [
+    (dict(dataset="nope"), grpc.StatusCode.NOT_FOUND,
+     "unknown dataset 'nope'; this server offers: aug2, forever, plain, raw, seed3"),
+    (dict(global_batch_size=0), grpc.StatusCode.INVALID_ARGUMENT,
+     "global_batch_size must be >= 1, got 0"),
+    (dict(global_batch_size=-3), grpc.StatusCode.INVALID_ARGUMENT,
+     "global_batch_size must be >= 1"),
+    (dict(global_batch_size=64, shard_count=3), grpc.StatusCode.INVALID_ARGUMENT,
+     "global_batch_size 64 is not divisible by shard_count 3"),
+    (dict(shard_count=4, shard_index=4), grpc.StatusCode.INVALID_ARGUMENT,
+     r"shard_index must be in [0, 4) for shard_count 4, got 4"),
+    (dict(shard_count=0), grpc.StatusCode.INVALID_ARGUMENT, "shard_count must be in"),
+    (dict(shard_index=-1, shard_count=2), grpc.StatusCode.INVALID_ARGUMENT,
+     "shard_index must be in"),
+    (dict(num_steps=0), grpc.StatusCode.INVALID_ARGUMENT, "num_steps must be >= 1"),
+    (dict(start_step=-1), grpc.StatusCode.INVALID_ARGUMENT, "start_step must be >= 0"),
+    (dict(start_step=15), grpc.StatusCode.OUT_OF_RANGE,
+     "steps [15, 16) reach past the end: the stream has 15 steps"),
+    (dict(start_step=10, num_steps=10), grpc.StatusCode.OUT_OF_RANGE, "past the end"),
+    (dict(global_batch_size=1 << 40), grpc.StatusCode.INVALID_ARGUMENT,
+     "over the limit"),
+    (dict(config_fingerprint="ffffffffffffffff"), grpc.StatusCode.FAILED_PRECONDITION,
+     "expects config fingerprint ffffffffffffffff"),
+])
+def test_bad_request_gets_its_status(stub, oracle, change, code, message):
+  with pytest.raises(grpc.RpcError) as info:
+    list(stub.GetBatches(pb.BatchRequest(**{**OK, **change}), timeout=30))
+  assert info.value.code() == code
+  assert message in info.value.details()
+  # The same worker pool still serves a good request correctly.
+  (batch,) = stub.GetBatches(pb.BatchRequest(**OK), timeout=30)
+  (info_,) = oracle.describe("plain")
+  got = wire.decode_batch(batch, info_.element_spec.structure)
+  assert_trees_equal(got, oracle_batch(oracle, "plain", 0, 64))
+
+
+def test_describe(stub):
+  names = [d.name for d in stub.Describe(pb.DescribeRequest()).datasets]
+  assert names == ["aug2", "forever", "plain", "raw", "seed3"]
+  (info,) = stub.Describe(pb.DescribeRequest(dataset="aug2", global_batch_size=96)).datasets
+  assert (info.num_records, info.num_epochs, info.shuffle, info.seed) == (1000, 2, True, 7)
+  assert (info.steps_per_epoch, info.total_steps) == (10, 20)
+  assert [(l.path, l.dtype, list(l.shape)) for l in info.element_spec.leaves] == [
+      ("id", "int64", []), ("image", "uint8", [4, 4, 3]),
+      ("label", "int64", []), ("noise", "float32", [])]
+  (forever,) = stub.Describe(pb.DescribeRequest(dataset="forever", global_batch_size=8)).datasets
+  assert forever.total_steps == -1
+  with pytest.raises(grpc.RpcError) as e:
+    stub.Describe(pb.DescribeRequest(dataset="nope"))
+  assert e.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+@pytest.mark.parametrize("embedded", [False, True])
+def test_client_raises_typed_errors(server, config_path, embedded):
+  target = f"local:{config_path}" if embedded else server.target
+  with pytest.raises(UnknownDatasetError, match="unknown dataset 'nope'"):
+    iter(RemoteDataset(target, "nope", 8))
+  with pytest.raises(InvalidRequestError, match="not divisible"):
+    RemoteDataset(target, "plain", 10, shard_count=3)
+
+
+def test_health_and_reflection(server):
+  from grpc_health.v1 import health_pb2, health_pb2_grpc
+  from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+  with grpc.insecure_channel(server.target) as channel:
+    health = health_pb2_grpc.HealthStub(channel)
+    for service in ("", "grain_elevator.v1.Elevator"):
+      status = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
+      assert status.status == health_pb2.HealthCheckResponse.SERVING
+    reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
+    (response,) = reflection.ServerReflectionInfo(
+        iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10)
+    names = {s.name for s in response.list_services_response.service}
+    assert "grain_elevator.v1.Elevator" in names
