@@ -103,6 +103,7 @@ class Supervisor:
         if self._stop.is_set():
           break
         i = sentinels[sentinel]
+        self._procs[i].join()
         code = self._procs[i].exitcode
         why = (f"killed by signal {signal.Signals(-code).name}" if code and code < 0
                else f"exited with code {code}")

@@ -1,0 +1,69 @@
+"""`elevator serve` as a process: workers, restarts, clean shutdown."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+
+import pytest
+
+from conftest import ELEVATOR, ServerProcess, running_server
+from grain_elevator.client import RemoteDataset
+from helpers import assert_trees_equal, oracle_batch
+
+
+def _children(pid: int) -> list[int]:
+  out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True)
+  return [int(p) for p in out.stdout.split()]
+
+
+def _wait_for(predicate, timeout: float = 60.0) -> bool:
+  deadline = time.monotonic() + timeout
+  while time.monotonic() < deadline:
+    if predicate():
+      return True
+    time.sleep(0.1)
+  return False
+
+
+def _workers(pid: int) -> list[int]:
+  """Worker processes (the spawn context also starts a resource tracker)."""
+  return [c for c in _children(pid)
+          if "resource_tracker" not in open(f"/proc/{c}/cmdline").read()]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_stops_every_worker_and_exits_zero(config_path, sig):
+  server = ServerProcess(config_path, workers=2)
+  workers = _workers(server.proc.pid)
+  assert len(workers) == 2
+  server.proc.send_signal(sig)
+  assert server.proc.wait(60) == 0, server.stderr()
+  assert _wait_for(lambda: not any(os.path.exists(f"/proc/{w}") for w in workers), 10)
+
+
+def test_a_killed_worker_is_restarted_and_logged(config_path, oracle):
+  with running_server(config_path, workers=2) as server:
+    victim = _workers(server.proc.pid)[0]
+    os.kill(victim, signal.SIGKILL)
+    assert _wait_for(lambda: "restarting it" in server.stderr())
+    assert "killed by signal SIGKILL" in server.stderr()
+    assert _wait_for(lambda: len(_workers(server.proc.pid)) == 2)
+    with RemoteDataset(server.target, "seed3", 64) as ds:
+      assert_trees_equal(next(iter(ds)), oracle_batch(oracle, "seed3", 0, 64))
+
+
+def test_port_in_use_is_a_clear_error(config_path):
+  with socket.socket() as holder:  # no SO_REUSEPORT: nobody may share it
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    port = holder.getsockname()[1]
+    result = subprocess.run(
+        ELEVATOR + ["serve", "--config", config_path, "--port", str(port),
+                    "--workers", "1"],
+        capture_output=True, text=True, timeout=120)
+  assert result.returncode == 2
+  assert f"elevator: error: cannot bind 127.0.0.1:{port}" in result.stderr
