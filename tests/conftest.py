@@ -3,22 +3,15 @@ processes on 127.0.0.1."""
 
 from __future__ import annotations
 
-import contextlib
-import os
 import pathlib
-import re
-import signal
-import subprocess
-import sys
 import textwrap
-import threading
 from typing import Iterator
 
 import pytest
 
 from grain_elevator.server import examples
+from grain_elevator.server.launcher import LocalServer
 
-ELEVATOR = [sys.executable, "-m", "grain_elevator.server.cli"]
 IMAGE = {"height": 4, "width": 4, "channels": 3}
 NUM_RECORDS = 1000
 
@@ -84,57 +77,10 @@ def config_path(data_dir: pathlib.Path) -> str:
   return str(data_dir / "elevator.toml")
 
 
-class ServerProcess:
-  """A real `elevator serve` child process."""
-
-  def __init__(self, config: str, workers: int = 2, port: int = 0,
-               extra: tuple[str, ...] = ()):
-    self.proc = subprocess.Popen(
-        ELEVATOR + ["serve", "--config", config, "--host", "127.0.0.1",
-                    "--port", str(port), "--workers", str(workers), *extra],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    self.stderr_lines: list[str] = []
-    threading.Thread(target=self._drain_stderr, daemon=True).start()
-    line = self.proc.stdout.readline()
-    match = re.search(r" on ([\d.]+):(\d+) ", line)
-    if not match:
-      self.proc.kill()
-      self.proc.wait()
-      raise RuntimeError(f"server did not start: {line!r}\n{self.stderr()}")
-    self.port = int(match.group(2))
-    self.target = f"127.0.0.1:{self.port}"
-
-  def _drain_stderr(self) -> None:
-    for line in self.proc.stderr:
-      self.stderr_lines.append(line)
-
-  def stderr(self) -> str:
-    return "".join(self.stderr_lines)
-
-  def stop(self, timeout: float = 30) -> int:
-    if self.proc.poll() is None:
-      self.proc.send_signal(signal.SIGTERM)
-    try:
-      return self.proc.wait(timeout)
-    finally:
-      if self.proc.poll() is None:
-        self.proc.kill()
-        self.proc.wait()
-
-
-@contextlib.contextmanager
-def running_server(config: str, **kwargs) -> Iterator[ServerProcess]:
-  server = ServerProcess(config, **kwargs)
-  try:
-    yield server
-  finally:
-    server.stop()
-
-
 @pytest.fixture(scope="session")
-def server(config_path: str) -> Iterator[ServerProcess]:
+def server(config_path: str) -> Iterator[LocalServer]:
   """One 2-worker server shared by the whole session."""
-  with running_server(config_path, workers=2) as s:
+  with LocalServer(config_path, workers=2) as s:
     yield s
   assert s.proc.returncode == 0, s.stderr()
 

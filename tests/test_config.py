@@ -7,7 +7,7 @@ import textwrap
 
 import pytest
 
-from conftest import ELEVATOR
+from grain_elevator.server.launcher import ELEVATOR
 from grain_elevator.server import dataset as dataset_lib
 from grain_elevator.server.config import load_config
 from grain_elevator.server.errors import ConfigError
@@ -85,7 +85,7 @@ def test_pipeline_must_be_one_to_one(data_dir, tmp_path, monkeypatch):
 
 def test_serve_exits_with_the_message(data_dir):
   path = _write(data_dir, GOOD.replace("paths", "pathz"), "bad_serve.toml")
-  result = subprocess.run(ELEVATOR + ["serve", "--config", path, "--port", "0"],
+  result = subprocess.run([*ELEVATOR, "serve", "--config", path, "--port", "0"],
                           capture_output=True, text=True, timeout=120)
   assert result.returncode == 2
   assert "elevator: error: dataset 'd': unknown key(s) 'pathz'" in result.stderr
@@ -93,7 +93,7 @@ def test_serve_exits_with_the_message(data_dir):
 
 def test_serve_refuses_a_missing_config(tmp_path):
   result = subprocess.run(
-      ELEVATOR + ["serve", "--config", str(tmp_path / "none.toml"), "--port", "0"],
+      [*ELEVATOR, "serve", "--config", str(tmp_path / "none.toml"), "--port", "0"],
       capture_output=True, text=True, timeout=120)
   assert result.returncode == 2
   assert "none.toml' does not exist" in result.stderr

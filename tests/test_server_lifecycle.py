@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from conftest import ELEVATOR, ServerProcess, running_server
+from grain_elevator.server.launcher import ELEVATOR, LocalServer
 from grain_elevator.client import RemoteDataset
 from helpers import assert_trees_equal, oracle_batch
 
@@ -37,7 +37,7 @@ def _workers(pid: int) -> list[int]:
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_stops_every_worker_and_exits_zero(config_path, sig):
-  server = ServerProcess(config_path, workers=2)
+  server = LocalServer(config_path, workers=2)
   workers = _workers(server.proc.pid)
   assert len(workers) == 2
   server.proc.send_signal(sig)
@@ -46,7 +46,7 @@ def test_signal_stops_every_worker_and_exits_zero(config_path, sig):
 
 
 def test_a_killed_worker_is_restarted_and_logged(config_path, oracle):
-  with running_server(config_path, workers=2) as server:
+  with LocalServer(config_path, workers=2) as server:
     victim = _workers(server.proc.pid)[0]
     os.kill(victim, signal.SIGKILL)
     assert _wait_for(lambda: "restarting it" in server.stderr())
@@ -62,7 +62,7 @@ def test_port_in_use_is_a_clear_error(config_path):
     holder.listen()
     port = holder.getsockname()[1]
     result = subprocess.run(
-        ELEVATOR + ["serve", "--config", config_path, "--port", str(port),
+        [*ELEVATOR, "serve", "--config", config_path, "--port", str(port),
                     "--workers", "1"],
         capture_output=True, text=True, timeout=120)
   assert result.returncode == 2

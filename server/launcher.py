@@ -1,0 +1,64 @@
+"""Start an `elevator serve` child process and learn its address.
+
+Used by the demo and the tests; a real process, so what they exercise is
+exactly what an operator runs.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+import threading
+from typing import Sequence
+
+ELEVATOR = (sys.executable, "-m", "grain_elevator.server.cli")
+_READY = re.compile(r" on (\S+):(\d+) with ")
+
+
+class LocalServer:
+  """`elevator serve` in a child process; a context manager that stops it."""
+
+  def __init__(self, config: str, *, workers: int = 2, host: str = "127.0.0.1",
+               port: int = 0, extra_args: Sequence[str] = ()):
+    self.proc = subprocess.Popen(
+        [*ELEVATOR, "serve", "--config", str(config), "--host", host,
+         "--port", str(port), "--workers", str(workers), *extra_args],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    self._stderr: list[str] = []
+    self._drain = threading.Thread(target=self._read_stderr, daemon=True)
+    self._drain.start()
+    line = self.proc.stdout.readline()  # the ready line, or EOF on failure
+    match = _READY.search(line)
+    if not match:
+      self.proc.wait(30)
+      self._drain.join(5)
+      raise RuntimeError(
+          f"elevator serve did not start (exit {self.proc.returncode}):\n{self.stderr()}")
+    self.host, self.port = match.group(1), int(match.group(2))
+    self.target = f"{self.host}:{self.port}"
+
+  def _read_stderr(self) -> None:
+    for line in self.proc.stderr:
+      self._stderr.append(line)
+
+  def stderr(self) -> str:
+    """What the server has logged so far."""
+    return "".join(self._stderr)
+
+  def stop(self, timeout: float = 30.0) -> int:
+    """SIGTERM, wait for a clean exit (SIGKILL after `timeout`)."""
+    if self.proc.poll() is None:
+      self.proc.send_signal(signal.SIGTERM)
+    try:
+      return self.proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+      self.proc.kill()
+      return self.proc.wait()
+
+  def __enter__(self) -> "LocalServer":
+    return self
+
+  def __exit__(self, *exc: object) -> None:
+    self.stop()
