@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
 
 from grain_elevator.proto import wire
+from grain_elevator.server import logs
 from grain_elevator.server.errors import ElevatorError
 
 
@@ -43,7 +43,8 @@ def _describe(args: argparse.Namespace) -> int:
 
 def _demo(args: argparse.Namespace) -> int:
   from grain_elevator.server import demo  # pylint: disable=g-import-not-at-top
-  return demo.run(steps=args.steps, workers=args.workers, data_dir=args.data_dir)
+  return demo.run(steps=args.steps, workers=args.workers, data_dir=args.data_dir,
+                  source=args.source)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -78,14 +79,17 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--workers", type=int, default=2, help="server worker processes")
   p.add_argument("--data-dir", default=None,
                  help="where to write the demo dataset (default: a temp folder)")
+  p.add_argument("--source", choices=("auto", "digits", "generated"), default="auto",
+                 help="digits: scikit-learn's bundled images (pip install "
+                      "'grain-elevator[demo]'); generated: synthetic; auto: digits "
+                      "if scikit-learn is installed")
   p.set_defaults(fn=_demo)
   return parser
 
 
 def main(argv: list[str] | None = None) -> int:
   args = build_parser().parse_args(argv)
-  logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                      format="%(asctime)s elevator %(levelname)s %(message)s")
+  logs.setup()
   try:
     return args.fn(args)
   except ElevatorError as e:

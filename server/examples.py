@@ -44,7 +44,7 @@ def write_image_shards(out_dir: str, *, num_records: int, num_shards: int,
   from array_record.python.array_record_module import ArrayRecordWriter  # pylint: disable=g-import-not-at-top
   os.makedirs(out_dir, exist_ok=True)
   rng = np.random.default_rng(seed)
-  templates = rng.integers(0, 256, size=(num_classes, height, width, channels))
+  templates = rng.integers(64, 192, size=(num_classes, height, width, channels))
   paths = []
   per_shard = -(-num_records // num_shards)
   for s in range(num_shards):
@@ -52,7 +52,7 @@ def write_image_shards(out_dir: str, *, num_records: int, num_shards: int,
     writer = ArrayRecordWriter(path, "group_size:1")
     for i in range(s * per_shard, min((s + 1) * per_shard, num_records)):
       label = int(rng.integers(num_classes))
-      noise = rng.integers(-48, 49, size=templates[label].shape)
+      noise = rng.integers(-128, 129, size=templates[label].shape)
       image = np.clip(templates[label] + noise, 0, 255).astype(np.uint8)
       writer.write(encode_record(i, label, image))
     writer.close()

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-import logging
 import signal
 import sys
 import threading
@@ -23,11 +22,11 @@ from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.proto import elevator_pb2_grpc as pb_grpc
 from grain_elevator.server import config as config_lib
 from grain_elevator.server import dataset as dataset_lib
+from grain_elevator.server import logs
 from grain_elevator.server.errors import ConfigError
 from grain_elevator.server.servicer import ElevatorServicer
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Elevator"].full_name
-log = logging.getLogger("grain_elevator.server")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,9 +71,7 @@ def run(opts: WorkerOptions, index: int, ready: Any) -> None:
   """Worker process entry point; reports (index, error or None) on `ready`."""
   _die_with_parent()
   signal.signal(signal.SIGINT, signal.SIG_IGN)  # The supervisor handles Ctrl-C.
-  logging.basicConfig(
-      level=logging.INFO, stream=sys.stderr,
-      format=f"%(asctime)s elevator[worker {index}] %(levelname)s %(message)s")
+  logs.setup(f"elevator[worker {index}]")
   stop = threading.Event()
   signal.signal(signal.SIGTERM, lambda *_: stop.set())
   try:
