@@ -87,6 +87,8 @@ class ConnectionPool:
     self.retry = retry or RetryPolicy()
     options = [
         ("grpc.use_local_subchannel_pool", 1),  # one TCP connection per channel
+        # A DNS name with several replicas (a headless Service): use them all.
+        ("grpc.lb_policy_name", "round_robin"),
         ("grpc.max_receive_message_length", -1),
     ]
     # Interleave replicas so consecutive requests go to different ones.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import pathlib
 import sys
 
 from grain_elevator.proto import wire
@@ -41,6 +42,28 @@ def _describe(args: argparse.Namespace) -> int:
   return 0
 
 
+def _health(args: argparse.Namespace) -> int:
+  import grpc  # pylint: disable=g-import-not-at-top
+  from grpc_health.v1 import health_pb2, health_pb2_grpc  # pylint: disable=g-import-not-at-top
+  with grpc.insecure_channel(args.target) as channel:
+    try:
+      response = health_pb2_grpc.HealthStub(channel).Check(
+          health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout)
+    except grpc.RpcError as e:
+      print(f"{args.target}: {e.code().name}: {e.details()}", file=sys.stderr)
+      return 1
+  status = health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+  print(f"{args.target}: {status}")
+  return 0 if response.status == health_pb2.HealthCheckResponse.SERVING else 1
+
+
+def _make_dataset(args: argparse.Namespace) -> int:
+  from grain_elevator.server import demo  # pylint: disable=g-import-not-at-top
+  config, _ = demo.write_dataset(pathlib.Path(args.dir), args.source)
+  print(f"wrote {config}")
+  return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
   from grain_elevator.server import demo  # pylint: disable=g-import-not-at-top
   return demo.run(steps=args.steps, workers=args.workers, data_dir=args.data_dir,
@@ -73,6 +96,18 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("-G", "--global-batch-size", type=int, default=0,
                  help="also show steps per epoch and in total for this G")
   p.set_defaults(fn=_describe)
+
+  p = sub.add_parser("health", help="exit 0 if a server answers SERVING (for probes)")
+  p.add_argument("target", help="HOST:PORT")
+  p.add_argument("--service", default="", help="service name (default: the server)")
+  p.add_argument("--timeout", type=float, default=5.0, help="seconds (default 5)")
+  p.set_defaults(fn=_health)
+
+  p = sub.add_parser("make-dataset",
+                     help="write the demo dataset and its config into a folder")
+  p.add_argument("dir", help="folder to write shards/ and elevator.toml into")
+  p.add_argument("--source", choices=("auto", "digits", "generated"), default="auto")
+  p.set_defaults(fn=_make_dataset)
 
   p = sub.add_parser("demo", help="write a small dataset, serve it, train on it, resume")
   p.add_argument("--steps", type=int, default=200, help="training steps (default 200)")

@@ -26,7 +26,7 @@ IMAGE_SIDE = 8
 GLOBAL_BATCH = 128
 
 
-def _write_dataset(root: pathlib.Path, source: str) -> tuple[str, int]:
+def write_dataset(root: pathlib.Path, source: str) -> tuple[str, int]:
   """Writes shards + config; returns (config path, records per epoch)."""
   shards = root / "shards"
   if source == "auto":
@@ -163,7 +163,7 @@ def run(steps: int = 200, workers: int = 2, data_dir: str | None = None,
     data_dir = tmp.name
   root = pathlib.Path(data_dir)
   try:
-    config, _ = _write_dataset(root, source)
+    config, _ = write_dataset(root, source)
     print(f"[server] starting `elevator serve --config {config} --workers {workers}` ...")
     with LocalServer(config, workers=workers) as server:
       print(f"[server] serving on {server.target} with {workers} worker processes")

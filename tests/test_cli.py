@@ -27,3 +27,22 @@ def test_describe_unknown_dataset(server):
                           capture_output=True, text=True, timeout=120)
   assert result.returncode == 2
   assert "elevator: error: unknown dataset 'nope'" in result.stderr
+
+
+def test_health(server):
+  result = subprocess.run([*ELEVATOR, "health", server.target],
+                          capture_output=True, text=True, timeout=60)
+  assert result.returncode == 0 and "SERVING" in result.stdout
+  result = subprocess.run([*ELEVATOR, "health", "127.0.0.1:1", "--timeout", "1"],
+                          capture_output=True, text=True, timeout=60)
+  assert result.returncode == 1 and "UNAVAILABLE" in result.stderr
+
+
+def test_make_dataset_writes_a_servable_config(tmp_path):
+  result = subprocess.run([*ELEVATOR, "make-dataset", str(tmp_path), "--source", "generated"],
+                          capture_output=True, text=True, timeout=120)
+  assert result.returncode == 0, result.stderr
+  result = subprocess.run([*ELEVATOR, "describe", f"local:{tmp_path}/elevator.toml"],
+                          capture_output=True, text=True, timeout=120)
+  (info,) = json.loads(result.stdout)
+  assert info["name"] == "digits" and info["num_records"] == 10_000
