@@ -4,6 +4,8 @@
     ds = RemoteDataset("localhost:50051", "train", global_batch_size=256)
 """
 
+from grain_elevator.client import checkpoint
+from grain_elevator.client.device import to_device
 from grain_elevator.client.remote_dataset import RemoteDataset, describe
 from grain_elevator.proto.spec import DatasetInfo
 from grain_elevator.server.errors import (ConfigError, ElevatorError,
@@ -13,7 +15,7 @@ from grain_elevator.server.errors import (ConfigError, ElevatorError,
                                           UnknownDatasetError)
 
 __all__ = [
-    "RemoteDataset", "describe", "DatasetInfo", "ElevatorError", "ConfigError",
+    "RemoteDataset", "checkpoint", "describe", "to_device", "DatasetInfo", "ElevatorError", "ConfigError",
     "EndOfDataError", "InvalidRequestError", "ServiceUnavailableError",
     "StreamMismatchError", "UnknownDatasetError",
 ]

@@ -17,7 +17,7 @@ from typing import Any, Sequence
 
 import grain
 
-from grain_elevator.client import connections, state as state_lib
+from grain_elevator.client import connections, device, state as state_lib
 from grain_elevator.client.embedded import EmbeddedBackend
 from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.proto import tree
@@ -73,8 +73,10 @@ class RemoteDataset(grain.IterDataset):
       same pipeline in-process (embedded mode, bit-identical).
     dataset: a dataset name registered in the server's config.
     global_batch_size: G, the batch size summed over all hosts.
-    shard_index: h, this host's index in [0, shard_count).
-    shard_count: H, the number of hosts; must divide G.
+    shard_index: h, this host's index in [0, shard_count). Default:
+      `jax.process_index()` when JAX runs as several processes, else 0.
+    shard_count: H, the number of hosts; must divide G. Default:
+      `jax.process_count()` when JAX runs as several processes, else 1.
     prefetch: steps kept in flight ahead of the trainer (0: fetch on demand).
     steps_per_request: consecutive steps asked for in one streaming RPC.
     connections_per_target: TCP connections per replica (spread over the
@@ -85,11 +87,15 @@ class RemoteDataset(grain.IterDataset):
   """
 
   def __init__(self, target: str | Sequence[str], dataset: str,
-               global_batch_size: int, *, shard_index: int = 0,
-               shard_count: int = 1, prefetch: int = 8,
+               global_batch_size: int, *, shard_index: int | None = None,
+               shard_count: int | None = None, prefetch: int = 8,
                steps_per_request: int = 1, connections_per_target: int = 4,
                retry_timeout_s: float = 60.0, request_timeout_s: float = 120.0):
     super().__init__()
+    if shard_index is None and shard_count is None:
+      shard_index, shard_count = device.jax_process_layout() or (0, 1)
+    elif shard_index is None or shard_count is None:
+      raise ValueError("give both shard_index and shard_count, or neither")
     contract.check_geometry(global_batch_size, shard_index, shard_count)
     if prefetch < 0 or steps_per_request < 1 or connections_per_target < 1:
       raise ValueError("need prefetch >= 0, steps_per_request >= 1 and "

@@ -3,6 +3,11 @@ processes on 127.0.0.1."""
 
 from __future__ import annotations
 
+import os
+
+# 8 CPU devices for the mesh tests; must be set before JAX starts a backend.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
 import pathlib
 import textwrap
 from typing import Iterator
