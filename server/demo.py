@@ -110,14 +110,8 @@ class _Trainer:
 
     self._step = step
 
-  def put(self, batch: dict[str, np.ndarray]) -> tuple[Any, Any]:
-    """Lays a host batch out on the mesh, split along the batch axis."""
-    image = self.jax.device_put(batch["image"], self.batch_sharding)
-    label = self.jax.device_put(batch["label"].astype(np.int32), self.batch_sharding)
-    return image, label
-
-  def step(self, image: Any, label: Any) -> tuple[float, float]:
-    self.params, loss, acc = self._step(self.params, image, label)
+  def step(self, batch: dict[str, Any]) -> tuple[float, float]:
+    self.params, loss, acc = self._step(self.params, batch["image"], batch["label"])
     return float(loss), float(acc)
 
 
@@ -133,8 +127,8 @@ def _train(trainer: _Trainer, it, first_step: int, last_step: int,
     dt = time.perf_counter() - t
     wait += dt
     wait_window += dt
-    seen_ids.append(np.array(batch["id"]))
-    loss, acc = trainer.step(*trainer.put(batch))
+    seen_ids.append(np.asarray(batch["id"]))
+    loss, acc = trainer.step(batch)
     steps_window += 1
     if (step + 1) % every == 0 or step + 1 == last_step:
       now = time.perf_counter()
@@ -153,8 +147,10 @@ def run(steps: int = 200, workers: int = 2, data_dir: str | None = None,
   """Runs the demo; returns 0 when the resumed stream matched exactly."""
   # Show a mesh even on a CPU-only machine: 8 host devices, unless set already.
   os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+  import grain  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
-  from grain_elevator.client import RemoteDataset  # pylint: disable=g-import-not-at-top
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  from grain_elevator.client import RemoteDataset, to_device  # pylint: disable=g-import-not-at-top
   from grain_elevator.server.launcher import LocalServer  # pylint: disable=g-import-not-at-top
 
   tmp = None
@@ -175,27 +171,40 @@ def run(steps: int = 200, workers: int = 2, data_dir: str | None = None,
       half = steps // 2
       seen: list[np.ndarray] = []
 
-      ds = RemoteDataset(server.target, DATASET, GLOBAL_BATCH, prefetch=8)
-      it = iter(ds)
-      _train(trainer, it, 0, half, seen, every)
-      cursor_file = root / "cursor.json"
-      cursor_file.write_text(json.dumps(it.get_state()))
-      ds.close()
-      print(f"[stop]   client stopped at step {half}; cursor saved to {cursor_file}: "
-            f"{cursor_file.read_text()}")
+      def device_fed() -> tuple[RemoteDataset, Any]:
+        remote = RemoteDataset(server.target, DATASET, GLOBAL_BATCH, prefetch=8)
+        return remote, iter(to_device(remote, trainer.batch_sharding))
 
-      ds = RemoteDataset(server.target, DATASET, GLOBAL_BATCH, prefetch=8)
-      it = iter(ds)
-      it.set_state(json.loads(cursor_file.read_text()))
-      print(f"[resume] new client resumed at step {it.get_state()['step']}")
+      remote, it = device_fed()
+      _train(trainer, it, 0, half, seen, every)
+      manager = ocp.CheckpointManager(root / "checkpoints")
+      manager.save(half, args=ocp.args.Composite(
+          params=ocp.args.StandardSave(trainer.params),
+          data=grain.checkpoint.CheckpointSave(it)))
+      manager.wait_until_finished()
+      remote.close()
+      state = (root / "checkpoints" / str(half) / "data" / "process_0-of-1.json").read_text()
+      print(f"[stop]   trainer stopped at step {half}; orbax checkpoint of params + "
+            f"data cursor in {manager.directory}: {' '.join(state.split())}")
+
+      trainer = _Trainer()  # a fresh process would start from scratch like this
+      remote, it = device_fed()
+      restored = manager.restore(manager.latest_step(), args=ocp.args.Composite(
+          params=ocp.args.StandardRestore(trainer.params),
+          data=grain.checkpoint.CheckpointRestore(it)))
+      trainer.params = restored["params"]
+      manager.close()
+      print(f"[resume] restored params and cursor; new client resumes at step "
+            f"{it.get_state()['step']}")
       _train(trainer, it, half, steps, seen, every)
-      ds.close()
+      remote.close()
 
     # The uninterrupted stream, computed in-process (embedded mode).
     with RemoteDataset.embedded(config, DATASET, GLOBAL_BATCH, prefetch=0) as oracle:
       oracle_it = iter(oracle)
       expected = [next(oracle_it)["id"] for _ in range(steps)]
-    got, want = np.concatenate(seen), np.concatenate(expected)
+    got = np.concatenate(seen)
+    want = np.concatenate(expected).astype(got.dtype)  # int32 on devices without x64
     lost = np.setdiff1d(want, got).size
     repeated = len(got) - len(np.unique(got)) - (len(want) - len(np.unique(want)))
     same = np.array_equal(got, want)
@@ -208,3 +217,4 @@ def run(steps: int = 200, workers: int = 2, data_dir: str | None = None,
   finally:
     if tmp is not None:
       tmp.cleanup()
+

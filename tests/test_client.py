@@ -99,3 +99,8 @@ def test_unreachable_server_gives_a_clear_error():
   from grain_elevator.client import ServiceUnavailableError
   with pytest.raises(ServiceUnavailableError, match=r"no replica of 127.0.0.1:1 could serve Describe"):
     iter(RemoteDataset("127.0.0.1:1", "plain", 8, retry_timeout_s=1.0))
+
+
+def test_shard_arguments_come_in_pairs(server):
+  with pytest.raises(ValueError, match="give both shard_index and shard_count"):
+    RemoteDataset(server.target, "plain", 8, shard_count=2)

@@ -80,7 +80,7 @@ def test_client_raises_typed_errors(server, config_path, embedded):
   with pytest.raises(UnknownDatasetError, match="unknown dataset 'nope'"):
     iter(RemoteDataset(target, "nope", 8))
   with pytest.raises(InvalidRequestError, match="not divisible"):
-    RemoteDataset(target, "plain", 10, shard_count=3)
+    RemoteDataset(target, "plain", 10, shard_index=0, shard_count=3)
 
 
 def test_health_and_reflection(server):
