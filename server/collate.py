@@ -36,3 +36,22 @@ def collate(rows: Sequence[Any], structure: tree.Structure,
             "dtypes and shapes")
       target[i] = leaf
   return out
+
+
+def check_batch(leaves: Sequence[Any], structure: tree.Structure, num_rows: int,
+                expected_structure: tree.Structure,
+                leaf_specs: Sequence[tuple[str, np.dtype, tuple[int, ...]]]) -> list[np.ndarray]:
+  """Checks an already-stacked batch (from a batch_transform) against the spec."""
+  if structure != expected_structure:
+    raise CollateError(
+        f"batch_transform returned structure {tree.structure_to_json(structure)}, "
+        f"expected {tree.structure_to_json(expected_structure)}")
+  out = []
+  for leaf, (path, dtype, shape) in zip(leaves, leaf_specs):
+    leaf = np.ascontiguousarray(tree.as_array(leaf))
+    if leaf.shape != (num_rows,) + shape or leaf.dtype != dtype:
+      raise CollateError(
+          f"batch_transform leaf {path!r}: got {leaf.dtype}{list(leaf.shape)}, "
+          f"expected {dtype}{[num_rows, *shape]}")
+    out.append(leaf)
+  return out

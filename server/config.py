@@ -4,6 +4,7 @@
 [datasets.NAME]
 paths = ["shards/train-*.array_record"]  # globs, relative to this file's folder
 pipeline = "package.module:function"     # optional, 1:1 record-level MapDataset
+batch_transform = "package.module:fn"    # optional, the same on a whole batch
 seed = 42
 shuffle = true
 num_epochs = 1                           # 0 = repeat forever
@@ -25,7 +26,8 @@ from typing import Any, Callable
 
 from grain_elevator.server.errors import ConfigError
 
-_KEYS = {"paths", "pipeline", "seed", "shuffle", "num_epochs", "options"}
+_KEYS = {"paths", "pipeline", "batch_transform", "seed", "shuffle", "num_epochs",
+         "options"}
 _TOP_KEYS = {"datasets"}
 
 
@@ -36,13 +38,21 @@ class DatasetConfig:
   name: str
   files: tuple[str, ...]  # sorted absolute paths
   pipeline: str | None = None
+  # fn(raw_records: list[bytes], **options) -> the stacked batch; must equal
+  # the per-record pipeline's rows stacked (checked at start-up).
+  batch_transform: str | None = None
   seed: int = 0
   shuffle: bool = True
   num_epochs: int = 1  # 0 = forever
   options: dict[str, Any] = dataclasses.field(default_factory=dict)
 
   def pipeline_fn(self) -> Callable[..., Any] | None:
-    return None if self.pipeline is None else import_pipeline(self.name, self.pipeline)
+    return None if self.pipeline is None else import_function(
+        self.name, "pipeline", self.pipeline)
+
+  def batch_transform_fn(self) -> Callable[..., Any] | None:
+    return None if self.batch_transform is None else import_function(
+        self.name, "batch_transform", self.batch_transform)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,19 +61,19 @@ class ServerConfig:
   datasets: dict[str, DatasetConfig]
 
 
-def import_pipeline(dataset: str, spec: str) -> Callable[..., Any]:
-  """Resolves "package.module:function"; errors name the dataset."""
+def import_function(dataset: str, key: str, spec: str) -> Callable[..., Any]:
+  """Resolves "package.module:function"; errors name the dataset and key."""
   module_name, sep, attr = spec.partition(":")
   if not sep or not module_name or not attr:
     raise ConfigError(
-        f"dataset {dataset!r}: key 'pipeline' must look like "
+        f"dataset {dataset!r}: key {key!r} must look like "
         f"'package.module:function', got {spec!r}"
     )
   try:
     module = importlib.import_module(module_name)
   except Exception as e:  # ImportError, or anything the module raises.
     raise ConfigError(
-        f"dataset {dataset!r}: key 'pipeline': cannot import module "
+        f"dataset {dataset!r}: key {key!r}: cannot import module "
         f"{module_name!r}: {type(e).__name__}: {e}"
     ) from e
   fn = module
@@ -71,11 +81,11 @@ def import_pipeline(dataset: str, spec: str) -> Callable[..., Any]:
     fn = getattr(fn, part, None)
     if fn is None:
       raise ConfigError(
-          f"dataset {dataset!r}: key 'pipeline': module {module_name!r} has "
+          f"dataset {dataset!r}: key {key!r}: module {module_name!r} has "
           f"no attribute {attr!r}"
       )
   if not callable(fn):
-    raise ConfigError(f"dataset {dataset!r}: key 'pipeline': {spec!r} is not callable")
+    raise ConfigError(f"dataset {dataset!r}: key {key!r}: {spec!r} is not callable")
   return fn
 
 
@@ -130,16 +140,22 @@ def parse_dataset(name: str, table: Any, base_dir: pathlib.Path) -> DatasetConfi
   pipeline = table.get("pipeline")
   if pipeline is not None:
     _expect(name, "pipeline", pipeline, str, "a 'package.module:function' string")
+  batch_transform = table.get("batch_transform")
+  if batch_transform is not None:
+    _expect(name, "batch_transform", batch_transform, str,
+            "a 'package.module:function' string")
   options = table.get("options", {})
   _expect(name, "options", options, dict, "a table of keyword arguments")
-  if options and pipeline is None:
+  if options and pipeline is None and batch_transform is None:
     raise ConfigError(f"dataset {name!r}: key 'options' given without a 'pipeline'")
 
   config = DatasetConfig(
-      name=name, files=tuple(sorted(files)), pipeline=pipeline, seed=seed,
+      name=name, files=tuple(sorted(files)), pipeline=pipeline,
+      batch_transform=batch_transform, seed=seed,
       shuffle=shuffle, num_epochs=num_epochs, options=dict(options),
   )
   config.pipeline_fn()  # Fail at start-up, not on the first request.
+  config.batch_transform_fn()
   return config
 
 

@@ -38,22 +38,46 @@ def mark_absl_flags_parsed() -> None:
 class BatchedArrayRecordSource(grain.sources.ArrayRecordDataSource):
   """ArrayRecordDataSource that opts in to Grain's batched-read path.
 
-  Grain calls `_getitems` on sources that offer it; ArrayRecord already has a
-  batched `__getitems__` but does not expose it under that name.
+  Grain calls `_getitems` on sources that offer it. ArrayRecord's own
+  `__getitems__` starts a new thread pool per call, which on a few cores
+  costs more than it saves (BENCHMARKS.md); here each shard's positions are
+  read with one call, in the calling thread.
   """
 
   def _getitems(self, indices: Sequence[int]) -> Sequence[bytes]:
-    return self.__getitems__(indices)
+    try:
+      per_reader = self._split_keys_per_reader(indices)
+    except AttributeError:  # another array_record version: use its own path
+      return self.__getitems__(indices)
+    out: list[bytes] = [b""] * len(indices)
+    for reader_idx, positions_and_indices in per_reader.items():
+      self._ensure_reader_exists(reader_idx)
+      positions, where = zip(*positions_and_indices)
+      for record, i in zip(self._readers[reader_idx].read(list(positions)), where):
+        out[i] = record
+    return out
+
+
+def build_raw_records(config: DatasetConfig, source: Any | None = None) -> grain.MapDataset:
+  """The shuffled, repeated stream of raw records, before the pipeline."""
+  if source is None:
+    source = BatchedArrayRecordSource(list(config.files))
+  ds = grain.MapDataset.source(source)
+  # Grain's per-record read telemetry (prometheus) costs ~14 µs a record, a
+  # quarter of a small record's serving time; the server reports its own.
+  ds._record_metrics = False  # pylint: disable=protected-access
+  ds = ds.seed(config.seed)
+  if config.shuffle:
+    ds = ds.shuffle()
+  return ds.repeat(config.num_epochs or None)
 
 
 def build_records(config: DatasetConfig, source: Any | None = None) -> grain.MapDataset:
   """The contract's record stream for one dataset (DESIGN.md §1)."""
-  if source is None:
-    source = BatchedArrayRecordSource(list(config.files))
-  ds = grain.MapDataset.source(source).seed(config.seed)
-  if config.shuffle:
-    ds = ds.shuffle()
-  ds = ds.repeat(config.num_epochs or None)
+  return apply_pipeline(config, build_raw_records(config, source))
+
+
+def apply_pipeline(config: DatasetConfig, ds: grain.MapDataset) -> grain.MapDataset:
   fn = config.pipeline_fn()
   if fn is None:
     return ds
@@ -104,7 +128,8 @@ class ElevatorDataset:
     num_records = len(source)
     if num_records == 0:
       raise ConfigError(f"dataset {config.name!r}: its files hold no records")
-    self.records = build_records(config, source)
+    self.raw_records = build_raw_records(config, source)
+    self.records = apply_pipeline(config, self.raw_records)
     try:
       first = self.records[0]
     except Exception as e:
@@ -118,6 +143,38 @@ class ElevatorDataset:
         num_epochs=config.num_epochs, shuffle=config.shuffle, seed=config.seed,
         config_fingerprint=fingerprint(config, num_records),
         element_spec=spec, stream_length=len(self.records))
+    self._batch_fn = config.batch_transform_fn()
+    if self._batch_fn is not None:
+      self._verify_batch_transform(min(num_records, 64))
+
+  def _verify_batch_transform(self, rows: int) -> None:
+    """Refuses a batch_transform that does not reproduce the pipeline."""
+    positions = list(range(rows))
+    c = self.config
+    try:
+      fast = self._transform_batch(positions)
+    except Exception as e:
+      raise ConfigError(
+          f"dataset {c.name!r}: batch_transform {c.batch_transform!r} fails on "
+          f"records 0..{rows - 1}: {type(e).__name__}: {e}") from e
+    slow = self._collate_records(positions)
+    for (path, _, _), a, b in zip(self._leaf_specs, fast, slow):
+      if a.tobytes() != b.tobytes():
+        raise ConfigError(
+            f"dataset {c.name!r}: batch_transform {c.batch_transform!r} does not "
+            f"reproduce pipeline {c.pipeline!r}: leaf {path!r} differs on records "
+            f"0..{rows - 1}; it must give exactly the per-record rows, stacked")
+
+  def _collate_records(self, positions: list[int]) -> list[np.ndarray]:
+    rows = self.records._getitems(positions)  # pylint: disable=protected-access
+    return collate_lib.collate(rows, self.info.element_spec.structure, self._leaf_specs)
+
+  def _transform_batch(self, positions: list[int]) -> list[np.ndarray]:
+    raw = self.raw_records._getitems(positions)  # pylint: disable=protected-access
+    out = self._batch_fn(raw, **self.config.options)
+    leaves, structure, _ = tree.flatten(out)
+    return collate_lib.check_batch(leaves, structure, len(positions),
+                                   self.info.element_spec.structure, self._leaf_specs)
 
   def check_request(self, global_batch_size: int, shard_index: int,
                     shard_count: int, start_step: int, num_steps: int,
@@ -143,12 +200,12 @@ class ElevatorDataset:
   def host_batch_leaves(self, step: int, global_batch_size: int,
                         shard_index: int, shard_count: int) -> list[np.ndarray]:
     """Host h's rows of global batch `step`, one stacked array per leaf."""
-    positions = contract.host_positions(step, global_batch_size, shard_index,
-                                        shard_count)
-    rows = self.records._getitems(list(positions))  # pylint: disable=protected-access
+    positions = list(contract.host_positions(step, global_batch_size, shard_index,
+                                             shard_count))
     try:
-      return collate_lib.collate(rows, self.info.element_spec.structure,
-                                 self._leaf_specs)
+      if self._batch_fn is not None:
+        return self._transform_batch(positions)
+      return self._collate_records(positions)
     except collate_lib.CollateError as e:
       raise collate_lib.CollateError(
           f"dataset {self.info.name!r}, step {step}: {e}") from e

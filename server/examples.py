@@ -70,6 +70,22 @@ def decode_images(ds: grain.MapDataset, *, height: int, width: int,
   return ds
 
 
+def decode_images_batch(raw: list[bytes], *, height: int, width: int,
+                        channels: int = 1, normalize: bool = False) -> dict[str, Any]:
+  """batch_transform for `decode_images`: one numpy decode for a whole batch.
+
+  Gives exactly `decode_images`' rows stacked (same dtypes, same float32
+  arithmetic), which the server checks at start-up.
+  """
+  size = _HEADER.itemsize + height * width * channels
+  flat = np.frombuffer(b"".join(raw), dtype=np.uint8).reshape(len(raw), size)
+  header = flat[:, :_HEADER.itemsize].copy().view(_HEADER)[:, 0]
+  image = flat[:, _HEADER.itemsize:].reshape(len(raw), height, width, channels)
+  if normalize:
+    image = image.astype(np.float32) / 255.0
+  return {"id": header["id"].copy(), "label": header["label"].copy(), "image": image}
+
+
 def _normalize(record: dict[str, Any]) -> dict[str, Any]:
   return {**record, "image": record["image"].astype(np.float32) / 255.0}
 

@@ -50,6 +50,17 @@ CONFIG = textwrap.dedent("""\
     channels = 3
     normalize = true
 
+    [datasets.seed3fast]     # seed3 with a whole-batch decode: identical rows
+    paths = ["shards/train-*.array_record"]
+    pipeline = "grain_elevator.server.examples:decode_images"
+    batch_transform = "grain_elevator.server.examples:decode_images_batch"
+    seed = 3
+    [datasets.seed3fast.options]
+    height = 4
+    width = 4
+    channels = 3
+    normalize = true
+
     [datasets.forever]       # repeats forever
     paths = ["shards/*.array_record"]
     pipeline = "grain_elevator.server.examples:decode_images"
@@ -65,7 +76,7 @@ CONFIG = textwrap.dedent("""\
     seed = 5
     """)
 
-DATASETS = ("aug2", "plain", "seed3", "forever", "raw")
+DATASETS = ("aug2", "plain", "seed3", "seed3fast", "forever", "raw")
 
 
 @pytest.fixture(scope="session")

@@ -24,7 +24,7 @@ def stub(server):
 
 @pytest.mark.parametrize("change,code,message", [
     (dict(dataset="nope"), grpc.StatusCode.NOT_FOUND,
-     "unknown dataset 'nope'; this server offers: aug2, forever, plain, raw, seed3"),
+     "unknown dataset 'nope'; this server offers: aug2, forever, plain, raw, seed3, seed3fast"),
     (dict(global_batch_size=0), grpc.StatusCode.INVALID_ARGUMENT,
      "global_batch_size must be >= 1, got 0"),
     (dict(global_batch_size=-3), grpc.StatusCode.INVALID_ARGUMENT,
@@ -60,7 +60,7 @@ def test_bad_request_gets_its_status(stub, oracle, change, code, message):
 
 def test_describe(stub):
   names = [d.name for d in stub.Describe(pb.DescribeRequest()).datasets]
-  assert names == ["aug2", "forever", "plain", "raw", "seed3"]
+  assert names == ["aug2", "forever", "plain", "raw", "seed3", "seed3fast"]
   (info,) = stub.Describe(pb.DescribeRequest(dataset="aug2", global_batch_size=96)).datasets
   assert (info.num_records, info.num_epochs, info.shuffle, info.seed) == (1000, 2, True, 7)
   assert (info.steps_per_epoch, info.total_steps) == (10, 20)
