@@ -34,6 +34,9 @@ RETRIABLE = frozenset({
 })
 
 
+GET_BATCHES = "/" + pb.DESCRIPTOR.services_by_name["Elevator"].full_name + "/GetBatches"
+
+
 class Cancelled(Exception):
   """The fetch was cancelled by the client (close or set_state)."""
 
@@ -97,6 +100,11 @@ class ConnectionPool:
         for _, t in itertools.product(range(connections_per_target), self.targets)
     ]
     self._stubs = [pb_grpc.ElevatorStub(c) for c in self._channels]
+    # Batches are parsed by hand: tensors become views of the received bytes.
+    self._get_batches = [
+        c.unary_stream(GET_BATCHES, request_serializer=pb.BatchRequest.SerializeToString,
+                       response_deserializer=wire.decode_batch_bytes)
+        for c in self._channels]
     self._next = itertools.count()
     self._closed = False
 
@@ -148,11 +156,15 @@ class ConnectionPool:
       remaining.start_step = request.start_step + len(out)
       remaining.num_steps = request.num_steps - len(out)
       try:
-        call = self._stubs[self._pick()].GetBatches(
+        call = self._get_batches[self._pick()](
             remaining, timeout=self.retry.request_timeout_s)
         token.attach(call)
-        for batch in call:
-          out.append(wire.decode_leaves(batch))
+        for step, leaves in call:
+          if step != request.start_step + len(out):  # never deliver out of order
+            raise errors.ElevatorError(
+                f"{request.dataset!r}: server sent step {step}, expected "
+                f"{request.start_step + len(out)}")
+          out.append(leaves)
           deadline = time.monotonic() + self.retry.timeout_s  # progress made
           attempt = 0
         token.attach(None)

@@ -54,3 +54,129 @@ def decode_leaves(batch: pb.Batch) -> list[np.ndarray]:
 
 def decode_batch(batch: pb.Batch, structure: tree.Structure) -> Any:
   return tree.unflatten(structure, decode_leaves(batch))
+
+
+# -- Hand-rolled Batch encoding --------------------------------------------
+# The hot path skips protobuf object construction: the server writes a
+# Batch's wire bytes with one copy of each tensor, and the client reads the
+# tensors as views of the received bytes. Both produce and accept exactly the
+# proto3 encoding of `Batch`, so any language's generated stubs interoperate
+# (tests/test_proto.py checks byte equality with SerializeToString).
+
+_WIRE_VARINT, _WIRE_I64, _WIRE_LEN, _WIRE_I32 = 0, 1, 2, 5
+
+
+def _varint(value: int) -> bytes:
+  if value < 0:
+    value += 1 << 64  # int64 two's complement, as protobuf encodes it
+  out = bytearray()
+  while True:
+    byte = value & 0x7F
+    value >>= 7
+    if value:
+      out.append(byte | 0x80)
+    else:
+      out.append(byte)
+      return bytes(out)
+
+
+def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
+  result = shift = 0
+  while True:
+    if pos >= len(buf):
+      raise ValueError("truncated varint in Batch message")
+    byte = buf[pos]
+    pos += 1
+    result |= (byte & 0x7F) << shift
+    if not byte & 0x80:
+      return result, pos
+    shift += 7
+    if shift > 63:
+      raise ValueError("varint too long in Batch message")
+
+
+def encode_batch_bytes(step: int, leaves: Sequence[np.ndarray]) -> bytes:
+  """`encode_batch(step, leaves).SerializeToString()`, with one data copy."""
+  parts: list[Any] = []
+  if step:
+    parts += [b"\x08", _varint(step)]
+  for a in leaves:
+    a = _little_endian(a)
+    dtype = dtype_to_str(a.dtype).encode()
+    head = [b"\x0a", _varint(len(dtype)), dtype]
+    if a.shape:
+      packed = b"".join(_varint(d) for d in a.shape)
+      head += [b"\x12", _varint(len(packed)), packed]
+    if a.nbytes:
+      head += [b"\x1a", _varint(a.nbytes)]
+    head_bytes = b"".join(head)
+    parts += [b"\x12", _varint(len(head_bytes) + a.nbytes), head_bytes]
+    if a.nbytes:
+      parts.append(memoryview(a).cast("B"))
+  return b"".join(parts)
+
+
+def _skip(buf: memoryview, pos: int, wire_type: int) -> int:
+  if wire_type == _WIRE_VARINT:
+    return _read_varint(buf, pos)[1]
+  if wire_type == _WIRE_I64:
+    return pos + 8
+  if wire_type == _WIRE_I32:
+    return pos + 4
+  if wire_type == _WIRE_LEN:
+    n, pos = _read_varint(buf, pos)
+    return pos + n
+  raise ValueError(f"unsupported wire type {wire_type} in Batch message")
+
+
+def _decode_tensor(data: bytes, buf: memoryview, pos: int, end: int) -> np.ndarray:
+  dtype, shape, offset, nbytes = "", [], pos, 0
+  while pos < end:
+    key, pos = _read_varint(buf, pos)
+    field, wire_type = key >> 3, key & 7
+    if field == 1 and wire_type == _WIRE_LEN:
+      n, pos = _read_varint(buf, pos)
+      dtype = bytes(buf[pos:pos + n]).decode()
+      pos += n
+    elif field == 2 and wire_type == _WIRE_LEN:  # packed
+      n, pos = _read_varint(buf, pos)
+      stop = pos + n
+      while pos < stop:
+        d, pos = _read_varint(buf, pos)
+        shape.append(d)
+    elif field == 2 and wire_type == _WIRE_VARINT:  # unpacked
+      d, pos = _read_varint(buf, pos)
+      shape.append(d)
+    elif field == 3 and wire_type == _WIRE_LEN:
+      nbytes, pos = _read_varint(buf, pos)
+      offset = pos
+      pos += nbytes
+    else:
+      pos = _skip(buf, pos, wire_type)
+  if pos != end:
+    raise ValueError("Tensor overruns its Batch message")
+  dt = dtype_from_str(dtype)
+  return np.frombuffer(data, dtype=dt, count=nbytes // dt.itemsize,
+                       offset=offset).reshape(shape)
+
+
+def decode_batch_bytes(data: bytes) -> tuple[int, list[np.ndarray]]:
+  """(step, leaves) of a serialized Batch; leaves are read-only views of `data`."""
+  buf = memoryview(data)
+  pos, step, leaves = 0, 0, []
+  while pos < len(buf):
+    key, pos = _read_varint(buf, pos)
+    field, wire_type = key >> 3, key & 7
+    if field == 1 and wire_type == _WIRE_VARINT:
+      step, pos = _read_varint(buf, pos)
+      if step >= 1 << 63:
+        step -= 1 << 64
+    elif field == 2 and wire_type == _WIRE_LEN:
+      n, pos = _read_varint(buf, pos)
+      leaves.append(_decode_tensor(data, buf, pos, pos + n))
+      pos += n
+    else:
+      pos = _skip(buf, pos, wire_type)
+  if pos != len(buf):
+    raise ValueError("truncated Batch message")
+  return step, leaves

@@ -19,12 +19,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from grain_elevator.proto import elevator_pb2 as pb
-from grain_elevator.proto import elevator_pb2_grpc as pb_grpc
 from grain_elevator.server import config as config_lib
 from grain_elevator.server import dataset as dataset_lib
 from grain_elevator.server import logs
 from grain_elevator.server.errors import ConfigError
-from grain_elevator.server.servicer import ElevatorServicer
+from grain_elevator.server import servicer as servicer_lib
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Elevator"].full_name
 
@@ -58,7 +57,7 @@ def build_server(datasets: dict[str, dataset_lib.ElevatorDataset],
           ("grpc.max_send_message_length", -1),
           ("grpc.max_receive_message_length", 1 << 20),  # requests are tiny
       ])
-  pb_grpc.add_ElevatorServicer_to_server(ElevatorServicer(datasets), server)
+  servicer_lib.add_to_server(servicer_lib.ElevatorServicer(datasets), server)
   health_servicer = health.HealthServicer()
   health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
   reflection.enable_server_reflection(

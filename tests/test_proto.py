@@ -42,3 +42,44 @@ def test_structure_round_trip():
 def test_non_string_dict_keys_are_refused():
   with pytest.raises(TypeError, match="dict keys must be strings"):
     tree.flatten({1: np.zeros(1)})
+
+
+LEAF_CASES = [
+    [np.arange(12, dtype=np.uint8).reshape(3, 4), np.arange(3, dtype=np.int64)],
+    [np.array([[1.5, -0.0, np.nan]], dtype=np.float32)],
+    [np.arange(6, dtype=">i4").reshape(2, 3)],
+    [np.array([b"abc", b"de"], dtype="S3"), np.zeros((0, 5), dtype=np.int64)],
+    [np.random.default_rng(0).random((300, 70)).astype(np.float16)],  # multi-byte varints
+]
+
+
+@pytest.mark.parametrize("leaves", LEAF_CASES)
+@pytest.mark.parametrize("step", [0, 1, 300, 10**12])
+def test_fast_encoding_is_the_proto_encoding(step, leaves):
+  fast = wire.encode_batch_bytes(step, leaves)
+  assert fast == wire.encode_batch(step, leaves).SerializeToString()
+
+
+@pytest.mark.parametrize("leaves", LEAF_CASES)
+def test_fast_decoding_reads_what_protobuf_writes(leaves):
+  from grain_elevator.proto import elevator_pb2 as pb
+  msg = wire.encode_batch(7, leaves)
+  step, out = wire.decode_batch_bytes(msg.SerializeToString())
+  assert step == 7
+  for got, want in zip(out, wire.decode_leaves(msg), strict=True):
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert got.tobytes() == want.tobytes()
+  # Unknown fields (a newer server) are skipped, and unpacked shapes read.
+  extra = msg.SerializeToString() + b"\x98\x06\x05" + b"\xa2\x06\x02hi"
+  assert wire.decode_batch_bytes(extra)[0] == 7
+  t = pb.Tensor(dtype="int32", data=np.arange(6, dtype="<i4").tobytes())
+  unpacked = b"\x0a\x05int32" + b"".join(b"\x10" + bytes([d]) for d in (2, 3)) + \
+      b"\x1a\x18" + t.data
+  (arr,) = wire.decode_batch_bytes(b"\x12" + bytes([len(unpacked)]) + unpacked)[1]
+  np.testing.assert_array_equal(arr, np.arange(6).reshape(2, 3))
+
+
+@pytest.mark.parametrize("garbage", [b"\x12\x05ab", b"\x08", b"\x12\x02\x1a\x09"])
+def test_fast_decoding_refuses_truncated_messages(garbage):
+  with pytest.raises(ValueError):
+    wire.decode_batch_bytes(garbage)
