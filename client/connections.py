@@ -9,12 +9,13 @@ reaches the trainer exactly once whichever replica served it.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import random
 import threading
 import time
-from typing import Sequence
+from typing import Any, Sequence
 
 import grpc
 import numpy as np
@@ -82,36 +83,87 @@ def parse_targets(target: str | Sequence[str]) -> list[str]:
 
 
 class ConnectionPool:
-  """gRPC channels to every replica; fetches steps with failover."""
+  """gRPC channels to every replica; fetches steps with failover.
+
+  A replica's worker processes share one port and the kernel assigns each
+  TCP connection to one of them by a hash, so a handful of connections can
+  easily all land on one worker. On first contact the pool opens connections
+  until each worker of each replica holds an equal share (Describe says which
+  worker answered), and closes the surplus.
+  """
+
+  _OPTIONS = [
+      ("grpc.use_local_subchannel_pool", 1),  # one TCP connection per channel
+      # A DNS name with several replicas (a headless Service): use them all.
+      ("grpc.lb_policy_name", "round_robin"),
+      ("grpc.max_receive_message_length", -1),
+  ]
 
   def __init__(self, targets: Sequence[str], *, connections_per_target: int = 4,
                retry: RetryPolicy | None = None):
     self.targets = list(targets)
     self.retry = retry or RetryPolicy()
-    options = [
-        ("grpc.use_local_subchannel_pool", 1),  # one TCP connection per channel
-        # A DNS name with several replicas (a headless Service): use them all.
-        ("grpc.lb_policy_name", "round_robin"),
-        ("grpc.max_receive_message_length", -1),
-    ]
-    # Interleave replicas so consecutive requests go to different ones.
-    self._channels = [
-        grpc.insecure_channel(t, options=options)
-        for _, t in itertools.product(range(connections_per_target), self.targets)
-    ]
-    self._stubs = [pb_grpc.ElevatorStub(c) for c in self._channels]
-    # Batches are parsed by hand: tensors become views of the received bytes.
-    self._get_batches = [
-        c.unary_stream(GET_BATCHES, request_serializer=pb.BatchRequest.SerializeToString,
-                       response_deserializer=wire.decode_batch_bytes)
-        for c in self._channels]
+    self._per_target = connections_per_target
+    self._lock = threading.Lock()
+    self._channels: list[grpc.Channel] = []
+    self._stubs: list[pb_grpc.ElevatorStub] = []
+    self._get_batches: list[Any] = []
     self._next = itertools.count()
     self._closed = False
+    self._balanced = False
+
+  def _new_channel(self, target: str) -> grpc.Channel:
+    return grpc.insecure_channel(target, options=self._OPTIONS)
+
+  def _spread(self, target: str, request: pb.DescribeRequest) -> list[list[grpc.Channel]]:
+    """Channels to `target`, grouped by the worker process that holds them."""
+    by_worker: dict[int, list[grpc.Channel]] = collections.defaultdict(list)
+    want, workers = self._per_target, 1
+    for _ in range(8 * max(self._per_target, 4)):
+      channel = self._new_channel(target)
+      try:
+        response = pb_grpc.ElevatorStub(channel).Describe(request, timeout=5)
+      except grpc.RpcError:
+        channel.close()
+        break  # down or refusing: keep what we have; retries handle the rest
+      workers = max(1, response.server.num_workers)
+      want = -(-self._per_target // workers)  # per worker, at least 1
+      group = by_worker[response.server.worker_index]
+      if len(group) < want:
+        group.append(channel)
+      else:
+        channel.close()
+      if len(by_worker) >= workers and all(len(g) >= want for g in by_worker.values()):
+        break
+    if not by_worker:  # unreachable now: plain channels that connect later
+      return [[self._new_channel(target)] for _ in range(self._per_target)]
+    return list(by_worker.values())
+
+  def _balance(self, request: pb.DescribeRequest) -> None:
+    with self._lock:
+      if self._balanced or self._closed:
+        return
+      groups = [g for t in self.targets for g in self._spread(t, request)]
+      # Interleave workers and replicas so consecutive requests spread out.
+      channels = [c for layer in itertools.zip_longest(*groups) for c in layer if c]
+      self._channels = channels
+      self._stubs = [pb_grpc.ElevatorStub(c) for c in channels]
+      # Batches are parsed by hand: tensors become views of the received bytes.
+      self._get_batches = [
+          c.unary_stream(GET_BATCHES, request_serializer=pb.BatchRequest.SerializeToString,
+                         response_deserializer=wire.decode_batch_bytes)
+          for c in channels]
+      self._balanced = True
+
+  @property
+  def num_connections(self) -> int:
+    return len(self._channels)
 
   def close(self) -> None:
-    self._closed = True
-    for c in self._channels:
-      c.close()
+    with self._lock:
+      self._closed = True
+      for c in self._channels:
+        c.close()
 
   def _pick(self) -> int:
     return next(self._next) % len(self._stubs)
@@ -128,6 +180,7 @@ class ConnectionPool:
 
   def describe(self, dataset: str = "", global_batch_size: int = 0) -> list[DatasetInfo]:
     request = pb.DescribeRequest(dataset=dataset, global_batch_size=global_batch_size)
+    self._balance(request)
     deadline = time.monotonic() + self.retry.timeout_s
     last = None
     for attempt in itertools.count():
@@ -146,6 +199,7 @@ class ConnectionPool:
 
   def fetch(self, request: pb.BatchRequest, token: CancelToken) -> list[list[np.ndarray]]:
     """Steps [start, start+num) of `request`, in order, from any replica."""
+    self._balance(pb.DescribeRequest(dataset=request.dataset))
     out: list[list[np.ndarray]] = []
     deadline = time.monotonic() + self.retry.timeout_s
     last = None

@@ -15,10 +15,20 @@ class DescribeRequest(_message.Message):
     def __init__(self, dataset: _Optional[str] = ..., global_batch_size: _Optional[int] = ...) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("datasets",)
+    __slots__ = ("datasets", "server")
     DATASETS_FIELD_NUMBER: _ClassVar[int]
+    SERVER_FIELD_NUMBER: _ClassVar[int]
     datasets: _containers.RepeatedCompositeFieldContainer[DatasetInfo]
-    def __init__(self, datasets: _Optional[_Iterable[_Union[DatasetInfo, _Mapping]]] = ...) -> None: ...
+    server: ServerInfo
+    def __init__(self, datasets: _Optional[_Iterable[_Union[DatasetInfo, _Mapping]]] = ..., server: _Optional[_Union[ServerInfo, _Mapping]] = ...) -> None: ...
+
+class ServerInfo(_message.Message):
+    __slots__ = ("worker_index", "num_workers")
+    WORKER_INDEX_FIELD_NUMBER: _ClassVar[int]
+    NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    worker_index: int
+    num_workers: int
+    def __init__(self, worker_index: _Optional[int] = ..., num_workers: _Optional[int] = ...) -> None: ...
 
 class DatasetInfo(_message.Message):
     __slots__ = ("name", "num_records", "num_epochs", "shuffle", "seed", "config_fingerprint", "element_spec", "global_batch_size", "steps_per_epoch", "total_steps")

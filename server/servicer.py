@@ -23,8 +23,10 @@ log = logging.getLogger("grain_elevator.server")
 class ElevatorServicer(pb_grpc.ElevatorServicer):
   """Serves the datasets of one worker process."""
 
-  def __init__(self, datasets: dict[str, dataset_lib.ElevatorDataset]):
+  def __init__(self, datasets: dict[str, dataset_lib.ElevatorDataset],
+               worker_index: int = 0, num_workers: int = 1):
     self._datasets = datasets
+    self._server = pb.ServerInfo(worker_index=worker_index, num_workers=num_workers)
 
   def Describe(self, request: pb.DescribeRequest,
                context: grpc.ServicerContext) -> pb.DescribeResponse:
@@ -39,7 +41,8 @@ class ElevatorServicer(pb_grpc.ElevatorServicer):
     except ElevatorError as e:
       context.abort(e.code, str(e))
     return pb.DescribeResponse(
-        datasets=[d.info.to_proto(request.global_batch_size) for d in chosen])
+        datasets=[d.info.to_proto(request.global_batch_size) for d in chosen],
+        server=self._server)
 
   def GetBatches(self, request: pb.BatchRequest,
                  context: grpc.ServicerContext) -> Iterator[bytes]:

@@ -6,6 +6,7 @@ die (logging why), and on SIGINT/SIGTERM stops them all and exits 0.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing as mp
 import multiprocessing.connection
@@ -56,7 +57,7 @@ class Supervisor:
   """Owns the worker processes of one `elevator serve`."""
 
   def __init__(self, opts: worker_lib.WorkerOptions, num_workers: int):
-    self._opts = opts
+    self._opts = dataclasses.replace(opts, num_workers=num_workers)
     self._num_workers = num_workers
     self._ctx = mp.get_context("spawn")
     self._ready = self._ctx.Queue()
@@ -92,8 +93,7 @@ class Supervisor:
     """Starts every worker; returns the port they serve on."""
     reservation = _reserve_port(self._opts.host, self._opts.port)
     try:
-      self._opts = worker_lib.WorkerOptions(
-          **{**self._opts.__dict__, "port": reservation.getsockname()[1]})
+      self._opts = dataclasses.replace(self._opts, port=reservation.getsockname()[1])
       for i in range(self._num_workers):
         self._spawn(i)
       self._await_ready(set(range(self._num_workers)))

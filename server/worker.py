@@ -35,6 +35,7 @@ class WorkerOptions:
   port: int
   threads: int = 4  # RPCs one worker runs at once
   grace_s: float = 5.0  # in-flight RPCs get this long on SIGTERM
+  num_workers: int = 1  # processes sharing the port (reported in Describe)
 
 
 def _die_with_parent() -> None:
@@ -47,7 +48,8 @@ def _die_with_parent() -> None:
 
 
 def build_server(datasets: dict[str, dataset_lib.ElevatorDataset],
-                 opts: WorkerOptions) -> tuple[grpc.Server, health.HealthServicer, int]:
+                 opts: WorkerOptions,
+                 index: int = 0) -> tuple[grpc.Server, health.HealthServicer, int]:
   """A started-able gRPC server with the Elevator, health and reflection services."""
   server = grpc.server(
       futures.ThreadPoolExecutor(max_workers=opts.threads,
@@ -57,7 +59,8 @@ def build_server(datasets: dict[str, dataset_lib.ElevatorDataset],
           ("grpc.max_send_message_length", -1),
           ("grpc.max_receive_message_length", 1 << 20),  # requests are tiny
       ])
-  servicer_lib.add_to_server(servicer_lib.ElevatorServicer(datasets), server)
+  servicer_lib.add_to_server(
+      servicer_lib.ElevatorServicer(datasets, index, opts.num_workers), server)
   health_servicer = health.HealthServicer()
   health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
   reflection.enable_server_reflection(
@@ -75,7 +78,7 @@ def run(opts: WorkerOptions, index: int, ready: Any) -> None:
   signal.signal(signal.SIGTERM, lambda *_: stop.set())
   try:
     datasets = dataset_lib.load_datasets(config_lib.load_config(opts.config_path))
-    server, health_servicer, port = build_server(datasets, opts)
+    server, health_servicer, port = build_server(datasets, opts, index)
     if port == 0:
       raise OSError(f"cannot listen on {opts.host}:{opts.port}")
   except (ConfigError, OSError) as e:
