@@ -64,6 +64,26 @@ def _make_dataset(args: argparse.Namespace) -> int:
   return 0
 
 
+def _bench(args: argparse.Namespace) -> int:
+  from grain_elevator.server.bench import run  # pylint: disable=g-import-not-at-top
+  report = run.run(
+      data_dir=args.data, workload_names=args.workloads.split(","),
+      workers=[int(w) for w in args.workers.split(",")], repeats=args.repeats,
+      seconds=args.seconds, warmup_s=args.warmup,
+      records={"small": args.small_records, "large": args.large_records})
+  print(run.table(report))
+  if args.json:
+    pathlib.Path(args.json).write_text(json.dumps(report, indent=1))
+    print(f"wrote {args.json}")
+  if args.plot:
+    try:
+      run.plot(report, args.plot)
+      print(f"wrote {args.plot}")
+    except ImportError:
+      print("no plot: pip install 'grain-elevator[bench]' for matplotlib", file=sys.stderr)
+  return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
   from grain_elevator.server import demo  # pylint: disable=g-import-not-at-top
   return demo.run(steps=args.steps, workers=args.workers, data_dir=args.data_dir,
@@ -108,6 +128,24 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("dir", help="folder to write shards/ and elevator.toml into")
   p.add_argument("--source", choices=("auto", "digits", "generated"), default="auto")
   p.set_defaults(fn=_make_dataset)
+
+  p = sub.add_parser("bench", help="measure against local Grain and the wire's limit")
+  p.add_argument("--workloads", default="small,large", help="small,large (default both)")
+  p.add_argument("--data", default=None,
+                 help="folder for the benchmark's shards (default: a temp folder, "
+                      "reused across runs)")
+  p.add_argument("--workers", default="1,2", help="server worker counts (default 1,2)")
+  p.add_argument("--repeats", type=int, default=3, help="runs per system (default 3)")
+  p.add_argument("--seconds", type=float, default=3.0,
+                 help="measured seconds per run (default 3)")
+  p.add_argument("--warmup", type=float, default=1.0, help="warm-up seconds per run")
+  p.add_argument("--small-records", type=int, default=0,
+                 help="records in the small workload (default 200,000)")
+  p.add_argument("--large-records", type=int, default=0,
+                 help="records in the large workload (default 4,000)")
+  p.add_argument("--json", default=None, help="also write the full results here")
+  p.add_argument("--plot", default=None, help="also draw a PNG here (needs matplotlib)")
+  p.set_defaults(fn=_bench)
 
   p = sub.add_parser("demo", help="write a small dataset, serve it, train on it, resume")
   p.add_argument("--steps", type=int, default=200, help="training steps (default 200)")

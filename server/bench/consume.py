@@ -1,0 +1,149 @@
+"""One measurement, in a process of its own: the trainer's side of a system.
+
+Reads a JSON spec from argv, prints one JSON result line. Running each
+measurement in a fresh process keeps the systems from sharing caches, threads
+or allocator state, and lets CPU time be charged to exactly one of them.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import psutil
+
+RESUME_STEP = 10**6
+
+
+def _tree_cpu(proc: psutil.Process) -> float:
+  """CPU seconds of this process and its live children (mp_prefetch workers)."""
+  total = sum(proc.cpu_times()[:2])
+  for child in proc.children(recursive=True):
+    try:
+      total += sum(child.cpu_times()[:2])
+    except psutil.Error:
+      pass
+  return total
+
+
+def _nbytes(batch: Any) -> int:
+  if isinstance(batch, dict):
+    return sum(_nbytes(v) for v in batch.values())
+  if isinstance(batch, (list, tuple)):
+    return sum(_nbytes(v) for v in batch)
+  return int(np.asarray(batch).nbytes)
+
+
+def _grain_local(spec: dict[str, Any]) -> Callable[[], Any]:
+  import grain  # pylint: disable=g-import-not-at-top
+  from grain_elevator.server import examples  # pylint: disable=g-import-not-at-top
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  flags.FLAGS.mark_as_parsed()
+
+  def make():
+    ds = grain.MapDataset.source(grain.sources.ArrayRecordDataSource(spec["files"]))
+    ds = ds.seed(1).shuffle().repeat(None)
+    ds = examples.decode_images(ds, **spec["options"])  # per record, as a user writes it
+    ds = ds.batch(spec["global_batch_size"])
+    read = grain.ReadOptions(num_threads=spec["threads"], prefetch_buffer_size=max(
+        1, spec["threads"]) * 2 if spec["threads"] else 0)
+    it_ds = ds.to_iter_dataset(read)
+    if spec["mp_workers"]:
+      it_ds = it_ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=spec["mp_workers"]))
+    return iter(it_ds)
+  return make
+
+
+def _elevator(spec: dict[str, Any]) -> Callable[[], Any]:
+  from grain_elevator.client import RemoteDataset  # pylint: disable=g-import-not-at-top
+
+  def make():
+    return iter(RemoteDataset(spec["target"], spec["dataset"], spec["global_batch_size"],
+                              **spec.get("client", {})))
+  return make
+
+
+class _TcpIterator:
+  def __init__(self, port: int, batch_bytes: int):
+    from grain_elevator.server.bench import tcp  # pylint: disable=g-import-not-at-top
+    self._rx = tcp.Receiver(port, batch_bytes)
+
+  def __next__(self) -> int:
+    return self._rx.next_batch()
+
+  def close(self) -> None:
+    self._rx.close()
+
+
+def _resume(make: Callable[[], Any]) -> float | None:
+  """Seconds from a new iterator + set_state(step 10^6) to its first batch."""
+  t = time.perf_counter()
+  it = make()
+  state = it.get_state()
+  key = "step" if "step" in state else "next_index" if "next_index" in state else None
+  if key is None:  # mp_prefetch nests per-worker states: no single cursor
+    _close(it)
+    return None
+  it.set_state({**state, key: RESUME_STEP})
+  next(it)
+  elapsed = time.perf_counter() - t
+  _close(it)
+  return elapsed
+
+
+def _close(it: Any) -> None:
+  close = getattr(it, "close", None)
+  if close:
+    close()
+
+
+def measure(spec: dict[str, Any]) -> dict[str, Any]:
+  kind = spec["system"]
+  if kind == "tcp":
+    make = lambda: _TcpIterator(spec["tcp_port"], spec["batch_bytes"])  # noqa: E731
+    size = lambda b: b  # noqa: E731
+  else:
+    make = _grain_local(spec) if kind == "grain" else _elevator(spec)
+    size = _nbytes
+  proc = psutil.Process()
+  t0 = time.perf_counter()
+  it = make()
+  first = next(it)
+  ttfb = time.perf_counter() - t0
+  batch_bytes = size(first)
+  deadline = time.perf_counter() + spec["warmup_s"]
+  while time.perf_counter() < deadline:
+    next(it)
+  cpu0, t1 = _tree_cpu(proc), time.perf_counter()
+  batches, nbytes = 0, 0
+  while time.perf_counter() - t1 < spec["seconds"]:
+    nbytes += size(next(it))
+    batches += 1
+  wall = time.perf_counter() - t1
+  cpu = _tree_cpu(proc) - cpu0
+  _close(it)
+  records = batches * spec["global_batch_size"]
+  result = {
+      "records_per_s": records / wall,
+      "gb_per_s": nbytes / wall / 1e9,
+      "client_cpu_s_per_gb": cpu / (nbytes / 1e9),
+      "client_cores": cpu / wall,
+      "first_batch_s": ttfb,
+      "batch_bytes": batch_bytes,
+  }
+  if kind != "tcp":
+    result["resume_first_batch_s"] = _resume(make)
+  return result
+
+
+def main() -> int:
+  spec = json.loads(sys.argv[1])
+  print(json.dumps(measure(spec)), flush=True)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,210 @@
+"""Orchestrates `elevator bench`: data, servers, interleaved repeats, report."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+from grain_elevator.server.bench import workloads as workloads_lib
+from grain_elevator.server.launcher import LocalServer
+
+CONSUME = [sys.executable, "-m", "grain_elevator.server.bench.consume"]
+TCP = [sys.executable, "-m", "grain_elevator.server.bench.tcp"]
+
+
+@dataclasses.dataclass(frozen=True)
+class System:
+  key: str  # stable id for JSON
+  label: str  # table row
+  spec: dict[str, Any]
+  kind: str  # grain | embedded | service | tcp
+
+
+def _log(msg: str) -> None:
+  print(msg, file=sys.stderr, flush=True)
+
+
+def _client_settings(w: workloads_lib.Workload) -> dict[str, Any]:
+  # Small batches: several steps per RPC amortise its overhead.
+  return {"prefetch": 16, "steps_per_request": 4} if w.name == "small" else {
+      "prefetch": 8, "steps_per_request": 1}
+
+
+def _systems(w: workloads_lib.Workload, files: list[str], config: str,
+             servers: dict[int, LocalServer], tcp_port: int | None) -> list[System]:
+  base = {"workload": w.name, "global_batch_size": w.global_batch_size}
+  out = []
+  for threads in (0, 16):
+    for mp in (0, 2):
+      label = f"(a) local Grain, threads={threads or 0}, mp_prefetch={mp}"
+      out.append(System(f"grain_t{threads}_mp{mp}", label, {
+          **base, "system": "grain", "files": files, "options": w.options,
+          "threads": threads, "mp_workers": mp}, "grain"))
+  out.append(System("embedded", "(b) grain-elevator embedded", {
+      **base, "system": "embedded", "target": f"local:{config}", "dataset": w.name,
+      "client": {"prefetch": 2}}, "embedded"))
+  for workers, server in servers.items():
+    out.append(System(f"service_w{workers}", f"(c) grain-elevator service, W={workers}", {
+        **base, "system": "service", "target": server.target, "dataset": w.name,
+        "client": _client_settings(w)}, "service"))
+  top = max(servers)
+  out.append(System(f"service_w{top}_per_record",
+                    f"(c) service, W={top}, per-record pipeline (no batch_transform)", {
+      **base, "system": "service", "target": servers[top].target,
+      "dataset": f"{w.name}_per_record", "client": _client_settings(w)}, "service"))
+  if tcp_port is not None:
+    out.append(System("tcp", "(d) plain TCP socket, same bytes", {
+        **base, "system": "tcp", "tcp_port": tcp_port,
+        "batch_bytes": w.global_batch_size * w.delivered_bytes_per_record}, "tcp"))
+  return out
+
+
+def _measure(system: System, seconds: float, warmup_s: float) -> dict[str, Any]:
+  spec = {**system.spec, "seconds": seconds, "warmup_s": warmup_s}
+  result = subprocess.run([*CONSUME, json.dumps(spec)], capture_output=True, text=True,
+                          timeout=300)
+  if result.returncode != 0:
+    raise RuntimeError(f"{system.label} failed:\n{result.stderr[-3000:]}")
+  return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def _summary(values: list[float | None]) -> dict[str, float] | None:
+  vals = [v for v in values if v is not None]
+  if not vals:
+    return None
+  return {"median": statistics.median(vals), "min": min(vals), "max": max(vals)}
+
+
+def _tfdata_note() -> str:
+  try:
+    import tensorflow  # pylint: disable=g-import-not-at-top,unused-import
+  except ImportError:
+    return ("(e) tf.data service: skipped, TensorFlow is not installed. Figures "
+            "measured on this machine are in DESIGN.md §4 and BENCHMARKS.md.")
+  return ("(e) tf.data service: TensorFlow is installed, but this benchmark does not "
+          "drive it yet; see BENCHMARKS.md for the figures it uses.")
+
+
+def run(*, data_dir: str | None, workload_names: list[str], workers: list[int],
+        repeats: int, seconds: float, warmup_s: float,
+        records: dict[str, int]) -> dict[str, Any]:
+  """Runs every system of every workload `repeats` times, interleaved."""
+  root = pathlib.Path(data_dir or os.path.join(tempfile.gettempdir(), "grain-elevator-bench"))
+  report: dict[str, Any] = {"machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
+                            "repeats": repeats, "seconds": seconds, "workloads": {}}
+  for name in workload_names:
+    w = workloads_lib.WORKLOADS[name]
+    n = records.get(name) or w.default_records
+    _log(f"[{name}] preparing {n:,} records of {w.record_bytes:,} B in {root / name} ...")
+    config = workloads_lib.prepare(
+        root, w, n, progress=lambda i, k: _log(f"[{name}]   shard {i}/{k} written"))
+    files = workloads_lib.shard_files(root, w)
+    servers: dict[int, LocalServer] = {}
+    tcp_proc, tcp_port = None, None
+    try:
+      for wk in workers:
+        servers[wk] = LocalServer(config, workers=wk)
+        _log(f"[{name}] server W={wk} on {servers[wk].target}")
+      port_file = root / f"tcp-port-{os.getpid()}"
+      batch_bytes = w.global_batch_size * w.delivered_bytes_per_record
+      tcp_proc = subprocess.Popen([*TCP, str(port_file), str(batch_bytes)])
+      deadline = time.monotonic() + 30
+      while not port_file.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+      tcp_port = int(port_file.read_text())
+      port_file.unlink()
+      systems = _systems(w, files, config, servers, tcp_port)
+      raw: dict[str, list[dict[str, Any]]] = {s.key: [] for s in systems}
+      total = repeats * len(systems)
+      done = 0
+      for rep in range(repeats):
+        for s in systems:
+          r = _measure(s, seconds, warmup_s)
+          raw[s.key].append(r)
+          done += 1
+          _log(f"[{name}] {done:3d}/{total} rep {rep + 1}: {s.label:<62} "
+               f"{r['records_per_s']:>10,.0f} rec/s {r['gb_per_s']:6.3f} GB/s")
+    finally:
+      for server in servers.values():
+        server.stop()
+      if tcp_proc:
+        tcp_proc.kill()
+        tcp_proc.wait()
+    rows = {}
+    for s in systems:
+      rs = raw[s.key]
+      rows[s.key] = {"label": s.label, "kind": s.kind,
+                     **{k: _summary([r.get(k) for r in rs]) for k in (
+                         "records_per_s", "gb_per_s", "client_cpu_s_per_gb",
+                         "client_cores", "first_batch_s", "resume_first_batch_s")},
+                     "runs": rs}
+    report["workloads"][name] = {
+        "record_bytes": w.record_bytes, "delivered_bytes_per_record": w.delivered_bytes_per_record,
+        "global_batch_size": w.global_batch_size, "records": n, "systems": rows,
+        "notes": [_tfdata_note()]}
+  return report
+
+
+def _fmt(s: dict[str, float] | None, scale: float = 1.0, digits: int = 0) -> str:
+  if s is None:
+    return "n/a"
+  f = f"{{:,.{digits}f}}"
+  return (f"{f.format(s['median'] * scale)} ({f.format(s['min'] * scale)}–"
+          f"{f.format(s['max'] * scale)})")
+
+
+def table(report: dict[str, Any]) -> str:
+  """Markdown tables, one per workload, with ratios to the peers."""
+  lines = []
+  for name, wl in report["workloads"].items():
+    rows = wl["systems"]
+    grain_best = max((r for r in rows.values() if r["kind"] == "grain"),
+                     key=lambda r: r["records_per_s"]["median"])
+    tcp = rows.get("tcp")
+    lines += [f"### {name}: {wl['record_bytes']:,} B records, G={wl['global_batch_size']}, "
+              f"{wl['records']:,} records; median (min–max) of {report['repeats']} runs", "",
+              "| system | records/s | GB/s | × best local Grain | × TCP GB/s | "
+              "client CPU s/GB | first batch ms | resume @10⁶ ms |",
+              "|---|---|---|---|---|---|---|---|"]
+    for r in rows.values():
+      ratio = r["records_per_s"]["median"] / grain_best["records_per_s"]["median"]
+      tcp_ratio = (f"{r['gb_per_s']['median'] / tcp['gb_per_s']['median']:.2f}"
+                   if tcp else "n/a")
+      lines.append(
+          f"| {r['label']} | {_fmt(r['records_per_s'])} | {_fmt(r['gb_per_s'], digits=3)} | "
+          f"{ratio:.2f} | {tcp_ratio} | {_fmt(r['client_cpu_s_per_gb'], digits=2)} | "
+          f"{_fmt(r['first_batch_s'], 1e3)} | {_fmt(r['resume_first_batch_s'], 1e3)} |")
+    lines += [""] + [f"- {n}" for n in wl["notes"]] + [""]
+  return "\n".join(lines)
+
+
+def plot(report: dict[str, Any], path: str) -> None:
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  names = list(report["workloads"])
+  fig, axes = plt.subplots(1, len(names), figsize=(7 * len(names), 5), squeeze=False)
+  for ax, name in zip(axes[0], names):
+    rows = list(report["workloads"][name]["systems"].values())
+    labels = [r["label"].replace("grain-elevator ", "") for r in rows]
+    med = [r["gb_per_s"]["median"] for r in rows]
+    err = [[m - r["gb_per_s"]["min"] for m, r in zip(med, rows)],
+           [r["gb_per_s"]["max"] - m for m, r in zip(med, rows)]]
+    colors = {"grain": "#999999", "embedded": "#6baed6", "service": "#2171b5", "tcp": "#fd8d3c"}
+    ax.barh(range(len(rows)), med, xerr=err, color=[colors[r["kind"]] for r in rows])
+    ax.set_yticks(range(len(rows)), labels, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("GB/s delivered to the trainer process (median, min–max)")
+    wl = report["workloads"][name]
+    ax.set_title(f"{name}: {wl['record_bytes']:,} B records, G={wl['global_batch_size']}")
+  fig.suptitle(f"elevator bench, {report['machine']['cpus']} cores")
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)

@@ -1,0 +1,101 @@
+"""The benchmark's two workloads, written as ArrayRecord shards with a config.
+
+small: 3,088 B records (16 B id/label header + 32x32x3 uint8 image), decoded
+       per record to float32/255 as a user writes it, G=256.
+large: 150 KiB incompressible images (160x320x3 uint8), G=32 (~4.9 MB batches).
+Both repeat forever, so any step (10^6 included) exists.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+import textwrap
+
+import numpy as np
+
+from grain_elevator.server import examples
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+  name: str
+  height: int
+  width: int
+  channels: int
+  normalize: bool
+  global_batch_size: int
+  default_records: int
+
+  @property
+  def record_bytes(self) -> int:
+    return 16 + self.height * self.width * self.channels
+
+  @property
+  def options(self) -> dict[str, object]:
+    return {"height": self.height, "width": self.width, "channels": self.channels,
+            "normalize": self.normalize}
+
+  @property
+  def delivered_bytes_per_record(self) -> int:
+    """Bytes of one decoded record as the trainer receives it."""
+    pixel = 4 if self.normalize else 1
+    return 16 + self.height * self.width * self.channels * pixel
+
+
+WORKLOADS = {
+    "small": Workload("small", 32, 32, 3, True, 256, 200_000),
+    "large": Workload("large", 160, 320, 3, False, 32, 4_000),
+}
+
+
+def prepare(root: pathlib.Path, w: Workload, num_records: int, num_shards: int = 8,
+            progress=None) -> str:
+  """Writes shards (unless present) and a config; returns the config path."""
+  from array_record.python.array_record_module import ArrayRecordWriter  # pylint: disable=g-import-not-at-top
+  shards = root / w.name
+  marker = shards / f".complete-{num_records}"
+  if not marker.exists():
+    shards.mkdir(parents=True, exist_ok=True)
+    for old in shards.glob("*.array_record"):
+      old.unlink()
+    rng = np.random.default_rng(0)
+    per = -(-num_records // num_shards)
+    for s in range(num_shards):
+      writer = ArrayRecordWriter(
+          str(shards / f"{w.name}-{s:05d}-of-{num_shards:05d}.array_record"), "group_size:1")
+      ids = range(s * per, min((s + 1) * per, num_records))
+      for i in ids:
+        image = rng.integers(0, 256, size=(w.height, w.width, w.channels), dtype=np.uint8)
+        writer.write(examples.encode_record(i, i % 10, image))
+      writer.close()
+      if progress:
+        progress(s + 1, num_shards)
+    marker.touch()
+  config = root / f"{w.name}.toml"
+  opts = "\n".join(f"{k} = {str(v).lower() if isinstance(v, bool) else v}"
+                   for k, v in w.options.items())
+  body = textwrap.dedent(f"""\
+      [datasets.{w.name}]
+      paths = ["{w.name}/*.array_record"]
+      pipeline = "grain_elevator.server.examples:decode_images"
+      batch_transform = "grain_elevator.server.examples:decode_images_batch"
+      seed = 1
+      num_epochs = 0
+      [datasets.{w.name}.options]
+      """) + opts + "\n"
+  body += textwrap.dedent(f"""
+      [datasets.{w.name}_per_record]
+      paths = ["{w.name}/*.array_record"]
+      pipeline = "grain_elevator.server.examples:decode_images"
+      seed = 1
+      num_epochs = 0
+      [datasets.{w.name}_per_record.options]
+      """) + opts + "\n"
+  config.write_text(body)
+  return str(config)
+
+
+def shard_files(root: pathlib.Path, w: Workload) -> list[str]:
+  return sorted(os.fspath(p) for p in (root / w.name).glob("*.array_record"))
