@@ -6,6 +6,7 @@
 
 from grain_elevator.client import checkpoint
 from grain_elevator.client.device import to_device
+from grain_elevator.client.malloc import tune_malloc
 from grain_elevator.client.remote_dataset import RemoteDataset, describe
 from grain_elevator.proto.spec import DatasetInfo
 from grain_elevator.server.errors import (ConfigError, ElevatorError,
@@ -15,7 +16,7 @@ from grain_elevator.server.errors import (ConfigError, ElevatorError,
                                           UnknownDatasetError)
 
 __all__ = [
-    "RemoteDataset", "checkpoint", "describe", "to_device", "DatasetInfo", "ElevatorError", "ConfigError",
+    "RemoteDataset", "checkpoint", "describe", "to_device", "tune_malloc", "DatasetInfo", "ElevatorError", "ConfigError",
     "EndOfDataError", "InvalidRequestError", "ServiceUnavailableError",
     "StreamMismatchError", "UnknownDatasetError",
 ]

@@ -75,10 +75,22 @@ class CancelToken:
         self._call.cancel()
 
 
+_URI_SCHEMES = ("dns:", "ipv4:", "ipv6:", "unix:", "unix-abstract:", "local:")
+
+
 def parse_targets(target: str | Sequence[str]) -> list[str]:
+  """Validates "host:port" targets (or gRPC URIs such as dns:///name:port)."""
   targets = [target] if isinstance(target, str) else list(target)
-  if not targets or not all(isinstance(t, str) and t for t in targets):
+  if not targets:
     raise ValueError(f"target must be 'host:port' or a list of them, got {target!r}")
+  for t in targets:
+    if not isinstance(t, str):
+      raise ValueError(f"target must be 'host:port' or a list of them, got {target!r}")
+    if t.startswith(_URI_SCHEMES):
+      continue
+    host, sep, port = t.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+      raise ValueError(f"target {t!r} is not 'host:port' (e.g. 'localhost:50051')")
   return targets
 
 

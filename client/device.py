@@ -73,7 +73,7 @@ def _check_process_rows(sharding: Any, global_shape: tuple[int, ...],
         "jax.make_mesh, or set shard_index/shard_count to match")
 
 
-class _PutOnMesh:
+class PutOnMesh:
   """Host pytree -> pytree of global jax.Arrays laid out by `sharding`."""
 
   def __init__(self, sharding: Any, layout: tuple[int, int] | None):
@@ -141,9 +141,15 @@ def to_device(ds: grain.IterDataset, sharding: Any, *, cpu_buffer: int = 4,
         f"{ds} reads shard {shards[0]} of {shards[1]}, but JAX runs this as "
         f"process {layout[0]} of {layout[1]}; each process must read its own rows "
         "(leave shard_index/shard_count unset to follow JAX)")
+  return buffered_put(ds, PutOnMesh(sharding, layout), cpu_buffer, device_buffer)
+
+
+def buffered_put(ds: grain.IterDataset, put: Any, cpu_buffer: int,
+                 device_buffer: int) -> grain.IterDataset:
+  """Host read-ahead -> `put` -> device-side buffer (Grain's device_put shape)."""
   if cpu_buffer > 0:
     ds = grain.experimental.ThreadPrefetchIterDataset(ds, prefetch_buffer_size=cpu_buffer)
-  ds = ds.map(_PutOnMesh(sharding, layout))
+  ds = ds.map(put)
   if device_buffer > 0:
     ds = grain.experimental.ThreadPrefetchIterDataset(ds, prefetch_buffer_size=device_buffer)
   return ds

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import sys
 
@@ -84,6 +85,38 @@ def _bench(args: argparse.Namespace) -> int:
   return 0
 
 
+def _bench_feed(args: argparse.Namespace) -> int:
+  os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+  import tempfile  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  from grain_elevator.server.bench import feed, workloads  # pylint: disable=g-import-not-at-top
+  from grain_elevator.server.launcher import LocalServer  # pylint: disable=g-import-not-at-top
+  w = workloads.WORKLOADS["small"]
+  root = pathlib.Path(args.data or os.path.join(tempfile.gettempdir(), "grain-elevator-bench"))
+  config = workloads.prepare(root, w, args.records or w.default_records)
+  files = workloads.shard_files(root, w)
+  devices = jax.devices()
+  print(f"{len(devices)} {devices[0].platform} devices ({devices[0].device_kind}); small "
+        f"workload, G={w.global_batch_size}; {args.steps} steps per run")
+  print("| step ms | system | data stall | steps/s | H2D GB/s |")
+  print("|---|---|---|---|---|")
+  results = []
+  with LocalServer(config, workers=args.workers) as server:
+    for step_ms in [float(x) for x in args.step_ms.split(",")]:
+      r = feed.run(server_target=server.target, dataset=w.name, files=files,
+                   options=w.options, global_batch_size=w.global_batch_size,
+                   steps=args.steps, step_ms=step_ms)
+      results.append({"step_ms": step_ms, "systems": r})
+      for name, m in r.items():
+        stall = f"{m['stall_fraction']:.1%}" if "stall_fraction" in m else ""
+        rate = f"{m['steps_per_s']:.1f}" if "steps_per_s" in m else ""
+        print(f"| {step_ms:g} | {name} | {stall} | {rate} | {m['h2d_gb_per_s']:.2f} |",
+              flush=True)
+  if args.json:
+    pathlib.Path(args.json).write_text(json.dumps(results, indent=1))
+  return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
   from grain_elevator.server import demo  # pylint: disable=g-import-not-at-top
   return demo.run(steps=args.steps, workers=args.workers, data_dir=args.data_dir,
@@ -146,6 +179,17 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--json", default=None, help="also write the full results here")
   p.add_argument("--plot", default=None, help="also draw a PNG here (needs matplotlib)")
   p.set_defaults(fn=_bench)
+
+  p = sub.add_parser("bench-feed",
+                     help="data-stall fraction and host->device GB/s of a training loop")
+  p.add_argument("--step-ms", default="2,10",
+                 help="device step durations to try, ms (default 2,10)")
+  p.add_argument("--steps", type=int, default=200, help="steps per run (default 200)")
+  p.add_argument("--workers", type=int, default=2, help="server worker processes")
+  p.add_argument("--data", default=None, help="folder for the shards (as in bench)")
+  p.add_argument("--records", type=int, default=0, help="records (default 200,000)")
+  p.add_argument("--json", default=None, help="also write the results here")
+  p.set_defaults(fn=_bench_feed)
 
   p = sub.add_parser("demo", help="write a small dataset, serve it, train on it, resume")
   p.add_argument("--steps", type=int, default=200, help="training steps (default 200)")

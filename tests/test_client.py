@@ -91,6 +91,9 @@ def test_bad_arguments(server):
     RemoteDataset(server.target, "plain", 8, prefetch=-1)
   with pytest.raises(ValueError, match="target must be"):
     RemoteDataset([], "plain", 8)
+  for bad in ("127.0.0.1:", "localhost", "host:port", "h:70000"):
+    with pytest.raises(ValueError, match="is not 'host:port'"):
+      RemoteDataset(bad, "plain", 8)
   with pytest.raises(ValueError, match="cannot be mixed"):
     iter(RemoteDataset(["local:x.toml", server.target], "plain", 8))
 

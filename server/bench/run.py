@@ -68,7 +68,8 @@ def _systems(w: workloads_lib.Workload, files: list[str], config: str,
 
 
 def _measure(system: System, seconds: float, warmup_s: float) -> dict[str, Any]:
-  spec = {**system.spec, "seconds": seconds, "warmup_s": warmup_s}
+  # Every trainer process gets the same allocator settings (client/malloc.py).
+  spec = {**system.spec, "seconds": seconds, "warmup_s": warmup_s, "tune_malloc": True}
   result = subprocess.run([*CONSUME, json.dumps(spec)], capture_output=True, text=True,
                           timeout=300)
   if result.returncode != 0:
