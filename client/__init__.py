@@ -9,14 +9,15 @@ from grain_elevator.client.device import to_device
 from grain_elevator.client.malloc import tune_malloc
 from grain_elevator.client.remote_dataset import RemoteDataset, describe
 from grain_elevator.proto.spec import DatasetInfo
-from grain_elevator.server.errors import (ConfigError, ElevatorError,
+from grain_elevator.server.errors import (ConfigError, DataLossError, ElevatorError,
                                           EndOfDataError, InvalidRequestError,
                                           ServiceUnavailableError,
                                           StreamMismatchError,
                                           UnknownDatasetError)
 
 __all__ = [
-    "RemoteDataset", "checkpoint", "describe", "to_device", "tune_malloc", "DatasetInfo", "ElevatorError", "ConfigError",
+    "RemoteDataset", "checkpoint", "describe", "to_device", "tune_malloc",
+    "DatasetInfo", "ElevatorError", "ConfigError", "DataLossError",
     "EndOfDataError", "InvalidRequestError", "ServiceUnavailableError",
     "StreamMismatchError", "UnknownDatasetError",
 ]

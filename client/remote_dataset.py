@@ -239,10 +239,13 @@ class _RemoteIterator(grain.DatasetIterator):
       self._pool = None
 
   def close(self) -> None:
+    if self._closed:
+      return
+    self._closed = True
+    # Cancel first, without the lock: a __next__ blocked on a fetch holds it.
+    for chunk in list(self._chunks):
+      chunk.token.cancel()
     with self._lock:
-      if self._closed:
-        return
-      self._closed = True
       self._cancel_all()
       self._backend.close()
       self._stop_pool()

@@ -95,6 +95,7 @@ def _bench_feed(args: argparse.Namespace) -> int:
   root = pathlib.Path(args.data or os.path.join(tempfile.gettempdir(), "grain-elevator-bench"))
   config = workloads.prepare(root, w, args.records or w.default_records)
   files = workloads.shard_files(root, w)
+  workloads.warm_page_cache(files)
   devices = jax.devices()
   print(f"{len(devices)} {devices[0].platform} devices ({devices[0].device_kind}); small "
         f"workload, G={w.global_batch_size}; {args.steps} steps per run")

@@ -20,7 +20,8 @@ from grain_elevator.proto.spec import DatasetInfo, ElementSpec
 from grain_elevator.server import collate as collate_lib
 from grain_elevator.server import contract
 from grain_elevator.server.config import DatasetConfig, ServerConfig
-from grain_elevator.server.errors import (ConfigError, InvalidRequestError,
+from grain_elevator.server.errors import (ConfigError, DataLossError,
+                                          InvalidRequestError,
                                           StreamMismatchError,
                                           UnknownDatasetError)
 
@@ -51,11 +52,30 @@ class BatchedArrayRecordSource(grain.sources.ArrayRecordDataSource):
       return self.__getitems__(indices)
     out: list[bytes] = [b""] * len(indices)
     for reader_idx, positions_and_indices in per_reader.items():
-      self._ensure_reader_exists(reader_idx)
       positions, where = zip(*positions_and_indices)
-      for record, i in zip(self._readers[reader_idx].read(list(positions)), where):
+      for record, i in zip(self._read(reader_idx, list(positions)), where):
         out[i] = record
     return out
+
+  def _read(self, reader_idx: int, positions: list[int]) -> Sequence[bytes]:
+    filename = self._read_instructions[reader_idx].filename
+    try:
+      self._ensure_reader_exists(reader_idx)
+      return self._readers[reader_idx].read(positions)
+    except Exception as e:  # pylint: disable=broad-except
+      # Rare: find the first record that fails, to name it.
+      for p in positions:
+        try:
+          self._readers[reader_idx].read([p])
+        except Exception as record_error:  # pylint: disable=broad-except
+          raise DataLossError(
+              f"shard {filename} is corrupt: record {p} cannot be read: "
+              f"{record_error}") from record_error
+      raise DataLossError(f"shard {filename} cannot be read: {e}") from e
+
+  def __getitem__(self, record_key: int) -> bytes:
+    (record,) = self._getitems([record_key])
+    return record
 
 
 def build_raw_records(config: DatasetConfig, source: Any | None = None) -> grain.MapDataset:
@@ -124,7 +144,12 @@ class ElevatorDataset:
     mark_absl_flags_parsed()
     self.config = config
     self.max_batch_bytes = max_batch_bytes
-    source = BatchedArrayRecordSource(list(config.files))
+    try:
+      source = BatchedArrayRecordSource(list(config.files))
+    except Exception as e:
+      raise ConfigError(
+          f"dataset {config.name!r}: cannot open its shards (truncated or not "
+          f"ArrayRecord?): {type(e).__name__}: {e}") from e
     num_records = len(source)
     if num_records == 0:
       raise ConfigError(f"dataset {config.name!r}: its files hold no records")

@@ -9,7 +9,6 @@ against embedded mode.
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 import tempfile

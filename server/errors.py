@@ -48,6 +48,12 @@ class StreamMismatchError(ElevatorError, ValueError):
   code = grpc.StatusCode.FAILED_PRECONDITION
 
 
+class DataLossError(ElevatorError):
+  """A shard is corrupt or truncated; names the file and record."""
+
+  code = grpc.StatusCode.DATA_LOSS
+
+
 class ServiceUnavailableError(ElevatorError, ConnectionError):
   """No replica answered within the client's retry window."""
 
@@ -57,7 +63,7 @@ class ServiceUnavailableError(ElevatorError, ConnectionError):
 _BY_CODE = {
     cls.code: cls
     for cls in (UnknownDatasetError, InvalidRequestError, EndOfDataError,
-                StreamMismatchError, ServiceUnavailableError)
+                StreamMismatchError, DataLossError, ServiceUnavailableError)
 }
 
 

@@ -18,6 +18,7 @@ from grain_elevator.server import dataset as dataset_lib
 from grain_elevator.server.errors import ElevatorError, InvalidRequestError
 
 log = logging.getLogger("grain_elevator.server")
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Elevator"].full_name
 
 
 class ElevatorServicer(pb_grpc.ElevatorServicer):
@@ -60,6 +61,9 @@ class ElevatorServicer(pb_grpc.ElevatorServicer):
       try:
         leaves = ds.host_batch_leaves(step, r.global_batch_size, r.shard_index,
                                       r.shard_count)
+      except ElevatorError as e:  # e.g. DATA_LOSS naming the shard and record
+        log.error("dataset %r step %d: %s", r.dataset, step, e)
+        context.abort(e.code, f"dataset {r.dataset!r}, step {step}: {e}")
       except Exception as e:  # pylint: disable=broad-except
         log.exception("dataset %r step %d failed", r.dataset, step)
         context.abort(grpc.StatusCode.INTERNAL,
@@ -79,7 +83,6 @@ def add_to_server(servicer: ElevatorServicer, server: grpc.Server) -> None:
   but batches skip protobuf object construction (one copy of the tensor data
   instead of three).
   """
-  service = pb.DESCRIPTOR.services_by_name["Elevator"].full_name
   handlers = {
       "Describe": grpc.unary_unary_rpc_method_handler(
           servicer.Describe,
@@ -91,4 +94,4 @@ def add_to_server(servicer: ElevatorServicer, server: grpc.Server) -> None:
           response_serializer=_pass_through),
   }
   server.add_generic_rpc_handlers(
-      (grpc.method_handlers_generic_handler(service, handlers),))
+      (grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))

@@ -18,14 +18,13 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.server import config as config_lib
 from grain_elevator.server import dataset as dataset_lib
 from grain_elevator.server import logs
 from grain_elevator.server.errors import ConfigError
 from grain_elevator.server import servicer as servicer_lib
 
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Elevator"].full_name
+SERVICE_NAME = servicer_lib.SERVICE_NAME
 
 
 @dataclasses.dataclass(frozen=True)

@@ -107,3 +107,39 @@ def test_unreachable_server_gives_a_clear_error():
 def test_shard_arguments_come_in_pairs(server):
   with pytest.raises(ValueError, match="give both shard_index and shard_count"):
     RemoteDataset(server.target, "plain", 8, shard_count=2)
+
+
+def test_close_from_another_thread_unblocks_a_waiting_next(config_path):
+  """A trainer thread blocked in next() on a frozen server is released by close()."""
+  import os
+  import signal
+  import subprocess
+  from grain_elevator.server.launcher import LocalServer
+  with LocalServer(config_path, workers=1) as server:
+    ds = RemoteDataset(server.target, "plain", 8, prefetch=0)
+    it = iter(ds)
+    next(it)
+    workers = subprocess.run(["pgrep", "-P", str(server.proc.pid)], capture_output=True,
+                             text=True).stdout.split()
+    for pid in workers:
+      os.kill(int(pid), signal.SIGSTOP)
+    try:
+      errors = []
+
+      def consume():
+        try:
+          next(it)
+        except Exception as e:  # pylint: disable=broad-except
+          errors.append(e)
+
+      t = threading.Thread(target=consume)
+      t.start()
+      t.join(1.0)
+      assert t.is_alive()  # waiting on the frozen worker
+      ds.close()
+      t.join(10)
+      assert not t.is_alive()
+      assert isinstance(errors[0], ElevatorError) and "closed" in str(errors[0])
+    finally:
+      for pid in workers:
+        os.kill(int(pid), signal.SIGCONT)

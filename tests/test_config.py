@@ -97,3 +97,12 @@ def test_serve_refuses_a_missing_config(tmp_path):
       capture_output=True, text=True, timeout=120)
   assert result.returncode == 2
   assert "none.toml' does not exist" in result.stderr
+
+
+def test_truncated_shard_is_refused_at_start_up(data_dir, tmp_path):
+  (shard,) = [p for p in (data_dir / "shards").iterdir() if p.name.startswith("train-00000")]
+  (tmp_path / "shards").mkdir()
+  (tmp_path / "shards" / shard.name).write_bytes(shard.read_bytes()[:-100])
+  path = _write(tmp_path, GOOD, "truncated.toml")
+  with pytest.raises(ConfigError, match="dataset 'd': cannot open its shards"):
+    dataset_lib.load_datasets(load_config(path))

@@ -4,7 +4,6 @@ restart, equal an uninterrupted run's."""
 
 from __future__ import annotations
 
-import os
 import pathlib
 import signal
 import subprocess

@@ -108,6 +108,7 @@ def run(*, data_dir: str | None, workload_names: list[str], workers: list[int],
     config = workloads_lib.prepare(
         root, w, n, progress=lambda i, k: _log(f"[{name}]   shard {i}/{k} written"))
     files = workloads_lib.shard_files(root, w)
+    workloads_lib.warm_page_cache(files)
     servers: dict[int, LocalServer] = {}
     tcp_proc, tcp_port = None, None
     try:

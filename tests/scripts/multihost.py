@@ -8,7 +8,6 @@ Run by tests/test_multihost.py; one process per `--process-id`.
 from __future__ import annotations
 
 import argparse
-import os
 import pathlib
 import sys
 

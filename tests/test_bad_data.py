@@ -1,0 +1,81 @@
+"""Corrupt shards and failing pipelines: a precise status, and the worker
+keeps serving every other step and dataset."""
+
+from __future__ import annotations
+
+import shutil
+
+import grpc
+import numpy as np
+import pytest
+
+from grain_elevator.client import DataLossError, ElevatorError, RemoteDataset
+from grain_elevator.server import examples
+from grain_elevator.server.launcher import LocalServer
+
+RECORD = 16 + 4 * 4 * 3
+
+
+@pytest.fixture(scope="module")
+def bad_server(tmp_path_factory, data_dir):
+  root = tmp_path_factory.mktemp("bad")
+  shutil.copytree(data_dir / "shards", root / "shards")
+  corrupt = root / "corrupt"
+  examples.write_image_shards(str(corrupt), num_records=200, num_shards=1, height=4,
+                              width=4, channels=3, prefix="c")
+  (path,) = corrupt.glob("*.array_record")
+  data = bytearray(path.read_bytes())
+  # Zero a stretch of chunk data in the first 64 KiB block, well past record 0
+  # (read at start-up) and clear of the block header at byte 0.
+  data[2000:2064] = bytes(64)
+  path.write_bytes(bytes(data))
+  (root / "broken.py").write_text(
+      "import numpy as np\n"
+      "from grain_elevator.server.examples import decode_images\n"
+      "def fail_on_id_7(ds, **kw):\n"
+      "  def check(r):\n"
+      "    if r['id'] == 7:\n"
+      "      raise ValueError('record 7 is not an image')\n"
+      "    return r\n"
+      "  return decode_images(ds, **kw).map(check)\n")
+  opts = "[datasets.{n}.options]\nheight = 4\nwidth = 4\nchannels = 3\n"
+  (root / "elevator.toml").write_text(
+      '[datasets.good]\npaths = ["shards/*.array_record"]\nshuffle = false\n'
+      'pipeline = "grain_elevator.server.examples:decode_images"\n' + opts.format(n="good") +
+      '[datasets.corrupt]\npaths = ["corrupt/*.array_record"]\nshuffle = false\n'
+      'pipeline = "grain_elevator.server.examples:decode_images"\n' + opts.format(n="corrupt") +
+      '[datasets.failing]\npaths = ["shards/*.array_record"]\nshuffle = false\n'
+      'pipeline = "broken:fail_on_id_7"\n' + opts.format(n="failing"))
+  import os
+  env_path = os.environ.get("PYTHONPATH", "")
+  os.environ["PYTHONPATH"] = f"{root}:{env_path}"
+  try:
+    with LocalServer(str(root / "elevator.toml"), workers=1) as server:
+      yield server
+  finally:
+    os.environ["PYTHONPATH"] = env_path
+
+
+def test_corrupt_shard_gives_data_loss_naming_file_and_record(bad_server):
+  with RemoteDataset(bad_server.target, "corrupt", 10, prefetch=0) as ds:
+    with pytest.raises(DataLossError, match=r"shard .*c-00000-of-00001.array_record is "
+                                            r"corrupt: record \d+ cannot be read"):
+      for _ in ds:
+        pass
+  # The same worker still serves the healthy dataset.
+  with RemoteDataset(bad_server.target, "good", 10) as ds:
+    np.testing.assert_array_equal(next(iter(ds))["id"], np.arange(10))
+
+
+def test_failing_pipeline_gives_internal_naming_dataset_step_and_error(bad_server):
+  with RemoteDataset(bad_server.target, "failing", 4, prefetch=0) as ds:
+    it = iter(ds)
+    np.testing.assert_array_equal(next(it)["id"], np.arange(4))  # step 0 is fine
+    with pytest.raises(ElevatorError) as info:
+      next(it)  # step 1 holds record 7
+  assert info.value.code == grpc.StatusCode.INTERNAL
+  assert "dataset 'failing', step 1: ValueError: record 7 is not an image" in str(info.value)
+  with RemoteDataset(bad_server.target, "failing", 4) as ds:
+    it = iter(ds)
+    it.set_state({**it.get_state(), "step": 2})
+    np.testing.assert_array_equal(next(it)["id"], np.arange(8, 12))
