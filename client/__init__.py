@@ -13,11 +13,12 @@ from grain_elevator.server.errors import (ConfigError, DataLossError, ElevatorEr
                                           EndOfDataError, InvalidRequestError,
                                           ServiceUnavailableError,
                                           StreamMismatchError,
+                                          UnauthenticatedError,
                                           UnknownDatasetError)
 
 __all__ = [
     "RemoteDataset", "checkpoint", "describe", "to_device", "tune_malloc",
     "DatasetInfo", "ElevatorError", "ConfigError", "DataLossError",
     "EndOfDataError", "InvalidRequestError", "ServiceUnavailableError",
-    "StreamMismatchError", "UnknownDatasetError",
+    "StreamMismatchError", "UnauthenticatedError", "UnknownDatasetError",
 ]

@@ -50,6 +50,25 @@ class RetryPolicy:
   request_timeout_s: float = 120.0  # per RPC
 
 
+@dataclasses.dataclass(frozen=True)
+class Security:
+  """TLS material (bytes, as `grpc.ssl_channel_credentials` takes them) and a
+  bearer token. Any TLS field turns TLS on."""
+
+  root_certificates: bytes | None = None
+  private_key: bytes | None = None
+  certificate_chain: bytes | None = None
+  auth_token: str | None = dataclasses.field(default=None, repr=False)
+
+  @property
+  def tls(self) -> bool:
+    return any((self.root_certificates, self.private_key, self.certificate_chain))
+
+  @property
+  def metadata(self) -> tuple[tuple[str, str], ...] | None:
+    return (("authorization", f"Bearer {self.auth_token}"),) if self.auth_token else None
+
+
 class CancelToken:
   """Lets another thread cancel one fetch, including its in-flight RPC."""
 
@@ -112,9 +131,11 @@ class ConnectionPool:
   ]
 
   def __init__(self, targets: Sequence[str], *, connections_per_target: int = 4,
-               retry: RetryPolicy | None = None):
+               retry: RetryPolicy | None = None, security: Security | None = None):
     self.targets = list(targets)
     self.retry = retry or RetryPolicy()
+    self._security = security or Security()
+    self._metadata = self._security.metadata
     self._per_target = connections_per_target
     self._lock = threading.Lock()
     self._channels: list[grpc.Channel] = []
@@ -125,6 +146,11 @@ class ConnectionPool:
     self._balanced = False
 
   def _new_channel(self, target: str) -> grpc.Channel:
+    sec = self._security
+    if sec.tls:
+      credentials = grpc.ssl_channel_credentials(
+          sec.root_certificates, sec.private_key, sec.certificate_chain)
+      return grpc.secure_channel(target, credentials, options=self._OPTIONS)
     return grpc.insecure_channel(target, options=self._OPTIONS)
 
   def _spread(self, target: str, request: pb.DescribeRequest) -> list[list[grpc.Channel]]:
@@ -134,7 +160,8 @@ class ConnectionPool:
     for _ in range(8 * max(self._per_target, 4)):
       channel = self._new_channel(target)
       try:
-        response = pb_grpc.ElevatorStub(channel).Describe(request, timeout=5)
+        response = pb_grpc.ElevatorStub(channel).Describe(
+            request, timeout=5, metadata=self._metadata)
       except grpc.RpcError:
         channel.close()
         break  # down or refusing: keep what we have; retries handle the rest
@@ -165,6 +192,8 @@ class ConnectionPool:
           c.unary_stream(GET_BATCHES, request_serializer=pb.BatchRequest.SerializeToString,
                          response_deserializer=wire.decode_batch_bytes)
           for c in channels]
+      self._failures = [0] * len(channels)
+      self._shunned_until = [0.0] * len(channels)
       self._balanced = True
 
   @property
@@ -178,7 +207,22 @@ class ConnectionPool:
         c.close()
 
   def _pick(self) -> int:
-    return next(self._next) % len(self._stubs)
+    """Round-robin over connections, skipping any that failed recently."""
+    start, n, now = next(self._next), len(self._stubs), time.monotonic()
+    for k in range(n):
+      i = (start + k) % n
+      if self._shunned_until[i] <= now:
+        return i
+    return start % n  # all failing: keep trying them in turn
+
+  def _failed(self, i: int) -> None:
+    """Shun connection i for 0.5 s, doubling per consecutive failure, up to 30 s,
+    so a dead or frozen replica stops costing one timeout per request."""
+    self._failures[i] += 1
+    self._shunned_until[i] = time.monotonic() + min(30.0, 0.5 * 2**(self._failures[i] - 1))
+
+  def _succeeded(self, i: int) -> None:
+    self._failures[i] = 0
 
   def _backoff(self, attempt: int) -> float:
     cap = min(self.retry.max_backoff_s, self.retry.initial_backoff_s * 2**attempt)
@@ -197,12 +241,15 @@ class ConnectionPool:
     last = None
     for attempt in itertools.count():
       try:
-        response = self._stubs[self._pick()].Describe(
-            request, timeout=self.retry.request_timeout_s)
+        i = self._pick()
+        response = self._stubs[i].Describe(
+            request, timeout=self.retry.request_timeout_s, metadata=self._metadata)
+        self._succeeded(i)
         return [DatasetInfo.from_proto(d) for d in response.datasets]
       except grpc.RpcError as e:
         if e.code() not in RETRIABLE or self._closed:
           raise errors.from_status(e.code(), e.details()) from e
+        self._failed(i)
         last = e
       if time.monotonic() >= deadline:
         raise self._give_up(f"Describe({dataset!r})", last)
@@ -222,8 +269,9 @@ class ConnectionPool:
       remaining.start_step = request.start_step + len(out)
       remaining.num_steps = request.num_steps - len(out)
       try:
-        call = self._get_batches[self._pick()](
-            remaining, timeout=self.retry.request_timeout_s)
+        i = self._pick()
+        call = self._get_batches[i](
+            remaining, timeout=self.retry.request_timeout_s, metadata=self._metadata)
         token.attach(call)
         for step, leaves in call:
           if step != request.start_step + len(out):  # never deliver out of order
@@ -234,6 +282,7 @@ class ConnectionPool:
           deadline = time.monotonic() + self.retry.timeout_s  # progress made
           attempt = 0
         token.attach(None)
+        self._succeeded(i)
         return out
       except grpc.RpcError as e:
         token.attach(None)
@@ -241,7 +290,10 @@ class ConnectionPool:
           raise Cancelled() from e
         if e.code() not in RETRIABLE:
           raise errors.from_status(e.code(), e.details()) from e
+        self._failed(i)
         last = e
+        if len(out) == request.num_steps:  # died after its last step: all here
+          return out
       if time.monotonic() >= deadline:
         raise self._give_up(
             f"dataset {request.dataset!r} step {remaining.start_step}", last)

@@ -29,7 +29,8 @@ LOCAL_PREFIX = "local:"
 
 
 def make_backend(target: str | Sequence[str], *, connections_per_target: int = 4,
-                 retry: connections.RetryPolicy | None = None):
+                 retry: connections.RetryPolicy | None = None,
+                 security: connections.Security | None = None):
   """A ConnectionPool for "host:port" targets, or an EmbeddedBackend for
   "local:CONFIG_PATH"."""
   targets = connections.parse_targets(target)
@@ -39,7 +40,8 @@ def make_backend(target: str | Sequence[str], *, connections_per_target: int = 4
       raise ValueError(f"'local:CONFIG' cannot be mixed with other targets: {targets}")
     return EmbeddedBackend(local[0][len(LOCAL_PREFIX):])
   return connections.ConnectionPool(
-      targets, connections_per_target=connections_per_target, retry=retry)
+      targets, connections_per_target=connections_per_target, retry=retry,
+      security=security)
 
 
 def describe(target: str | Sequence[str], dataset: str | None = None) -> list[DatasetInfo]:
@@ -84,13 +86,18 @@ class RemoteDataset(grain.IterDataset):
     retry_timeout_s: how long to keep retrying without progress before
       raising ServiceUnavailableError.
     request_timeout_s: deadline of one RPC.
+    root_certificates, private_key, certificate_chain: TLS (bytes, as
+      `grpc.ssl_channel_credentials` takes them); the last two for mutual TLS.
+    auth_token: bearer token for a server run with --auth-token-file.
   """
 
   def __init__(self, target: str | Sequence[str], dataset: str,
                global_batch_size: int, *, shard_index: int | None = None,
                shard_count: int | None = None, prefetch: int = 8,
                steps_per_request: int = 1, connections_per_target: int = 4,
-               retry_timeout_s: float = 60.0, request_timeout_s: float = 120.0):
+               retry_timeout_s: float = 60.0, request_timeout_s: float = 120.0,
+               root_certificates: bytes | None = None, private_key: bytes | None = None,
+               certificate_chain: bytes | None = None, auth_token: str | None = None):
     super().__init__()
     if shard_index is None and shard_count is None:
       shard_index, shard_count = device.jax_process_layout() or (0, 1)
@@ -110,6 +117,8 @@ class RemoteDataset(grain.IterDataset):
     self.connections_per_target = connections_per_target
     self.retry = connections.RetryPolicy(timeout_s=retry_timeout_s,
                                          request_timeout_s=request_timeout_s)
+    self.security = connections.Security(root_certificates, private_key,
+                                         certificate_chain, auth_token)
     self._iterators: weakref.WeakSet[_RemoteIterator] = weakref.WeakSet()
 
   @classmethod
@@ -147,7 +156,7 @@ class _RemoteIterator(grain.DatasetIterator):
     self._ds = ds
     self._backend = make_backend(ds.targets,
                                  connections_per_target=ds.connections_per_target,
-                                 retry=ds.retry)
+                                 retry=ds.retry, security=ds.security)
     self._closed = False
     try:
       (self._info,) = self._backend.describe(ds.dataset, ds.global_batch_size)

@@ -17,7 +17,9 @@ def _serve(args: argparse.Namespace) -> int:
   from grain_elevator.server import supervisor, worker  # pylint: disable=g-import-not-at-top
   opts = worker.WorkerOptions(config_path=args.config, host=args.host,
                               port=args.port, threads=args.threads,
-                              grace_s=args.grace)
+                              grace_s=args.grace, tls_cert=args.tls_cert,
+                              tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
+                              auth_token_file=args.auth_token_file)
   return supervisor.serve(opts, args.workers)
 
 
@@ -142,6 +144,13 @@ def build_parser() -> argparse.ArgumentParser:
                  help="concurrent RPCs per worker process (default 4)")
   p.add_argument("--grace", type=float, default=5.0,
                  help="seconds in-flight requests get on shutdown (default 5)")
+  p.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve TLS")
+  p.add_argument("--tls-key", default=None, help="PEM private key for --tls-cert")
+  p.add_argument("--tls-client-ca", default=None,
+                 help="PEM CA bundle: require client certificates it signed (mutual TLS)")
+  p.add_argument("--auth-token-file", default=None,
+                 help="file holding a bearer token every request must carry "
+                      "(health stays open for probes)")
   p.set_defaults(fn=_serve)
 
   p = sub.add_parser("describe", help="show the datasets a server (or config) offers")

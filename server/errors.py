@@ -54,6 +54,12 @@ class DataLossError(ElevatorError):
   code = grpc.StatusCode.DATA_LOSS
 
 
+class UnauthenticatedError(ElevatorError, PermissionError):
+  """The server wants a (different) bearer token."""
+
+  code = grpc.StatusCode.UNAUTHENTICATED
+
+
 class ServiceUnavailableError(ElevatorError, ConnectionError):
   """No replica answered within the client's retry window."""
 
@@ -63,7 +69,8 @@ class ServiceUnavailableError(ElevatorError, ConnectionError):
 _BY_CODE = {
     cls.code: cls
     for cls in (UnknownDatasetError, InvalidRequestError, EndOfDataError,
-                StreamMismatchError, DataLossError, ServiceUnavailableError)
+                StreamMismatchError, DataLossError, UnauthenticatedError,
+                ServiceUnavailableError)
 }
 
 

@@ -19,7 +19,8 @@ import time
 
 from grain_elevator.server import config as config_lib
 from grain_elevator.server import worker as worker_lib
-from grain_elevator.server.errors import ElevatorError
+from grain_elevator.server import auth
+from grain_elevator.server.errors import ConfigError, ElevatorError
 
 log = logging.getLogger("grain_elevator.server")
 
@@ -144,6 +145,14 @@ def serve(opts: worker_lib.WorkerOptions, num_workers: int | None = None) -> int
   """Runs a server until SIGINT/SIGTERM; returns the process exit code."""
   num_workers = num_workers or os.cpu_count() or 1
   config = config_lib.load_config(opts.config_path)  # Fail fast on a bad file.
+  if bool(opts.tls_cert) != bool(opts.tls_key):
+    raise ConfigError("--tls-cert and --tls-key go together")
+  if opts.tls_client_ca and not opts.tls_cert:
+    raise ConfigError("--tls-client-ca needs --tls-cert and --tls-key")
+  if opts.tls_cert:
+    auth.server_credentials(opts.tls_cert, opts.tls_key, opts.tls_client_ca)  # readable?
+  if opts.auth_token_file:
+    auth.read_token(opts.auth_token_file)
   for key, value in MALLOC_ENV.items():
     os.environ.setdefault(key, value)  # read by each spawned worker's glibc
   sup = Supervisor(opts, num_workers)

@@ -18,6 +18,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from grain_elevator.server import auth
 from grain_elevator.server import config as config_lib
 from grain_elevator.server import dataset as dataset_lib
 from grain_elevator.server import logs
@@ -35,6 +36,10 @@ class WorkerOptions:
   threads: int = 4  # RPCs one worker runs at once
   grace_s: float = 5.0  # in-flight RPCs get this long on SIGTERM
   num_workers: int = 1  # processes sharing the port (reported in Describe)
+  tls_cert: str | None = None
+  tls_key: str | None = None
+  tls_client_ca: str | None = None  # mutual TLS when set
+  auth_token_file: str | None = None
 
 
 def _die_with_parent() -> None:
@@ -50,9 +55,13 @@ def build_server(datasets: dict[str, dataset_lib.ElevatorDataset],
                  opts: WorkerOptions,
                  index: int = 0) -> tuple[grpc.Server, health.HealthServicer, int]:
   """A started-able gRPC server with the Elevator, health and reflection services."""
+  interceptors = []
+  if opts.auth_token_file:
+    interceptors.append(auth.BearerTokenInterceptor(auth.read_token(opts.auth_token_file)))
   server = grpc.server(
       futures.ThreadPoolExecutor(max_workers=opts.threads,
                                  thread_name_prefix="elevator-rpc"),
+      interceptors=interceptors,
       options=[
           ("grpc.so_reuseport", 1),
           ("grpc.max_send_message_length", -1),
@@ -64,7 +73,12 @@ def build_server(datasets: dict[str, dataset_lib.ElevatorDataset],
   health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
   reflection.enable_server_reflection(
       (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-  port = server.add_insecure_port(f"{opts.host}:{opts.port}")
+  address = f"{opts.host}:{opts.port}"
+  if opts.tls_cert:
+    port = server.add_secure_port(address, auth.server_credentials(
+        opts.tls_cert, opts.tls_key, opts.tls_client_ca))
+  else:
+    port = server.add_insecure_port(address)
   return server, health_servicer, port
 
 

@@ -1,0 +1,131 @@
+"""TLS, mutual TLS and bearer tokens: each failure gets its precise status."""
+
+from __future__ import annotations
+
+import pathlib
+import subprocess
+
+import pytest
+
+from grain_elevator.client import (RemoteDataset, ServiceUnavailableError,
+                                   UnauthenticatedError)
+from grain_elevator.server.launcher import ELEVATOR, LocalServer
+from helpers import assert_trees_equal, oracle_batch
+
+TOKEN = "s3cret-token-for-tests"
+
+
+def _openssl(*args: str, cwd: pathlib.Path) -> None:
+  subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+def _ca(d: pathlib.Path, name: str) -> None:
+  _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key",
+           "-out", f"{name}.pem", "-days", "2", "-subj", f"/CN={name}", cwd=d)
+
+
+def _cert(d: pathlib.Path, name: str, ca: str, ext: str) -> None:
+  _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out",
+           f"{name}.csr", "-subj", f"/CN={name}", cwd=d)
+  (d / f"{name}.ext").write_text(ext)
+  _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.pem", "-CAkey", f"{ca}.key",
+           "-CAcreateserial", "-out", f"{name}.pem", "-days", "2", "-extfile",
+           f"{name}.ext", cwd=d)
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory) -> pathlib.Path:
+  d = tmp_path_factory.mktemp("pki")
+  _ca(d, "ca")
+  _ca(d, "other-ca")
+  _cert(d, "server", "ca", "subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+  _cert(d, "client", "ca", "extendedKeyUsage=clientAuth\n")
+  (d / "token").write_text(TOKEN + "\n")
+  return d
+
+
+def _read(d: pathlib.Path, name: str) -> bytes:
+  return (d / name).read_bytes()
+
+
+@pytest.fixture(scope="module")
+def token_server(config_path, pki):
+  with LocalServer(config_path, workers=1,
+                   extra_args=("--auth-token-file", str(pki / "token"))) as s:
+    yield s
+
+
+def test_right_token_serves(token_server, oracle):
+  with RemoteDataset(token_server.target, "plain", 16, auth_token=TOKEN) as ds:
+    assert_trees_equal(next(iter(ds)), oracle_batch(oracle, "plain", 0, 16))
+
+
+@pytest.mark.parametrize("token,message", [
+    (None, "missing bearer token"), ("guess", "wrong bearer token")])
+def test_missing_or_wrong_token_is_unauthenticated(token_server, token, message):
+  with pytest.raises(UnauthenticatedError, match=message) as info:
+    iter(RemoteDataset(token_server.target, "plain", 16, auth_token=token))
+  assert TOKEN not in str(info.value)
+  assert TOKEN not in token_server.stderr()
+
+
+def test_health_needs_no_token(token_server):
+  result = subprocess.run([*ELEVATOR, "health", token_server.target],
+                          capture_output=True, text=True, timeout=60)
+  assert result.returncode == 0 and "SERVING" in result.stdout
+
+
+@pytest.fixture(scope="module")
+def tls_server(config_path, pki):
+  with LocalServer(config_path, workers=1, extra_args=(
+      "--tls-cert", str(pki / "server.pem"), "--tls-key", str(pki / "server.key"))) as s:
+    yield s
+
+
+@pytest.fixture(scope="module")
+def mtls_server(config_path, pki):
+  with LocalServer(config_path, workers=1, extra_args=(
+      "--tls-cert", str(pki / "server.pem"), "--tls-key", str(pki / "server.key"),
+      "--tls-client-ca", str(pki / "ca.pem"))) as s:
+    yield s
+
+
+def test_tls_with_the_right_ca(tls_server, pki, oracle):
+  with RemoteDataset(tls_server.target, "plain", 16,
+                     root_certificates=_read(pki, "ca.pem")) as ds:
+    assert_trees_equal(next(iter(ds)), oracle_batch(oracle, "plain", 0, 16))
+
+
+def test_tls_with_a_wrong_ca_is_refused(tls_server, pki):
+  with pytest.raises(ServiceUnavailableError, match="UNAVAILABLE"):
+    iter(RemoteDataset(tls_server.target, "plain", 16, retry_timeout_s=1.5,
+                       root_certificates=_read(pki, "other-ca.pem")))
+
+
+def test_plaintext_client_cannot_talk_to_tls(tls_server):
+  with pytest.raises(ServiceUnavailableError, match="UNAVAILABLE"):
+    iter(RemoteDataset(tls_server.target, "plain", 16, retry_timeout_s=1.5))
+
+
+def test_mtls_without_a_client_certificate_is_refused(mtls_server, pki):
+  with pytest.raises(ServiceUnavailableError, match="UNAVAILABLE"):
+    iter(RemoteDataset(mtls_server.target, "plain", 16, retry_timeout_s=1.5,
+                       root_certificates=_read(pki, "ca.pem")))
+
+
+def test_mtls_with_a_client_certificate(mtls_server, pki, oracle):
+  with RemoteDataset(mtls_server.target, "plain", 16, root_certificates=_read(pki, "ca.pem"),
+                     private_key=_read(pki, "client.key"),
+                     certificate_chain=_read(pki, "client.pem")) as ds:
+    assert_trees_equal(next(iter(ds)), oracle_batch(oracle, "plain", 0, 16))
+
+
+@pytest.mark.parametrize("args,message", [
+    (("--tls-cert", "x.pem"), "--tls-cert and --tls-key go together"),
+    (("--tls-client-ca", "ca.pem"), "--tls-client-ca needs --tls-cert"),
+    (("--auth-token-file", "/nonexistent/token"), "--auth-token-file '/nonexistent/token'"),
+])
+def test_bad_security_flags(config_path, args, message):
+  result = subprocess.run([*ELEVATOR, "serve", "--config", config_path, "--port", "0", *args],
+                          capture_output=True, text=True, timeout=120)
+  assert result.returncode == 2 and message in result.stderr
