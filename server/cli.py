@@ -19,7 +19,9 @@ def _serve(args: argparse.Namespace) -> int:
                               port=args.port, threads=args.threads,
                               grace_s=args.grace, tls_cert=args.tls_cert,
                               tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
-                              auth_token_file=args.auth_token_file)
+                              auth_token_file=args.auth_token_file,
+                              max_concurrent_rpcs=args.max_concurrent_rpcs,
+                              max_message_bytes=args.max_message_bytes)
   return supervisor.serve(opts, args.workers)
 
 
@@ -144,6 +146,12 @@ def build_parser() -> argparse.ArgumentParser:
                  help="concurrent RPCs per worker process (default 4)")
   p.add_argument("--grace", type=float, default=5.0,
                  help="seconds in-flight requests get on shutdown (default 5)")
+  p.add_argument("--max-concurrent-rpcs", type=int, default=16,
+                 help="RPCs one worker accepts at once; more get RESOURCE_EXHAUSTED "
+                      "and clients back off (default 16)")
+  p.add_argument("--max-message-bytes", type=int, default=256 << 20,
+                 help="largest batch message (one host's rows of one step); "
+                      "checked before building it (default 256 MiB)")
   p.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve TLS")
   p.add_argument("--tls-key", default=None, help="PEM private key for --tls-cert")
   p.add_argument("--tls-client-ca", default=None,

@@ -26,7 +26,9 @@ from grain_elevator.server.errors import (ConfigError, DataLossError,
                                           UnknownDatasetError)
 
 # A host's rows for one step must fit in one gRPC message.
-DEFAULT_MAX_BATCH_BYTES = 1 << 30
+# A host's rows for one step are one gRPC message; bounded so that no request
+# (G = 10^9, say) makes a worker allocate without limit. `--max-message-bytes`.
+DEFAULT_MAX_BATCH_BYTES = 256 << 20
 
 
 def mark_absl_flags_parsed() -> None:
@@ -217,8 +219,8 @@ class ElevatorDataset:
       raise InvalidRequestError(
           f"dataset {self.info.name!r}: {rows} rows of "
           f"{self.info.element_spec.record_bytes} bytes is {batch_bytes} bytes "
-          f"per step, over the limit of {self.max_batch_bytes}; use a smaller "
-          "global_batch_size or more shards")
+          f"per step, over the server's --max-message-bytes of "
+          f"{self.max_batch_bytes}; use a smaller global_batch_size or more shards")
     contract.check_steps(start_step, num_steps, self.info.stream_length,
                          global_batch_size)
 
@@ -244,9 +246,10 @@ class ElevatorDataset:
     return tree.unflatten(self.info.element_spec.structure, leaves)
 
 
-def load_datasets(config: ServerConfig) -> dict[str, ElevatorDataset]:
+def load_datasets(config: ServerConfig, max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES
+                  ) -> dict[str, ElevatorDataset]:
   """Opens every dataset of a config; fails fast with a ConfigError."""
-  return {name: ElevatorDataset(c) for name, c in config.datasets.items()}
+  return {name: ElevatorDataset(c, max_batch_bytes) for name, c in config.datasets.items()}
 
 
 def lookup(datasets: dict[str, ElevatorDataset], name: str) -> ElevatorDataset:

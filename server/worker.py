@@ -36,6 +36,8 @@ class WorkerOptions:
   threads: int = 4  # RPCs one worker runs at once
   grace_s: float = 5.0  # in-flight RPCs get this long on SIGTERM
   num_workers: int = 1  # processes sharing the port (reported in Describe)
+  max_concurrent_rpcs: int = 16  # beyond: RESOURCE_EXHAUSTED, clients back off
+  max_message_bytes: int = dataset_lib.DEFAULT_MAX_BATCH_BYTES
   tls_cert: str | None = None
   tls_key: str | None = None
   tls_client_ca: str | None = None  # mutual TLS when set
@@ -62,6 +64,7 @@ def build_server(datasets: dict[str, dataset_lib.ElevatorDataset],
       futures.ThreadPoolExecutor(max_workers=opts.threads,
                                  thread_name_prefix="elevator-rpc"),
       interceptors=interceptors,
+      maximum_concurrent_rpcs=opts.max_concurrent_rpcs,
       options=[
           ("grpc.so_reuseport", 1),
           ("grpc.max_send_message_length", -1),
@@ -90,7 +93,8 @@ def run(opts: WorkerOptions, index: int, ready: Any) -> None:
   stop = threading.Event()
   signal.signal(signal.SIGTERM, lambda *_: stop.set())
   try:
-    datasets = dataset_lib.load_datasets(config_lib.load_config(opts.config_path))
+    datasets = dataset_lib.load_datasets(config_lib.load_config(opts.config_path),
+                                         opts.max_message_bytes)
     server, health_servicer, port = build_server(datasets, opts, index)
     if port == 0:
       raise OSError(f"cannot listen on {opts.host}:{opts.port}")

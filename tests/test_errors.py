@@ -42,7 +42,7 @@ def stub(server):
      "steps [15, 16) reach past the end: the stream has 15 steps"),
     (dict(start_step=10, num_steps=10), grpc.StatusCode.OUT_OF_RANGE, "past the end"),
     (dict(global_batch_size=1 << 40), grpc.StatusCode.INVALID_ARGUMENT,
-     "over the limit"),
+     "over the server's --max-message-bytes of 268435456"),
     (dict(config_fingerprint="ffffffffffffffff"), grpc.StatusCode.FAILED_PRECONDITION,
      "expects config fingerprint ffffffffffffffff"),
 ])

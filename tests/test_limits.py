@@ -1,0 +1,80 @@
+"""Bounded work per worker, and a clean SIGTERM."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import grpc
+import pytest
+
+from grain_elevator.client import InvalidRequestError, RemoteDataset
+from grain_elevator.proto import elevator_pb2 as pb
+from grain_elevator.proto import elevator_pb2_grpc as pb_grpc
+from grain_elevator.server.launcher import LocalServer
+from helpers import assert_streams_equal
+
+
+def _endless(stub, g: int = 256):
+  """A stream the caller does not drain: it holds its RPC slot open."""
+  call = stub.GetBatches(pb.BatchRequest(
+      dataset="forever", global_batch_size=g, shard_count=1, start_step=0,
+      num_steps=1_000_000), timeout=60)
+  next(call)
+  return call
+
+
+def test_over_the_concurrency_limit_is_resource_exhausted_and_clients_back_off(
+    config_path):
+  with LocalServer(config_path, workers=1,
+                   extra_args=("--max-concurrent-rpcs", "1")) as server:
+    with grpc.insecure_channel(server.target) as channel:
+      stub = pb_grpc.ElevatorStub(channel)
+      held = _endless(stub)
+      with grpc.insecure_channel(server.target,
+                                 options=[("grpc.use_local_subchannel_pool", 1)]) as other:
+        with pytest.raises(grpc.RpcError) as info:
+          pb_grpc.ElevatorStub(other).Describe(pb.DescribeRequest(), timeout=10)
+      assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+      # A client arriving now backs off and retries until the slot frees.
+      ds = RemoteDataset(server.target, "plain", 64, prefetch=2, retry_timeout_s=30)
+      import threading
+      threading.Timer(1.0, held.cancel).start()
+      with ds:
+        with RemoteDataset.embedded(config_path, "plain", 64) as local:
+          assert assert_streams_equal(ds, local) == 15
+
+
+def test_message_size_limit_is_checked_before_building(config_path):
+  with LocalServer(config_path, workers=1,
+                   extra_args=("--max-message-bytes", "10000")) as server:
+    with pytest.raises(InvalidRequestError,
+                       match=r"256 rows of 68 bytes is 17408 bytes per step, over the "
+                             r"server's --max-message-bytes of 10000"):
+      next(iter(RemoteDataset(server.target, "aug2", 256)))
+    with RemoteDataset(server.target, "aug2", 128) as ds:  # 8704 bytes: fine
+      assert next(iter(ds))["image"].shape == (128, 4, 4, 3)
+
+
+def test_sigterm_refuses_new_requests_and_finishes_in_flight_ones(config_path):
+  server = LocalServer(config_path, workers=1, extra_args=("--grace", "20"))
+  try:
+    channel = grpc.insecure_channel(server.target)
+    stub = pb_grpc.ElevatorStub(channel)
+    call = stub.GetBatches(pb.BatchRequest(
+        dataset="plain", global_batch_size=8, shard_count=1, start_step=0,
+        num_steps=120), timeout=60)
+    first = next(call)
+    server.proc.send_signal(signal.SIGTERM)
+    time.sleep(1.0)
+    with grpc.insecure_channel(server.target,
+                               options=[("grpc.use_local_subchannel_pool", 1)]) as fresh:
+      with pytest.raises(grpc.RpcError) as info:
+        pb_grpc.ElevatorStub(fresh).Describe(pb.DescribeRequest(), timeout=5)
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    rest = list(call)  # the in-flight stream still completes
+    assert [first, *rest][-1] is not None and len(rest) == 119
+    assert server.proc.wait(60) == 0
+    channel.close()
+  finally:
+    server.stop()
