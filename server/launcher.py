@@ -21,9 +21,11 @@ class LocalServer:
   """`elevator serve` in a child process; a context manager that stops it."""
 
   def __init__(self, config: str, *, workers: int = 2, host: str = "127.0.0.1",
-               port: int = 0, extra_args: Sequence[str] = ()):
+               port: int = 0, extra_args: Sequence[str] = (),
+               prefix: Sequence[str] = ()):
+    """`prefix` runs the server under another command (`ip netns exec NS`)."""
     self.proc = subprocess.Popen(
-        [*ELEVATOR, "serve", "--config", str(config), "--host", host,
+        [*prefix, *ELEVATOR, "serve", "--config", str(config), "--host", host,
          "--port", str(port), "--workers", str(workers), *extra_args],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     self._stderr: list[str] = []
