@@ -78,3 +78,40 @@ def test_sigterm_refuses_new_requests_and_finishes_in_flight_ones(config_path):
     channel.close()
   finally:
     server.stop()
+
+
+def test_a_cancelled_stream_stops_the_server_computing(config_path):
+  import psutil
+  import subprocess
+  with LocalServer(config_path, workers=1) as server:
+    (pid,) = [int(p) for p in subprocess.run(
+        ["pgrep", "-P", str(server.proc.pid)], capture_output=True, text=True).stdout.split()
+        if "resource_tracker" not in open(f"/proc/{p}/cmdline").read()]
+    worker = psutil.Process(pid)
+    with grpc.insecure_channel(server.target) as channel:
+      call = pb_grpc.ElevatorStub(channel).GetBatches(pb.BatchRequest(
+          dataset="forever", global_batch_size=512, shard_count=1, start_step=0,
+          num_steps=1_000_000), timeout=120)
+
+      def cpu_over(seconds: float) -> float:
+        start = sum(worker.cpu_times()[:2])
+        time.sleep(seconds)
+        return sum(worker.cpu_times()[:2]) - start
+
+      import threading
+
+      def read_all():
+        try:
+          for _ in call:
+            pass
+        except grpc.RpcError as e:
+          assert e.code() == grpc.StatusCode.CANCELLED
+
+      drain = threading.Thread(target=read_all, daemon=True)
+      drain.start()
+      busy = cpu_over(1.5)
+      call.cancel()
+      time.sleep(0.5)
+      idle = cpu_over(1.5)
+    assert busy > 0.3, f"the stream used only {busy:.2f} CPU-s: not a fair baseline"
+    assert idle < busy / 4, f"worker still busy after cancel: {idle:.2f} vs {busy:.2f} CPU-s"
