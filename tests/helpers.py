@@ -37,3 +37,20 @@ def oracle_batch(oracle, dataset: str, step: int, g: int, h: int = 0, n: int = 1
       dataset=dataset, global_batch_size=g, shard_index=h, shard_count=n,
       start_step=step, num_steps=1))
   return tree.unflatten(info.element_spec.structure, leaves)
+
+
+def worker_pids(server) -> list[int]:
+  """PIDs of a LocalServer's worker processes (not the spawn resource tracker)."""
+  import psutil  # pylint: disable=g-import-not-at-top
+  try:
+    children = psutil.Process(server.proc.pid).children()
+  except psutil.NoSuchProcess:
+    return []
+  out = []
+  for child in children:
+    try:
+      if "resource_tracker" not in " ".join(child.cmdline()):
+        out.append(child.pid)
+    except psutil.NoSuchProcess:
+      pass
+  return out

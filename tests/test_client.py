@@ -10,38 +10,46 @@ import numpy as np
 import pytest
 
 from grain_elevator.client import ElevatorError, RemoteDataset
-from helpers import assert_trees_equal, oracle_batch
+from helpers import assert_trees_equal, oracle_batch, worker_pids
 
 
-def _our_threads() -> list[str]:
-  return [t.name for t in threading.enumerate() if t.name.startswith("grain-elevator")]
+def _our_threads() -> set[threading.Thread]:
+  return {t for t in threading.enumerate() if t.name.startswith("grain-elevator")}
 
 
-def test_ends_cleanly_and_drops_the_final_partial_batch(server):
+@pytest.fixture
+def threads_before() -> set[threading.Thread]:
+  """Fetch threads other tests' iterators may still hold (until collected)."""
+  import gc
+  gc.collect()
+  return _our_threads()
+
+
+def test_ends_cleanly_and_drops_the_final_partial_batch(server, threads_before):
   with RemoteDataset(server.target, "plain", 64) as ds:  # 1000 = 15*64 + 40
     batches = list(ds)
   assert len(batches) == 15
   ids = np.concatenate([b["id"] for b in batches])
   np.testing.assert_array_equal(ids, np.arange(960))  # no shuffle: records in order
-  assert not _our_threads()
+  assert not _our_threads() - threads_before
 
 
-def test_close_cancels_in_flight_requests_and_leaves_no_threads(server):
+def test_close_cancels_in_flight_requests_and_leaves_no_threads(server, threads_before):
   ds = RemoteDataset(server.target, "forever", 256, prefetch=16)
   it = iter(ds)
   next(it)
-  assert _our_threads()
+  assert _our_threads() - threads_before
   ds.close()
-  assert not _our_threads()
+  assert not _our_threads() - threads_before
   with pytest.raises(ElevatorError, match="closed"):
     next(it)
 
 
-def test_with_block_closes(server):
+def test_with_block_closes(server, threads_before):
   with RemoteDataset(server.target, "forever", 64, prefetch=4) as ds:
     it = iter(ds)
     next(it)
-  assert not _our_threads()
+  assert not _our_threads() - threads_before
 
 
 def test_composes_with_grain_transforms(server, oracle):
@@ -113,16 +121,14 @@ def test_close_from_another_thread_unblocks_a_waiting_next(config_path):
   """A trainer thread blocked in next() on a frozen server is released by close()."""
   import os
   import signal
-  import subprocess
   from grain_elevator.server.launcher import LocalServer
   with LocalServer(config_path, workers=1) as server:
     ds = RemoteDataset(server.target, "plain", 8, prefetch=0)
     it = iter(ds)
     next(it)
-    workers = subprocess.run(["pgrep", "-P", str(server.proc.pid)], capture_output=True,
-                             text=True).stdout.split()
+    workers = worker_pids(server)
     for pid in workers:
-      os.kill(int(pid), signal.SIGSTOP)
+      os.kill(pid, signal.SIGSTOP)
     try:
       errors = []
 
@@ -142,4 +148,4 @@ def test_close_from_another_thread_unblocks_a_waiting_next(config_path):
       assert isinstance(errors[0], ElevatorError) and "closed" in str(errors[0])
     finally:
       for pid in workers:
-        os.kill(int(pid), signal.SIGCONT)
+        os.kill(pid, signal.SIGCONT)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import random
 import signal
-import subprocess
 import time
 
 import numpy as np
@@ -14,20 +13,14 @@ import pytest
 
 from grain_elevator.client import RemoteDataset, ServiceUnavailableError
 from grain_elevator.server.launcher import LocalServer
-from helpers import oracle_batch
+from helpers import oracle_batch, worker_pids
 
 G = 8  # aug2: 2 epochs x 1000 records -> 250 steps
 
 
-def _workers(server: LocalServer) -> list[int]:
-  out = subprocess.run(["pgrep", "-P", str(server.proc.pid)], capture_output=True, text=True)
-  return [int(p) for p in out.stdout.split()
-          if "resource_tracker" not in open(f"/proc/{p}/cmdline").read()]
-
-
 def _kill_replica(server: LocalServer) -> None:
   """SIGKILL the supervisor and its workers: the replica vanishes at once."""
-  workers = _workers(server)
+  workers = worker_pids(server)
   os.kill(server.proc.pid, signal.SIGKILL)
   for pid in workers:
     try:
@@ -69,7 +62,7 @@ def test_sigkill_one_of_two_replicas(config_path, expected_ids, seed):
 def test_sigkill_one_worker_of_a_replica(config_path, expected_ids):
   at = random.Random(3).randrange(20, 200)
   with LocalServer(config_path, workers=2) as server:
-    victim = _workers(server)[0]
+    victim = worker_pids(server)[0]
     with RemoteDataset(server.target, "aug2", G, prefetch=6, retry_timeout_s=30) as ds:
       _consume(ds, expected_ids, at, lambda: os.kill(victim, signal.SIGKILL))
     assert "killed by signal SIGKILL" in server.stderr()
@@ -78,7 +71,7 @@ def test_sigkill_one_worker_of_a_replica(config_path, expected_ids):
 def test_sigstop_replica_is_treated_as_failed_after_the_deadline(config_path, expected_ids):
   at = random.Random(4).randrange(20, 200)
   a, b = LocalServer(config_path, workers=1), LocalServer(config_path, workers=1)
-  frozen = _workers(a)
+  frozen = worker_pids(a)
   try:
     def freeze():
       for pid in frozen:

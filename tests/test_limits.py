@@ -12,7 +12,7 @@ from grain_elevator.client import InvalidRequestError, RemoteDataset
 from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.proto import elevator_pb2_grpc as pb_grpc
 from grain_elevator.server.launcher import LocalServer
-from helpers import assert_streams_equal
+from helpers import assert_streams_equal, worker_pids
 
 
 def _endless(stub, g: int = 256):
@@ -82,11 +82,8 @@ def test_sigterm_refuses_new_requests_and_finishes_in_flight_ones(config_path):
 
 def test_a_cancelled_stream_stops_the_server_computing(config_path):
   import psutil
-  import subprocess
   with LocalServer(config_path, workers=1) as server:
-    (pid,) = [int(p) for p in subprocess.run(
-        ["pgrep", "-P", str(server.proc.pid)], capture_output=True, text=True).stdout.split()
-        if "resource_tracker" not in open(f"/proc/{p}/cmdline").read()]
+    (pid,) = worker_pids(server)
     worker = psutil.Process(pid)
     with grpc.insecure_channel(server.target) as channel:
       call = pb_grpc.ElevatorStub(channel).GetBatches(pb.BatchRequest(

@@ -12,12 +12,7 @@ import pytest
 
 from grain_elevator.server.launcher import ELEVATOR, LocalServer
 from grain_elevator.client import RemoteDataset
-from helpers import assert_trees_equal, oracle_batch
-
-
-def _children(pid: int) -> list[int]:
-  out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True)
-  return [int(p) for p in out.stdout.split()]
+from helpers import assert_trees_equal, oracle_batch, worker_pids
 
 
 def _wait_for(predicate, timeout: float = 60.0) -> bool:
@@ -29,16 +24,10 @@ def _wait_for(predicate, timeout: float = 60.0) -> bool:
   return False
 
 
-def _workers(pid: int) -> list[int]:
-  """Worker processes (the spawn context also starts a resource tracker)."""
-  return [c for c in _children(pid)
-          if "resource_tracker" not in open(f"/proc/{c}/cmdline").read()]
-
-
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_stops_every_worker_and_exits_zero(config_path, sig):
   server = LocalServer(config_path, workers=2)
-  workers = _workers(server.proc.pid)
+  workers = worker_pids(server)
   assert len(workers) == 2
   server.proc.send_signal(sig)
   assert server.proc.wait(60) == 0, server.stderr()
@@ -47,11 +36,11 @@ def test_signal_stops_every_worker_and_exits_zero(config_path, sig):
 
 def test_a_killed_worker_is_restarted_and_logged(config_path, oracle):
   with LocalServer(config_path, workers=2) as server:
-    victim = _workers(server.proc.pid)[0]
+    victim = worker_pids(server)[0]
     os.kill(victim, signal.SIGKILL)
     assert _wait_for(lambda: "restarting it" in server.stderr())
     assert "killed by signal SIGKILL" in server.stderr()
-    assert _wait_for(lambda: len(_workers(server.proc.pid)) == 2)
+    assert _wait_for(lambda: len(worker_pids(server)) == 2)
     with RemoteDataset(server.target, "seed3", 64) as ds:
       assert_trees_equal(next(iter(ds)), oracle_batch(oracle, "seed3", 0, 64))
 

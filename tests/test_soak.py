@@ -7,7 +7,6 @@ import itertools
 import os
 import random
 import signal
-import subprocess
 import threading
 import time
 
@@ -16,7 +15,7 @@ import psutil
 
 from grain_elevator.client import RemoteDataset
 from grain_elevator.server.launcher import LocalServer
-from helpers import oracle_batch
+from helpers import oracle_batch, worker_pids
 
 CLIENTS = [  # dataset, G, h, H, steps
     ("aug2", 4, 0, 1, 500),
@@ -25,12 +24,6 @@ CLIENTS = [  # dataset, G, h, H, steps
     ("forever", 8, 2, 4, 600),
 ]
 MAX_KILLS = 4
-
-
-def _workers(server: LocalServer) -> list[int]:
-  out = subprocess.run(["pgrep", "-P", str(server.proc.pid)], capture_output=True, text=True)
-  return [int(p) for p in out.stdout.split()
-          if "resource_tracker" not in open(f"/proc/{p}/cmdline").read()]
 
 
 def test_four_clients_while_workers_die(config_path, oracle):
@@ -53,7 +46,7 @@ def test_four_clients_while_workers_die(config_path, oracle):
     deadline = time.monotonic() + 240
     while any(t.is_alive() for t in threads) and time.monotonic() < deadline:
       time.sleep(rng.uniform(0.3, 1.0))
-      workers = _workers(server)
+      workers = worker_pids(server)
       peak_rss = max(peak_rss, sum(psutil.Process(p).memory_info().rss for p in workers
                                    if psutil.pid_exists(p)))
       restarted = server.stderr().count("restarting it") == kills
