@@ -120,6 +120,18 @@ class RemoteDataset(grain.IterDataset):
     self.security = connections.Security(root_certificates, private_key,
                                          certificate_chain, auth_token)
     self._iterators: weakref.WeakSet[_RemoteIterator] = weakref.WeakSet()
+    self._embedded: EmbeddedBackend | None = None
+    self._embedded_lock = threading.Lock()
+
+  def _new_backend(self):
+    """Connections of one iterator; embedded mode shares one opened dataset."""
+    if self.targets[0].startswith(LOCAL_PREFIX):
+      with self._embedded_lock:
+        if self._embedded is None:
+          self._embedded = make_backend(self.targets)
+        return self._embedded
+    return make_backend(self.targets, connections_per_target=self.connections_per_target,
+                        retry=self.retry, security=self.security)
 
   @classmethod
   def embedded(cls, config_path: str, dataset: str, global_batch_size: int,
@@ -154,9 +166,7 @@ class _RemoteIterator(grain.DatasetIterator):
   def __init__(self, ds: RemoteDataset):
     super().__init__()
     self._ds = ds
-    self._backend = make_backend(ds.targets,
-                                 connections_per_target=ds.connections_per_target,
-                                 retry=ds.retry, security=ds.security)
+    self._backend = ds._new_backend()  # pylint: disable=protected-access
     self._closed = False
     try:
       (self._info,) = self._backend.describe(ds.dataset, ds.global_batch_size)
