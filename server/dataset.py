@@ -237,14 +237,6 @@ class ElevatorDataset:
       raise collate_lib.CollateError(
           f"dataset {self.info.name!r}, step {step}: {e}") from e
 
-  def host_batch(self, step: int, global_batch_size: int, shard_index: int = 0,
-                 shard_count: int = 1) -> Any:
-    """Like `host_batch_leaves`, as the record's pytree (checked request)."""
-    self.check_request(global_batch_size, shard_index, shard_count, step, 1)
-    leaves = self.host_batch_leaves(step, global_batch_size, shard_index,
-                                    shard_count)
-    return tree.unflatten(self.info.element_spec.structure, leaves)
-
 
 def load_datasets(config: ServerConfig, max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES
                   ) -> dict[str, ElevatorDataset]:
