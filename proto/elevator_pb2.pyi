@@ -1,10 +1,18 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class Compression(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    COMPRESSION_NONE: _ClassVar[Compression]
+    COMPRESSION_ZSTD: _ClassVar[Compression]
+COMPRESSION_NONE: Compression
+COMPRESSION_ZSTD: Compression
 
 class DescribeRequest(_message.Message):
     __slots__ = ("dataset", "global_batch_size")
@@ -23,12 +31,14 @@ class DescribeResponse(_message.Message):
     def __init__(self, datasets: _Optional[_Iterable[_Union[DatasetInfo, _Mapping]]] = ..., server: _Optional[_Union[ServerInfo, _Mapping]] = ...) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("worker_index", "num_workers")
+    __slots__ = ("worker_index", "num_workers", "bulk_port")
     WORKER_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    BULK_PORT_FIELD_NUMBER: _ClassVar[int]
     worker_index: int
     num_workers: int
-    def __init__(self, worker_index: _Optional[int] = ..., num_workers: _Optional[int] = ...) -> None: ...
+    bulk_port: int
+    def __init__(self, worker_index: _Optional[int] = ..., num_workers: _Optional[int] = ..., bulk_port: _Optional[int] = ...) -> None: ...
 
 class DatasetInfo(_message.Message):
     __slots__ = ("name", "num_records", "num_epochs", "shuffle", "seed", "config_fingerprint", "element_spec", "global_batch_size", "steps_per_epoch", "total_steps")
@@ -73,7 +83,7 @@ class LeafSpec(_message.Message):
     def __init__(self, path: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class BatchRequest(_message.Message):
-    __slots__ = ("dataset", "global_batch_size", "shard_index", "shard_count", "start_step", "num_steps", "config_fingerprint")
+    __slots__ = ("dataset", "global_batch_size", "shard_index", "shard_count", "start_step", "num_steps", "config_fingerprint", "compression")
     DATASET_FIELD_NUMBER: _ClassVar[int]
     GLOBAL_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +91,7 @@ class BatchRequest(_message.Message):
     START_STEP_FIELD_NUMBER: _ClassVar[int]
     NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    COMPRESSION_FIELD_NUMBER: _ClassVar[int]
     dataset: str
     global_batch_size: int
     shard_index: int
@@ -88,17 +99,20 @@ class BatchRequest(_message.Message):
     start_step: int
     num_steps: int
     config_fingerprint: str
-    def __init__(self, dataset: _Optional[str] = ..., global_batch_size: _Optional[int] = ..., shard_index: _Optional[int] = ..., shard_count: _Optional[int] = ..., start_step: _Optional[int] = ..., num_steps: _Optional[int] = ..., config_fingerprint: _Optional[str] = ...) -> None: ...
+    compression: Compression
+    def __init__(self, dataset: _Optional[str] = ..., global_batch_size: _Optional[int] = ..., shard_index: _Optional[int] = ..., shard_count: _Optional[int] = ..., start_step: _Optional[int] = ..., num_steps: _Optional[int] = ..., config_fingerprint: _Optional[str] = ..., compression: _Optional[_Union[Compression, str]] = ...) -> None: ...
 
 class Tensor(_message.Message):
-    __slots__ = ("dtype", "shape", "data")
+    __slots__ = ("dtype", "shape", "data", "compression")
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    COMPRESSION_FIELD_NUMBER: _ClassVar[int]
     dtype: str
     shape: _containers.RepeatedScalarFieldContainer[int]
     data: bytes
-    def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
+    compression: Compression
+    def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., compression: _Optional[_Union[Compression, str]] = ...) -> None: ...
 
 class Batch(_message.Message):
     __slots__ = ("step", "leaves")
@@ -107,3 +121,19 @@ class Batch(_message.Message):
     step: int
     leaves: _containers.RepeatedCompositeFieldContainer[Tensor]
     def __init__(self, step: _Optional[int] = ..., leaves: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ...) -> None: ...
+
+class BulkRequest(_message.Message):
+    __slots__ = ("request", "auth_token")
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    AUTH_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    request: BatchRequest
+    auth_token: str
+    def __init__(self, request: _Optional[_Union[BatchRequest, _Mapping]] = ..., auth_token: _Optional[str] = ...) -> None: ...
+
+class BulkStatus(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...

@@ -46,10 +46,15 @@ def encode_batch(step: int, leaves: Sequence[np.ndarray]) -> pb.Batch:
 
 def decode_leaves(batch: pb.Batch) -> list[np.ndarray]:
   """The batch's leaves as read-only arrays over the message's bytes."""
-  return [
-      np.frombuffer(t.data, dtype=dtype_from_str(t.dtype)).reshape(t.shape)
-      for t in batch.leaves
-  ]
+  out = []
+  for t in batch.leaves:
+    data = t.data
+    if t.compression == COMPRESSION_ZSTD:
+      data = _zstd().ZstdDecompressor().decompress(data)
+    elif t.compression != COMPRESSION_NONE:
+      raise ValueError(f"Tensor has unknown compression {t.compression}")
+    out.append(np.frombuffer(data, dtype=dtype_from_str(t.dtype)).reshape(t.shape))
+  return out
 
 
 def decode_batch(batch: pb.Batch, structure: tree.Structure) -> Any:
@@ -95,25 +100,59 @@ def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
       raise ValueError("varint too long in Batch message")
 
 
-def encode_batch_bytes(step: int, leaves: Sequence[np.ndarray]) -> bytes:
-  """`encode_batch(step, leaves).SerializeToString()`, with one data copy."""
+COMPRESSION_NONE = pb.COMPRESSION_NONE
+COMPRESSION_ZSTD = pb.COMPRESSION_ZSTD
+# Below this a tensor is sent raw even when compression is asked for: ids and
+# labels would gain a few bytes and cost a codec call each.
+MIN_COMPRESSED_BYTES = 4096
+ZSTD_LEVEL = 1  # the fast end: compression is for slow links, not archives
+
+
+def _zstd():
+  try:
+    import zstandard  # pylint: disable=g-import-not-at-top
+  except ImportError as e:  # pragma: no cover - a core dependency
+    raise RuntimeError("compression needs the 'zstandard' package") from e
+  return zstandard
+
+
+def encode_batch_parts(step: int, leaves: Sequence[np.ndarray],
+                       compression: int = COMPRESSION_NONE) -> list[Any]:
+  """The proto3 encoding of a Batch as a list of buffers, tensor data not
+  copied (unless compressed): a socket can send them with one `sendmsg`."""
   parts: list[Any] = []
   if step:
     parts += [b"\x08", _varint(step)]
   for a in leaves:
     a = _little_endian(a)
+    data: Any = memoryview(a).cast("B") if a.nbytes else b""
+    codec = COMPRESSION_NONE
+    if compression == COMPRESSION_ZSTD and a.nbytes >= MIN_COMPRESSED_BYTES:
+      data = _zstd().ZstdCompressor(level=ZSTD_LEVEL).compress(data)
+      codec = COMPRESSION_ZSTD
+    elif compression not in (COMPRESSION_NONE, COMPRESSION_ZSTD):
+      raise ValueError(f"unknown compression {compression}")
     dtype = dtype_to_str(a.dtype).encode()
     head = [b"\x0a", _varint(len(dtype)), dtype]
     if a.shape:
       packed = b"".join(_varint(d) for d in a.shape)
       head += [b"\x12", _varint(len(packed)), packed]
-    if a.nbytes:
-      head += [b"\x1a", _varint(a.nbytes)]
+    if len(data):
+      head += [b"\x1a", _varint(len(data))]
+    tail = b"\x20" + _varint(codec) if codec else b""
     head_bytes = b"".join(head)
-    parts += [b"\x12", _varint(len(head_bytes) + a.nbytes), head_bytes]
-    if a.nbytes:
-      parts.append(memoryview(a).cast("B"))
-  return b"".join(parts)
+    parts += [b"\x12", _varint(len(head_bytes) + len(data) + len(tail)), head_bytes]
+    if len(data):
+      parts.append(data)
+    if tail:
+      parts.append(tail)
+  return parts
+
+
+def encode_batch_bytes(step: int, leaves: Sequence[np.ndarray],
+                       compression: int = COMPRESSION_NONE) -> bytes:
+  """`encode_batch(step, leaves).SerializeToString()`, with one data copy."""
+  return b"".join(encode_batch_parts(step, leaves, compression))
 
 
 def _skip(buf: memoryview, pos: int, wire_type: int) -> int:
@@ -129,8 +168,8 @@ def _skip(buf: memoryview, pos: int, wire_type: int) -> int:
   raise ValueError(f"unsupported wire type {wire_type} in Batch message")
 
 
-def _decode_tensor(data: bytes, buf: memoryview, pos: int, end: int) -> np.ndarray:
-  dtype, shape, offset, nbytes = "", [], pos, 0
+def _decode_tensor(data: Any, buf: memoryview, pos: int, end: int) -> np.ndarray:
+  dtype, shape, offset, nbytes, codec = "", [], pos, 0, COMPRESSION_NONE
   while pos < end:
     key, pos = _read_varint(buf, pos)
     field, wire_type = key >> 3, key & 7
@@ -151,17 +190,25 @@ def _decode_tensor(data: bytes, buf: memoryview, pos: int, end: int) -> np.ndarr
       nbytes, pos = _read_varint(buf, pos)
       offset = pos
       pos += nbytes
+    elif field == 4 and wire_type == _WIRE_VARINT:
+      codec, pos = _read_varint(buf, pos)
     else:
       pos = _skip(buf, pos, wire_type)
   if pos != end:
     raise ValueError("Tensor overruns its Batch message")
   dt = dtype_from_str(dtype)
+  if codec == COMPRESSION_ZSTD:
+    raw = _zstd().ZstdDecompressor().decompress(buf[offset:offset + nbytes])
+    return np.frombuffer(raw, dtype=dt).reshape(shape)
+  if codec != COMPRESSION_NONE:
+    raise ValueError(f"Tensor has unknown compression {codec}")
   return np.frombuffer(data, dtype=dt, count=nbytes // dt.itemsize,
                        offset=offset).reshape(shape)
 
 
-def decode_batch_bytes(data: bytes) -> tuple[int, list[np.ndarray]]:
-  """(step, leaves) of a serialized Batch; leaves are read-only views of `data`."""
+def decode_batch_bytes(data: Any) -> tuple[int, list[np.ndarray]]:
+  """(step, leaves) of a serialized Batch (bytes or any byte buffer); raw
+  leaves are views of `data`, compressed ones own their bytes."""
   buf = memoryview(data)
   pos, step, leaves = 0, 0, []
   while pos < len(buf):

@@ -83,3 +83,32 @@ def test_fast_decoding_reads_what_protobuf_writes(leaves):
 def test_fast_decoding_refuses_truncated_messages(garbage):
   with pytest.raises(ValueError):
     wire.decode_batch_bytes(garbage)
+
+
+@pytest.mark.parametrize("leaves", LEAF_CASES)
+def test_zstd_batches_are_valid_protobuf_and_round_trip(leaves):
+  """Compressed tensors stay readable by any language's stubs (zstd frame in
+  Tensor.data, Tensor.compression set); small ones go raw."""
+  import zstandard
+  from grain_elevator.proto import elevator_pb2 as pb
+  data = wire.encode_batch_bytes(3, leaves, wire.COMPRESSION_ZSTD)
+  msg = pb.Batch.FromString(data)  # protobuf's own parser accepts it
+  for t, a in zip(msg.leaves, leaves, strict=True):
+    big = a.nbytes >= wire.MIN_COMPRESSED_BYTES
+    assert t.compression == (pb.COMPRESSION_ZSTD if big else pb.COMPRESSION_NONE)
+    raw = zstandard.ZstdDecompressor().decompress(t.data) if big else t.data
+    assert raw == np.ascontiguousarray(a.astype(a.dtype.newbyteorder("<"))).tobytes()
+  step, out = wire.decode_batch_bytes(data)
+  assert step == 3
+  for got, want in zip(out, wire.decode_leaves(msg), strict=True):
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert got.tobytes() == want.tobytes() == np.asarray(
+        want, dtype=got.dtype).tobytes()
+
+
+def test_unknown_compression_is_refused():
+  with pytest.raises(ValueError, match="unknown compression"):
+    wire.encode_batch_bytes(0, [np.zeros(5000, np.uint8)], 7)
+  bad = b"\x12\x0c\x0a\x05uint8\x1a\x01\x00\x20\x07"
+  with pytest.raises(ValueError, match="unknown compression 7"):
+    wire.decode_batch_bytes(bad)
