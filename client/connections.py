@@ -12,7 +12,9 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
+import logging
 import random
+import socket
 import threading
 import time
 from typing import Any, Sequence
@@ -20,6 +22,7 @@ from typing import Any, Sequence
 import grpc
 import numpy as np
 
+from grain_elevator.client import bulk
 from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.proto import elevator_pb2_grpc as pb_grpc
 from grain_elevator.proto import wire
@@ -34,6 +37,9 @@ RETRIABLE = frozenset({
     grpc.StatusCode.CANCELLED,  # e.g. a server shutting down; ours are filtered.
 })
 
+
+log = logging.getLogger("grain_elevator.client")
+TRANSPORTS = ("auto", "grpc", "bulk")
 
 GET_BATCHES = "/" + pb.DESCRIPTOR.services_by_name["Elevator"].full_name + "/GetBatches"
 
@@ -75,13 +81,14 @@ class CancelToken:
   def __init__(self) -> None:
     self._lock = threading.Lock()
     self._cancelled = False
-    self._call: grpc.Call | None = None
+    self._call: Any = None
 
   @property
   def cancelled(self) -> bool:
     return self._cancelled
 
-  def attach(self, call: grpc.Call | None) -> None:
+  def attach(self, call: Any) -> None:
+    """`call`: a gRPC call or a bulk connection (anything with `cancel()`)."""
     with self._lock:
       self._call = call
       if self._cancelled and call is not None:
@@ -113,6 +120,43 @@ def parse_targets(target: str | Sequence[str]) -> list[str]:
   return targets
 
 
+def check_transport(transport: str, security: Security) -> None:
+  if transport not in TRANSPORTS:
+    raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
+  if transport == "bulk" and security.tls:
+    raise ValueError("the bulk transport is plaintext: use transport='grpc' (or "
+                     "'auto') with TLS")
+
+
+def _bulk_hosts(target: str) -> list[str]:
+  """The replica addresses behind a target, for bulk connections: the host of
+  "host:port"; every address a "dns:///name:port" name resolves to now (a
+  headless Service); none for other gRPC URIs (those use gRPC)."""
+  if target.startswith("dns:"):
+    name = target[len("dns:"):].lstrip("/").rpartition("/")[2]
+    host = name.rpartition(":")[0] or name
+    try:
+      infos = socket.getaddrinfo(host.strip("[]"), None, type=socket.SOCK_STREAM)
+    except OSError:
+      return []
+    return sorted({info[4][0] for info in infos})
+  if target.startswith(_URI_SCHEMES):
+    return []
+  host = target.rpartition(":")[0]
+  return [host[1:-1] if host.startswith("[") else host]
+
+
+@dataclasses.dataclass(eq=False)
+class _BulkSlot:
+  """A bulk connection's place in the pool: reconnects lazily after failing."""
+  target: str
+  host: str
+  conn: bulk.BulkConnection
+  busy: bool = False
+  failures: int = 0
+  shunned_until: float = 0.0
+
+
 class ConnectionPool:
   """gRPC channels to every replica; fetches steps with failover.
 
@@ -131,8 +175,14 @@ class ConnectionPool:
   ]
 
   def __init__(self, targets: Sequence[str], *, connections_per_target: int = 4,
-               retry: RetryPolicy | None = None, security: Security | None = None):
+               retry: RetryPolicy | None = None, security: Security | None = None,
+               transport: str = "auto"):
+    check_transport(transport, security or Security())
     self.targets = list(targets)
+    self.transport = transport
+    self._bulk_ports: dict[str, int] = {}
+    self._bulk: list[_BulkSlot] = []
+    self._bulk_free = threading.Condition()
     self.retry = retry or RetryPolicy()
     self._security = security or Security()
     self._metadata = self._security.metadata
@@ -166,6 +216,7 @@ class ConnectionPool:
         channel.close()
         break  # down or refusing: keep what we have; retries handle the rest
       workers = max(1, response.server.num_workers)
+      self._bulk_ports[target] = response.server.bulk_port
       want = -(-self._per_target // workers)  # per worker, at least 1
       group = by_worker[response.server.worker_index]
       if len(group) < want:
@@ -194,7 +245,47 @@ class ConnectionPool:
           for c in channels]
       self._failures = [0] * len(channels)
       self._shunned_until = [0.0] * len(channels)
+      if self.transport != "grpc" and not self._security.tls:
+        groups = [g for t in self.targets for g in self._spread_bulk(t)]
+        self._bulk = [s for layer in itertools.zip_longest(*groups) for s in layer if s]
+      if self.transport == "bulk" and not self._bulk:
+        raise errors.ServiceUnavailableError(
+            f"transport='bulk', but no replica of {', '.join(self.targets)} offers a "
+            "reachable bulk port (is it started with --no-bulk or TLS?)")
       self._balanced = True
+
+  def _spread_bulk(self, target: str) -> list[list[_BulkSlot]]:
+    """Bulk connections to each replica behind `target`, balanced over its
+    workers like `_spread`; none where a replica offers no bulk port or it
+    cannot be reached (gRPC then)."""
+    port = self._bulk_ports.get(target, 0)
+    groups: list[list[_BulkSlot]] = []
+    for host in _bulk_hosts(target) if port else []:
+      by_worker: dict[int, list[_BulkSlot]] = collections.defaultdict(list)
+      for _ in range(8 * max(self._per_target, 4)):
+        try:
+          conn = bulk.BulkConnection(host, port)
+        except bulk.BulkRpcError as e:
+          if not by_worker:
+            log.warning("%s: bulk port %s:%d unreachable (%s); using gRPC", target, host,
+                        port, e.details())
+          break
+        workers = max(1, conn.server.num_workers)
+        want = -(-self._per_target // workers)
+        group = by_worker[conn.server.worker_index]
+        if len(group) < want:
+          group.append(_BulkSlot(target, host, conn))
+        else:
+          conn.close()
+        if len(by_worker) >= workers and all(len(g) >= want for g in by_worker.values()):
+          break
+      groups += by_worker.values()
+    return groups
+
+  @property
+  def uses_bulk(self) -> bool:
+    """Whether batches travel over the bulk transport (after the first request)."""
+    return bool(self._bulk)
 
   @property
   def num_connections(self) -> int:
@@ -205,6 +296,10 @@ class ConnectionPool:
       self._closed = True
       for c in self._channels:
         c.close()
+      for slot in self._bulk:
+        slot.conn.close()
+    with self._bulk_free:
+      self._bulk_free.notify_all()
 
   def _pick(self) -> int:
     """Round-robin over connections, skipping any that failed recently."""
@@ -268,36 +363,128 @@ class ConnectionPool:
       remaining.CopyFrom(request)
       remaining.start_step = request.start_step + len(out)
       remaining.num_steps = request.num_steps - len(out)
+      progress = len(out)
       try:
-        i = self._pick()
-        call = self._get_batches[i](
-            remaining, timeout=self.retry.request_timeout_s, metadata=self._metadata)
-        token.attach(call)
-        for step, leaves in call:
-          if step != request.start_step + len(out):  # never deliver out of order
-            raise errors.ElevatorError(
-                f"{request.dataset!r}: server sent step {step}, expected "
-                f"{request.start_step + len(out)}")
-          out.append(leaves)
-          deadline = time.monotonic() + self.retry.timeout_s  # progress made
-          attempt = 0
-        token.attach(None)
-        self._succeeded(i)
+        if self._bulk:
+          self._fetch_bulk(remaining, token, out, request.start_step)
+        else:
+          self._fetch_grpc(remaining, token, out, request.start_step)
         return out
       except grpc.RpcError as e:
-        token.attach(None)
         if token.cancelled or self._closed:
           raise Cancelled() from e
         if e.code() not in RETRIABLE:
           raise errors.from_status(e.code(), e.details()) from e
-        self._failed(i)
         last = e
         if len(out) == request.num_steps:  # died after its last step: all here
           return out
+        if len(out) > progress:
+          deadline = time.monotonic() + self.retry.timeout_s  # progress made
+          attempt = 0
       if time.monotonic() >= deadline:
         raise self._give_up(
-            f"dataset {request.dataset!r} step {remaining.start_step}", last)
+            f"dataset {request.dataset!r} step {request.start_step + len(out)}", last)
       time.sleep(self._backoff(attempt))
       attempt += 1
       if token.cancelled:
         raise Cancelled()
+
+  @staticmethod
+  def _append(out: list[list[np.ndarray]], first: int, step: int,
+              leaves: list[np.ndarray], dataset: str) -> None:
+    if step != first + len(out):  # never deliver out of order
+      raise errors.ElevatorError(
+          f"{dataset!r}: server sent step {step}, expected {first + len(out)}")
+    out.append(leaves)
+
+  def _fetch_grpc(self, request: pb.BatchRequest, token: CancelToken,
+                  out: list[list[np.ndarray]], first: int) -> None:
+    i = self._pick()
+    try:
+      call = self._get_batches[i](
+          request, timeout=self.retry.request_timeout_s, metadata=self._metadata)
+      token.attach(call)
+      for step, leaves in call:
+        self._append(out, first, step, leaves, request.dataset)
+    except grpc.RpcError as e:
+      if e.code() in RETRIABLE:
+        self._failed(i)
+      raise
+    finally:
+      token.attach(None)
+    self._succeeded(i)
+
+  def _fetch_bulk(self, request: pb.BatchRequest, token: CancelToken,
+                  out: list[list[np.ndarray]], first: int) -> None:
+    slot = self._checkout(token)
+    stream = None
+    try:
+      if slot.conn.broken:
+        slot.conn.close()
+        slot.conn = self._reconnect(slot)
+      token.attach(slot.conn)
+      stream = slot.conn.stream(request, timeout_s=self.retry.request_timeout_s,
+                                auth_token=self._security.auth_token)
+      for step, leaves in stream:
+        self._append(out, first, step, leaves, request.dataset)
+    except grpc.RpcError as e:
+      if e.code() in RETRIABLE:
+        # Shun the whole replica, as _failed does a channel: its other
+        # connections would most likely cost a timeout each to find the same.
+        slot.failures += 1
+        until = time.monotonic() + min(30.0, 0.5 * 2**(slot.failures - 1))
+        for other in self._bulk:
+          if (other.target, other.host) == (slot.target, slot.host):
+            other.shunned_until = max(other.shunned_until, until)
+      raise
+    else:
+      slot.failures = 0
+    finally:
+      token.attach(None)
+      if stream is not None:
+        stream.close()  # marks the connection spent if frames were left unread
+      with self._bulk_free:
+        slot.busy = False
+        self._bulk_free.notify()
+
+  def _checkout(self, token: CancelToken) -> _BulkSlot:
+    """A free bulk connection, round-robin, preferring ones not failing lately;
+    waits while all are busy (they bound the requests in flight)."""
+    with self._bulk_free:
+      while True:
+        if token.cancelled or self._closed:
+          raise Cancelled()
+        now = time.monotonic()
+        healthy = [s for s in self._bulk if s.shunned_until <= now]
+        # Wait for a healthy one rather than take a failing one, unless all fail.
+        free = [s for s in (healthy or self._bulk) if not s.busy]
+        if free:
+          chosen = free[next(self._next) % len(free)]
+          chosen.busy = True
+          return chosen
+        self._bulk_free.wait(0.1)
+
+  def _reconnect(self, slot: _BulkSlot) -> bulk.BulkConnection:
+    """A new bulk connection to the slot's replica, asking its current bulk
+    port if refused: a restarted server may have picked another free port."""
+    target, host = slot.target, slot.host
+    timeout = min(5.0, self.retry.request_timeout_s)  # a frozen host accepts, then hangs
+    try:
+      return bulk.BulkConnection(host, self._bulk_ports[target], connect_timeout_s=timeout)
+    except bulk.BulkRpcError as e:
+      if not isinstance(e.__cause__, ConnectionRefusedError):
+        raise  # up but not answering (frozen): asking again would only wait again
+      channel = self._new_channel(target)
+      try:
+        response = pb_grpc.ElevatorStub(channel).Describe(
+            pb.DescribeRequest(), timeout=timeout, metadata=self._metadata)
+      except grpc.RpcError:
+        raise bulk.BulkRpcError(grpc.StatusCode.UNAVAILABLE,
+                                f"replica {target} is unreachable") from None
+      finally:
+        channel.close()
+      if not response.server.bulk_port:
+        raise bulk.BulkRpcError(grpc.StatusCode.UNAVAILABLE,
+                                f"replica {target} no longer offers the bulk transport")
+      self._bulk_ports[target] = response.server.bulk_port
+      return bulk.BulkConnection(host, response.server.bulk_port, connect_timeout_s=timeout)

@@ -21,8 +21,22 @@ def _serve(args: argparse.Namespace) -> int:
                               tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
                               auth_token_file=args.auth_token_file,
                               max_concurrent_rpcs=args.max_concurrent_rpcs,
-                              max_message_bytes=args.max_message_bytes)
+                              max_message_bytes=args.max_message_bytes,
+                              bulk_port=_bulk_port(args))
   return supervisor.serve(opts, args.workers)
+
+
+def _bulk_port(args: argparse.Namespace) -> int | None:
+  """On by default (a free port, advertised in Describe); plaintext, so off
+  under TLS, and an error if asked for explicitly with TLS."""
+  if args.no_bulk:
+    return None
+  if args.tls_cert:
+    if args.bulk_port is not None:
+      raise ElevatorError("--bulk-port serves plaintext and cannot be combined with "
+                          "--tls-cert; TLS clients use gRPC (drop --bulk-port)")
+    return None
+  return 0 if args.bulk_port is None else args.bulk_port
 
 
 def _describe(args: argparse.Namespace) -> int:
@@ -159,6 +173,12 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--auth-token-file", default=None,
                  help="file holding a bearer token every request must carry "
                       "(health stays open for probes)")
+  p.add_argument("--bulk-port", type=int, default=None,
+                 help="port of the bulk transport, which carries batches over plain TCP "
+                      "at a fraction of gRPC's CPU cost (default: a free port, "
+                      "advertised to clients in Describe; off under TLS)")
+  p.add_argument("--no-bulk", action="store_true",
+                 help="do not offer the bulk transport (clients use gRPC)")
   p.set_defaults(fn=_serve)
 
   p = sub.add_parser("describe", help="show the datasets a server (or config) offers")

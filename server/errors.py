@@ -60,6 +60,12 @@ class UnauthenticatedError(ElevatorError, PermissionError):
   code = grpc.StatusCode.UNAUTHENTICATED
 
 
+class InternalError(ElevatorError):
+  """A pipeline raised on the server; names the dataset, step and exception."""
+
+  code = grpc.StatusCode.INTERNAL
+
+
 class ServiceUnavailableError(ElevatorError, ConnectionError):
   """No replica answered within the client's retry window."""
 
@@ -70,7 +76,7 @@ _BY_CODE = {
     cls.code: cls
     for cls in (UnknownDatasetError, InvalidRequestError, EndOfDataError,
                 StreamMismatchError, DataLossError, UnauthenticatedError,
-                ServiceUnavailableError)
+                InternalError, ServiceUnavailableError)
 }
 
 

@@ -15,6 +15,7 @@ from typing import Sequence
 
 ELEVATOR = (sys.executable, "-m", "grain_elevator.server.cli")
 _READY = re.compile(r" on (\S+):(\d+) with ")
+_BULK = re.compile(r", bulk port (\d+) ")
 
 
 class LocalServer:
@@ -40,6 +41,8 @@ class LocalServer:
           f"elevator serve did not start (exit {self.proc.returncode}):\n{self.stderr()}")
     self.host, self.port = match.group(1), int(match.group(2))
     self.target = f"{self.host}:{self.port}"
+    bulk = _BULK.search(line)
+    self.bulk_port: int | None = int(bulk.group(1)) if bulk else None
 
   def _read_stderr(self) -> None:
     for line in self.proc.stderr:

@@ -93,8 +93,13 @@ class Supervisor:
   def start(self) -> int:
     """Starts every worker; returns the port they serve on."""
     reservation = _reserve_port(self._opts.host, self._opts.port)
+    bulk_reservation = None
     try:
       self._opts = dataclasses.replace(self._opts, port=reservation.getsockname()[1])
+      if self._opts.bulk_port is not None:
+        bulk_reservation = _reserve_port(self._opts.host, self._opts.bulk_port)
+        self._opts = dataclasses.replace(
+            self._opts, bulk_port=bulk_reservation.getsockname()[1])
       for i in range(self._num_workers):
         self._spawn(i)
       self._await_ready(set(range(self._num_workers)))
@@ -103,7 +108,13 @@ class Supervisor:
       raise
     finally:
       reservation.close()
+      if bulk_reservation:
+        bulk_reservation.close()
     return self._opts.port
+
+  @property
+  def bulk_port(self) -> int | None:
+    return self._opts.bulk_port
 
   def supervise(self) -> None:
     """Restarts dead workers until `request_stop`."""
@@ -160,8 +171,9 @@ def serve(opts: worker_lib.WorkerOptions, num_workers: int | None = None) -> int
   signal.signal(signal.SIGINT, sup.request_stop)
   port = sup.start()
   names = ", ".join(sorted(config.datasets))
+  bulk = f", bulk port {sup.bulk_port}" if sup.bulk_port is not None else ""
   print(f"elevator: serving [{names}] on {opts.host}:{port} with {num_workers} "
-        f"worker processes (pid {os.getpid()})", flush=True)
+        f"worker processes{bulk} (pid {os.getpid()})", flush=True)
   try:
     sup.supervise()
   finally:

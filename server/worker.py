@@ -19,6 +19,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from grain_elevator.server import auth
+from grain_elevator.server import bulk as bulk_lib
 from grain_elevator.server import config as config_lib
 from grain_elevator.server import dataset as dataset_lib
 from grain_elevator.server import logs
@@ -42,6 +43,9 @@ class WorkerOptions:
   tls_key: str | None = None
   tls_client_ca: str | None = None  # mutual TLS when set
   auth_token_file: str | None = None
+  # The bulk transport's port (server/bulk.py); None: not offered. The
+  # supervisor turns 0 into one free port that all workers share.
+  bulk_port: int | None = None
 
 
 def _die_with_parent() -> None:
@@ -53,10 +57,17 @@ def _die_with_parent() -> None:
       pass
 
 
+@dataclasses.dataclass
+class Servers:
+  grpc: grpc.Server
+  health: health.HealthServicer
+  port: int
+  bulk: bulk_lib.BulkServer | None
+
+
 def build_server(datasets: dict[str, dataset_lib.ElevatorDataset],
-                 opts: WorkerOptions,
-                 index: int = 0) -> tuple[grpc.Server, health.HealthServicer, int]:
-  """A started-able gRPC server with the Elevator, health and reflection services."""
+                 opts: WorkerOptions, index: int = 0) -> Servers:
+  """Start-able gRPC (Elevator, health, reflection) and bulk servers."""
   interceptors = []
   if opts.auth_token_file:
     interceptors.append(auth.BearerTokenInterceptor(auth.read_token(opts.auth_token_file)))
@@ -70,8 +81,15 @@ def build_server(datasets: dict[str, dataset_lib.ElevatorDataset],
           ("grpc.max_send_message_length", -1),
           ("grpc.max_receive_message_length", 1 << 20),  # requests are tiny
       ])
-  servicer_lib.add_to_server(
-      servicer_lib.ElevatorServicer(datasets, index, opts.num_workers), server)
+  servicer = servicer_lib.ElevatorServicer(datasets, index, opts.num_workers)
+  bulk_server = None
+  if opts.bulk_port is not None:
+    bulk_server = bulk_lib.BulkServer(
+        servicer, opts.host, opts.bulk_port,
+        auth_token=auth.read_token(opts.auth_token_file) if opts.auth_token_file else None,
+        max_concurrent_requests=opts.max_concurrent_rpcs)
+    servicer.set_bulk_port(bulk_server.port)
+  servicer_lib.add_to_server(servicer, server)
   health_servicer = health.HealthServicer()
   health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
   reflection.enable_server_reflection(
@@ -82,7 +100,7 @@ def build_server(datasets: dict[str, dataset_lib.ElevatorDataset],
         opts.tls_cert, opts.tls_key, opts.tls_client_ca))
   else:
     port = server.add_insecure_port(address)
-  return server, health_servicer, port
+  return Servers(server, health_servicer, port, bulk_server)
 
 
 def run(opts: WorkerOptions, index: int, ready: Any) -> None:
@@ -95,16 +113,21 @@ def run(opts: WorkerOptions, index: int, ready: Any) -> None:
   try:
     datasets = dataset_lib.load_datasets(config_lib.load_config(opts.config_path),
                                          opts.max_message_bytes)
-    server, health_servicer, port = build_server(datasets, opts, index)
-    if port == 0:
+    servers = build_server(datasets, opts, index)
+    if servers.port == 0:
       raise OSError(f"cannot listen on {opts.host}:{opts.port}")
   except (ConfigError, OSError) as e:
     ready.put((index, str(e)))
     return
-  server.start()
+  servers.grpc.start()
+  if servers.bulk:
+    servers.bulk.start()
   for service in ("", SERVICE_NAME):
-    health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+    servers.health.set(service, health_pb2.HealthCheckResponse.SERVING)
   ready.put((index, None))
   stop.wait()
-  health_servicer.enter_graceful_shutdown()
-  server.stop(opts.grace_s).wait()
+  servers.health.enter_graceful_shutdown()
+  stopped = servers.grpc.stop(opts.grace_s)
+  if servers.bulk:
+    servers.bulk.stop(opts.grace_s)
+  stopped.wait()

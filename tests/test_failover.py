@@ -46,13 +46,13 @@ def _consume(ds: RemoteDataset, expected: list[np.ndarray], at: int, fault) -> N
     np.testing.assert_array_equal(a, b, err_msg=f"step {k}")
 
 
-@pytest.mark.parametrize("seed", [1, 2])
-def test_sigkill_one_of_two_replicas(config_path, expected_ids, seed):
+@pytest.mark.parametrize("seed, transport", [(1, "grpc"), (2, "bulk")])
+def test_sigkill_one_of_two_replicas(config_path, expected_ids, seed, transport):
   at = random.Random(seed).randrange(20, 200)
   a, b = LocalServer(config_path, workers=1), LocalServer(config_path, workers=1)
   try:
     with RemoteDataset([a.target, b.target], "aug2", G, prefetch=6,
-                       retry_timeout_s=30) as ds:
+                       retry_timeout_s=30, transport=transport) as ds:
       _consume(ds, expected_ids, at, lambda: _kill_replica(a))
   finally:
     a.stop()

@@ -1,0 +1,82 @@
+"""Framing of the bulk transport (see the end of elevator.proto).
+
+Both ends send MAGIC, then frames: a 1-byte kind, an 8-byte little-endian
+payload length, the payload. Batch payloads are received into a fresh
+buffer each (never reused), so the arrays decoded from one stay valid for as
+long as the trainer holds them.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+from typing import Any, Sequence
+
+import numpy as np
+
+MAGIC = b"GEB1"
+HELLO, REQUEST, BATCH, STATUS = 1, 2, 3, 4
+KINDS = {HELLO: "hello", REQUEST: "request", BATCH: "batch", STATUS: "status"}
+_HEADER = struct.Struct("<BQ")
+_IOV_MAX = 512
+# A frame bigger than this is a protocol error, not a batch (the server caps
+# batches at --max-message-bytes, 256 MiB by default).
+MAX_FRAME_BYTES = 1 << 34
+
+
+class ProtocolError(ConnectionError):
+  """The peer does not speak the bulk protocol (or broke it)."""
+
+
+def send_parts(sock: socket.socket, parts: Sequence[Any]) -> None:
+  """Sends every buffer in order with as few syscalls as the kernel allows,
+  without joining them (tensor data is not copied)."""
+  views = [memoryview(p).cast("B") for p in parts if len(p)]
+  while views:
+    sent = sock.sendmsg(views[:_IOV_MAX])
+    while sent:
+      if sent >= len(views[0]):
+        sent -= len(views[0])
+        views.pop(0)
+      else:
+        views[0] = views[0][sent:]
+        sent = 0
+
+
+def send_frame(sock: socket.socket, kind: int, parts: Sequence[Any]) -> None:
+  size = sum(len(memoryview(p).cast("B")) for p in parts)
+  send_parts(sock, [_HEADER.pack(kind, size), *parts])
+
+
+def recv_into(sock: socket.socket, view: memoryview) -> None:
+  got, n = 0, len(view)
+  while got < n:
+    r = sock.recv_into(view[got:], n - got)
+    if not r:
+      raise ConnectionResetError(f"connection closed after {got} of {n} bytes")
+    got += r
+
+
+def recv_frame(sock: socket.socket, expect: Sequence[int]) -> tuple[int, np.ndarray]:
+  """The next frame's (kind, payload); the payload is a new uint8 array
+  (uninitialised before the read, so no memset is paid)."""
+  header = bytearray(_HEADER.size)
+  recv_into(sock, memoryview(header))
+  kind, size = _HEADER.unpack(header)
+  if kind not in expect:
+    raise ProtocolError(f"expected a {'/'.join(KINDS.get(k, str(k)) for k in expect)} "
+                        f"frame, got kind {kind}")
+  if size > MAX_FRAME_BYTES:
+    raise ProtocolError(f"frame of {size} bytes is beyond the protocol's limit")
+  payload = np.empty(size, dtype=np.uint8)
+  if size:
+    recv_into(sock, memoryview(payload))
+  return kind, payload
+
+
+def exchange_magic(sock: socket.socket) -> None:
+  sock.sendall(MAGIC)
+  got = bytearray(len(MAGIC))
+  recv_into(sock, memoryview(got))
+  if bytes(got) != MAGIC:
+    raise ProtocolError(f"peer sent {bytes(got)!r}, not the bulk protocol's {MAGIC!r}")

@@ -1,0 +1,224 @@
+"""The bulk transport: same batches as gRPC and the oracle, same errors,
+held batches never overwritten, and it stays out of the way when it can't
+be used."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import threading
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+from grain_elevator.client import RemoteDataset, ServiceUnavailableError
+from grain_elevator.client.bulk import BulkConnection, BulkRpcError
+from grain_elevator.proto import elevator_pb2 as pb
+from grain_elevator.server.launcher import ELEVATOR, LocalServer
+from helpers import assert_streams_equal, assert_trees_equal, oracle_batch, worker_pids
+
+
+def _request(dataset: str = "plain", g: int = 16, start: int = 0, steps: int = 3,
+             **kw) -> pb.BatchRequest:
+  return pb.BatchRequest(dataset=dataset, global_batch_size=g, shard_count=1,
+                         start_step=start, num_steps=steps, **kw)
+
+
+def test_server_offers_it_and_the_client_uses_it(server):
+  assert server.bulk_port
+  with RemoteDataset(server.target, "plain", 16) as ds:
+    it = iter(ds)
+    next(it)
+    assert it._backend.uses_bulk  # pylint: disable=protected-access
+
+
+@pytest.mark.parametrize("compression", ["none", "zstd"])
+@pytest.mark.parametrize("transport", ["grpc", "bulk"])
+def test_transports_and_compression_match_the_oracle(server, config_path, transport,
+                                                     compression):
+  for dataset, g, h, n in (("aug2", 48, 1, 3), ("seed3fast", 64, 0, 2), ("raw", 32, 0, 1)):
+    with RemoteDataset(server.target, dataset, g, shard_index=h, shard_count=n,
+                       transport=transport, compression=compression) as remote:
+      with RemoteDataset.embedded(config_path, dataset, g, shard_index=h,
+                                  shard_count=n) as local:
+        assert assert_streams_equal(remote, local) > 0
+
+
+def test_held_batches_are_never_overwritten(server, oracle):
+  """Every batch gets its own receive buffer: a trainer may keep batches
+  (a replay buffer, a device queue) while the stream goes on."""
+  g = 64
+  with RemoteDataset(server.target, "forever", g, transport="bulk", prefetch=4) as ds:
+    it = iter(ds)
+    held = [next(it) for _ in range(20)]
+    snapshots = [{k: v.copy() for k, v in b.items()} for b in held]
+    for _ in range(60):
+      next(it)
+  for k, (b, snap) in enumerate(zip(held, snapshots)):
+    assert_trees_equal(b, snap, f"held step {k}")
+    assert_trees_equal(b, oracle_batch(oracle, "forever", k, g), f"held step {k}")
+
+
+@pytest.mark.parametrize("request_kw, code, message", [
+    ({"dataset": "nope"}, grpc.StatusCode.NOT_FOUND, "nope"),
+    ({"g": 0}, grpc.StatusCode.INVALID_ARGUMENT, "global_batch_size"),
+    ({"start": 10**9}, grpc.StatusCode.OUT_OF_RANGE, "step"),
+    ({"config_fingerprint": "0000"}, grpc.StatusCode.FAILED_PRECONDITION, "fingerprint"),
+])
+def test_bad_requests_get_grpc_statuses_and_the_connection_lives_on(
+    server, oracle, request_kw, code, message):
+  conn = BulkConnection(server.host, server.bulk_port)
+  try:
+    with pytest.raises(BulkRpcError) as info:
+      list(conn.stream(_request(**request_kw), timeout_s=30))
+    assert info.value.code() == code
+    assert message in info.value.details()
+    assert not conn.broken
+    (step, leaves), = list(conn.stream(_request(start=5, steps=1), timeout_s=30))
+    assert step == 5
+    assert leaves[1].tobytes() == oracle_batch(oracle, "plain", 5, 16)["image"].tobytes()
+  finally:
+    conn.close()
+
+
+def test_garbage_is_dropped_and_others_are_still_served(server):
+  with socket.create_connection((server.host, server.bulk_port), timeout=10) as s:
+    s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+    s.settimeout(10)
+    try:
+      while s.recv(65536):  # its greeting, then it hangs up (not a timeout)
+        pass
+    except ConnectionResetError:
+      pass
+  conn = BulkConnection(server.host, server.bulk_port)
+  try:
+    assert len(list(conn.stream(_request(), timeout_s=30))) == 3
+  finally:
+    conn.close()
+
+
+def test_a_non_elevator_port_is_a_clear_unavailable(tmp_path):
+  with socket.create_server(("127.0.0.1", 0)) as listener:
+    port = listener.getsockname()[1]
+
+    def answer():
+      c, _ = listener.accept()
+      c.sendall(b"SSH-2.0-OpenSSH\r\n")
+      time.sleep(1)
+      c.close()
+    threading.Thread(target=answer, daemon=True).start()
+    with pytest.raises(BulkRpcError, match="not the bulk protocol") as info:
+      BulkConnection("127.0.0.1", port)
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_no_bulk_server_means_grpc(config_path, oracle):
+  with LocalServer(config_path, workers=1, extra_args=("--no-bulk",)) as srv:
+    assert srv.bulk_port is None
+    with RemoteDataset(srv.target, "seed3", 50) as ds:
+      it = iter(ds)
+      assert_trees_equal(next(it), oracle_batch(oracle, "seed3", 0, 50))
+      assert not it._backend.uses_bulk  # pylint: disable=protected-access
+    with pytest.raises(ServiceUnavailableError, match="no replica .* offers a reachable bulk"):
+      next(iter(RemoteDataset(srv.target, "seed3", 50, transport="bulk")))
+
+
+def test_bulk_port_with_tls_is_refused(config_path, tmp_path):
+  for name in ("cert.pem", "key.pem"):
+    (tmp_path / name).write_text("x")
+  result = subprocess.run(
+      [*ELEVATOR, "serve", "--config", str(config_path), "--port", "0", "--bulk-port", "0",
+       "--tls-cert", str(tmp_path / "cert.pem"), "--tls-key", str(tmp_path / "key.pem")],
+      capture_output=True, text=True, timeout=60)
+  assert result.returncode == 2
+  assert "--bulk-port serves plaintext" in result.stderr
+
+
+def test_a_cancelled_bulk_stream_stops_the_server_computing(config_path):
+  import psutil
+  with LocalServer(config_path, workers=1) as srv:
+    (pid,) = worker_pids(srv)
+    worker = psutil.Process(pid)
+    conn = BulkConnection(srv.host, srv.bulk_port)
+    stream = conn.stream(_request("forever", 512, steps=1_000_000), timeout_s=60)
+
+    def read_all():
+      try:
+        for _ in stream:
+          pass
+      except BulkRpcError:
+        pass
+
+    def cpu_over(seconds: float) -> float:
+      start = sum(worker.cpu_times()[:2])
+      time.sleep(seconds)
+      return sum(worker.cpu_times()[:2]) - start
+
+    threading.Thread(target=read_all, daemon=True).start()
+    busy = cpu_over(1.5)
+    conn.cancel()
+    time.sleep(0.5)
+    idle = cpu_over(1.5)
+    conn.close()
+  assert busy > 0.3, f"the stream used only {busy:.2f} CPU-s: not a fair baseline"
+  assert idle < busy / 4, f"worker still busy after cancel: {idle:.2f} vs {busy:.2f} CPU-s"
+
+
+def test_sigterm_finishes_in_flight_bulk_requests_and_refuses_new_ones(config_path):
+  srv = LocalServer(config_path, workers=1, extra_args=("--grace", "20"))
+  try:
+    busy = BulkConnection(srv.host, srv.bulk_port)
+    idle = BulkConnection(srv.host, srv.bulk_port)
+    stream = busy.stream(_request(steps=60, g=8), timeout_s=60)
+    first = next(stream)
+    srv.proc.send_signal(signal.SIGTERM)
+    time.sleep(1.0)
+    with pytest.raises(BulkRpcError) as info:  # idle connections are closed
+      list(idle.stream(_request(steps=1), timeout_s=10))
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    rest = list(stream)  # the in-flight request still completes
+    assert first[0] == 0 and [s for s, _ in rest] == list(range(1, 60))
+    assert srv.proc.wait(60) == 0
+    busy.close()
+    idle.close()
+  finally:
+    srv.stop()
+
+
+def test_a_restarted_server_on_a_new_bulk_port_is_found_again(config_path, oracle):
+  """Failover re-asks a replica for its bulk port: with the default free-port
+  choice, a restarted server listens somewhere else."""
+  first = LocalServer(config_path, workers=1)
+  port = first.port
+  with RemoteDataset(first.target, "forever", 32, prefetch=2, transport="bulk",
+                     retry_timeout_s=60) as ds:
+    it = iter(ds)
+    got = [next(it) for _ in range(5)]
+    old_bulk = first.bulk_port
+    first.stop()
+    new_bulk = old_bulk
+    while new_bulk == old_bulk:
+      with socket.create_server(("127.0.0.1", 0)) as probe:
+        new_bulk = probe.getsockname()[1]
+    second = LocalServer(config_path, workers=1, port=port,
+                         extra_args=("--bulk-port", str(new_bulk)))
+    try:
+      assert second.bulk_port == new_bulk
+      got += [next(it) for _ in range(20)]
+    finally:
+      second.stop()
+  for k, batch in enumerate(got):
+    assert_trees_equal(batch, oracle_batch(oracle, "forever", k, 32), f"step {k}")
+
+
+def test_a_dns_target_gets_bulk_connections_to_its_addresses(server, oracle):
+  """dns:///name:port (a headless Service) resolves to each replica's address."""
+  target = f"dns:///localhost:{server.port}"
+  with RemoteDataset(target, "seed3", 50, transport="bulk") as ds:
+    it = iter(ds)
+    assert_trees_equal(next(it), oracle_batch(oracle, "seed3", 0, 50))
+    hosts = {s.host for s in it._backend._bulk}  # pylint: disable=protected-access
+  assert "127.0.0.1" in hosts
