@@ -89,7 +89,8 @@ def _bench(args: argparse.Namespace) -> int:
       data_dir=args.data, workload_names=args.workloads.split(","),
       workers=[int(w) for w in args.workers.split(",")], repeats=args.repeats,
       seconds=args.seconds, warmup_s=args.warmup,
-      records={"small": args.small_records, "large": args.large_records})
+      records={"small": args.small_records, "large": args.large_records},
+      tfdata=not args.no_tfdata)
   print(run.table(report))
   if args.json:
     pathlib.Path(args.json).write_text(json.dumps(report, indent=1))
@@ -200,7 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--source", choices=("auto", "digits", "generated"), default="auto")
   p.set_defaults(fn=_make_dataset)
 
-  p = sub.add_parser("bench", help="measure against local Grain and the wire's limit")
+  p = sub.add_parser("bench", help="measure against local Grain, tf.data service "
+                                   "and the wire's limit")
   p.add_argument("--workloads", default="small,large", help="small,large (default both)")
   p.add_argument("--data", default=None,
                  help="folder for the benchmark's shards (default: a temp folder, "
@@ -216,6 +218,8 @@ def build_parser() -> argparse.ArgumentParser:
                  help="records in the large workload (default 4,000)")
   p.add_argument("--json", default=None, help="also write the full results here")
   p.add_argument("--plot", default=None, help="also draw a PNG here (needs matplotlib)")
+  p.add_argument("--no-tfdata", action="store_true",
+                 help="skip (e) tf.data service even when TensorFlow is installed")
   p.set_defaults(fn=_bench)
 
   p = sub.add_parser("bench-feed",

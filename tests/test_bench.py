@@ -20,7 +20,8 @@ def test_bench_reports_every_system(tmp_path):
   for workload in ("small", "large"):
     systems = report["workloads"][workload]["systems"]
     assert set(systems) == {"grain_t0_mp0", "grain_t0_mp2", "grain_t16_mp0", "grain_t16_mp2",
-                            "embedded", "service_w1", "service_w1_per_record", "tcp"}
+                            "embedded", "service_w1", "service_w1_grpc", "service_w1_zstd",
+                            "service_w1_per_record", "tcp"}
     for key, row in systems.items():
       assert row["records_per_s"]["median"] > 0, key
     assert systems["service_w1"]["resume_first_batch_s"]["median"] > 0

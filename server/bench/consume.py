@@ -66,6 +66,18 @@ def _elevator(spec: dict[str, Any]) -> Callable[[], Any]:
   return make
 
 
+def _tfdata(spec: dict[str, Any]) -> Callable[[], Any]:
+  """tf.data service (system e): TFRecord files through `distribute`."""
+  from grain_elevator.server.bench import tfdata  # pylint: disable=g-import-not-at-top
+  tfdata.import_tf()  # outside `make`, as Grain's import is: not part of first batch
+
+  def make():
+    return tfdata.TfDataIterator(tfdata.dataset(
+        spec["files"], spec["options"], spec["global_batch_size"], target=spec.get("target"),
+        shuffle_records=spec.get("shuffle_buffer"), compression=spec.get("compression")))
+  return make
+
+
 class _TcpIterator:
   def __init__(self, port: int, batch_bytes: int):
     from grain_elevator.server.bench import tcp  # pylint: disable=g-import-not-at-top
@@ -106,7 +118,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     make = lambda: _TcpIterator(spec["tcp_port"], spec["batch_bytes"])  # noqa: E731
     size = lambda b: b  # noqa: E731
   else:
-    make = _grain_local(spec) if kind == "grain" else _elevator(spec)
+    make = {"grain": _grain_local, "tfdata": _tfdata}.get(kind, _elevator)(spec)
     size = _nbytes
   proc = psutil.Process()
   t0 = time.perf_counter()
@@ -134,7 +146,9 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
       "first_batch_s": ttfb,
       "batch_bytes": batch_bytes,
   }
-  if kind != "tcp":
+  if kind == "tfdata":  # tf.data service iterators cannot be saved or restored
+    result["resume_first_batch_s"] = None
+  elif kind != "tcp":
     result["resume_first_batch_s"] = _resume(make)
   return result
 

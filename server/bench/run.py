@@ -25,21 +25,23 @@ class System:
   key: str  # stable id for JSON
   label: str  # table row
   spec: dict[str, Any]
-  kind: str  # grain | embedded | service | tcp
+  kind: str  # grain | embedded | service | tcp | tfdata
 
 
 def _log(msg: str) -> None:
   print(msg, file=sys.stderr, flush=True)
 
 
-def _client_settings(w: workloads_lib.Workload) -> dict[str, Any]:
-  # Small batches: several steps per RPC amortise its overhead.
-  return {"prefetch": 16, "steps_per_request": 4} if w.name == "small" else {
-      "prefetch": 8, "steps_per_request": 1}
+def _client_settings(w: workloads_lib.Workload, **extra: Any) -> dict[str, Any]:
+  # Small batches: several steps per request amortise its overhead.
+  base = {"prefetch": 16, "steps_per_request": 4} if w.name == "small" else {
+      "prefetch": 8, "steps_per_request": 4, "connections_per_target": 2}
+  return {**base, **extra}
 
 
 def _systems(w: workloads_lib.Workload, files: list[str], config: str,
-             servers: dict[int, LocalServer], tcp_port: int | None) -> list[System]:
+             servers: dict[int, LocalServer], tcp_port: int | None,
+             tf_services: dict[int, Any], tf_files: list[str]) -> list[System]:
   base = {"workload": w.name, "global_batch_size": w.global_batch_size}
   out = []
   for threads in (0, 16):
@@ -56,14 +58,22 @@ def _systems(w: workloads_lib.Workload, files: list[str], config: str,
         **base, "system": "service", "target": server.target, "dataset": w.name,
         "client": _client_settings(w)}, "service"))
   top = max(servers)
+  service = {**base, "system": "service", "target": servers[top].target, "dataset": w.name}
+  out.append(System(f"service_w{top}_grpc", f"(c) service, W={top}, gRPC transport", {
+      **service, "client": _client_settings(w, transport="grpc")}, "service"))
+  out.append(System(f"service_w{top}_zstd", f"(c) service, W={top}, zstd compression", {
+      **service, "client": _client_settings(w, compression="zstd")}, "service"))
   out.append(System(f"service_w{top}_per_record",
                     f"(c) service, W={top}, per-record pipeline (no batch_transform)", {
-      **base, "system": "service", "target": servers[top].target,
-      "dataset": f"{w.name}_per_record", "client": _client_settings(w)}, "service"))
+      **service, "dataset": f"{w.name}_per_record", "client": _client_settings(w)}, "service"))
   if tcp_port is not None:
     out.append(System("tcp", "(d) plain TCP socket, same bytes", {
         **base, "system": "tcp", "tcp_port": tcp_port,
         "batch_bytes": w.global_batch_size * w.delivered_bytes_per_record}, "tcp"))
+  from grain_elevator.server.bench import tfdata  # pylint: disable=g-import-not-at-top
+  for workers, svc in tf_services.items():
+    out.append(System(f"tfdata_w{workers}", f"(e) tf.data service, W={workers}", {
+        **base, **tfdata.consume_spec(w, svc.target, tf_files)}, "tfdata"))
   return out
 
 
@@ -84,19 +94,24 @@ def _summary(values: list[float | None]) -> dict[str, float] | None:
   return {"median": statistics.median(vals), "min": min(vals), "max": max(vals)}
 
 
-def _tfdata_note() -> str:
-  try:
-    import tensorflow  # pylint: disable=g-import-not-at-top,unused-import
-  except ImportError:
-    return ("(e) tf.data service: skipped, TensorFlow is not installed. Figures "
-            "measured on this machine are in DESIGN.md §4 and BENCHMARKS.md.")
-  return ("(e) tf.data service: TensorFlow is installed, but this benchmark does not "
-          "drive it yet; see BENCHMARKS.md for the figures it uses.")
+def _has_tensorflow() -> bool:
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  return importlib.util.find_spec("tensorflow") is not None
+
+
+def _tfdata_note(ran: bool) -> str:
+  if not ran:
+    return ("(e) tf.data service: skipped, TensorFlow is not installed "
+            "(pip install 'grain-elevator[tfdata]'). Figures measured on this machine "
+            "are in BENCHMARKS.md.")
+  return ("(e) tf.data service: one dispatcher and W worker processes on the same records "
+          "as TFRecord; file shuffle + a record shuffle buffer (it has no global shuffle); "
+          "compression off (its fastest here); its iterators cannot resume, so n/a.")
 
 
 def run(*, data_dir: str | None, workload_names: list[str], workers: list[int],
         repeats: int, seconds: float, warmup_s: float,
-        records: dict[str, int]) -> dict[str, Any]:
+        records: dict[str, int], tfdata: bool = True) -> dict[str, Any]:
   """Runs every system of every workload `repeats` times, interleaved."""
   root = pathlib.Path(data_dir or os.path.join(tempfile.gettempdir(), "grain-elevator-bench"))
   report: dict[str, Any] = {"machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
@@ -110,11 +125,22 @@ def run(*, data_dir: str | None, workload_names: list[str], workers: list[int],
     files = workloads_lib.shard_files(root, w)
     workloads_lib.warm_page_cache(files)
     servers: dict[int, LocalServer] = {}
+    tf_services: dict[int, Any] = {}
+    tf_files: list[str] = []
+    run_tf = tfdata and _has_tensorflow()
     tcp_proc, tcp_port = None, None
     try:
       for wk in workers:
         servers[wk] = LocalServer(config, workers=wk)
         _log(f"[{name}] server W={wk} on {servers[wk].target}")
+      if run_tf:
+        from grain_elevator.server.bench import tfdata as tfdata_lib  # pylint: disable=g-import-not-at-top
+        _log(f"[{name}] writing the records as TFRecord for tf.data ...")
+        tf_files = tfdata_lib.prepare_tfrecords(root, w)
+        workloads_lib.warm_page_cache(tf_files)
+        for wk in workers:
+          tf_services[wk] = tfdata_lib.TfDataService(wk)
+          _log(f"[{name}] tf.data service W={wk} on {tf_services[wk].target}")
       port_file = root / f"tcp-port-{os.getpid()}"
       batch_bytes = w.global_batch_size * w.delivered_bytes_per_record
       tcp_proc = subprocess.Popen([*TCP, str(port_file), str(batch_bytes)])
@@ -123,7 +149,7 @@ def run(*, data_dir: str | None, workload_names: list[str], workers: list[int],
         time.sleep(0.05)
       tcp_port = int(port_file.read_text())
       port_file.unlink()
-      systems = _systems(w, files, config, servers, tcp_port)
+      systems = _systems(w, files, config, servers, tcp_port, tf_services, tf_files)
       raw: dict[str, list[dict[str, Any]]] = {s.key: [] for s in systems}
       total = repeats * len(systems)
       done = 0
@@ -137,6 +163,8 @@ def run(*, data_dir: str | None, workload_names: list[str], workers: list[int],
     finally:
       for server in servers.values():
         server.stop()
+      for svc in tf_services.values():
+        svc.stop()
       if tcp_proc:
         tcp_proc.kill()
         tcp_proc.wait()
@@ -151,7 +179,7 @@ def run(*, data_dir: str | None, workload_names: list[str], workers: list[int],
     report["workloads"][name] = {
         "record_bytes": w.record_bytes, "delivered_bytes_per_record": w.delivered_bytes_per_record,
         "global_batch_size": w.global_batch_size, "records": n, "systems": rows,
-        "notes": [_tfdata_note()]}
+        "notes": [_tfdata_note(run_tf)]}
   return report
 
 
@@ -200,7 +228,8 @@ def plot(report: dict[str, Any], path: str) -> None:
     med = [r["gb_per_s"]["median"] for r in rows]
     err = [[m - r["gb_per_s"]["min"] for m, r in zip(med, rows)],
            [r["gb_per_s"]["max"] - m for m, r in zip(med, rows)]]
-    colors = {"grain": "#999999", "embedded": "#6baed6", "service": "#2171b5", "tcp": "#fd8d3c"}
+    colors = {"grain": "#999999", "embedded": "#6baed6", "service": "#2171b5",
+              "tcp": "#fd8d3c", "tfdata": "#74c476"}
     ax.barh(range(len(rows)), med, xerr=err, color=[colors[r["kind"]] for r in rows])
     ax.set_yticks(range(len(rows)), labels, fontsize=8)
     ax.invert_yaxis()
