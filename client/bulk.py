@@ -9,8 +9,12 @@ transports alike.
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import socket
-from typing import Iterator
+import threading
+import time
+from typing import Callable, Iterator
 
 import grpc
 import numpy as np
@@ -95,3 +99,75 @@ class BulkConnection:
   def close(self) -> None:
     self.broken = True
     self._sock.close()
+
+
+@dataclasses.dataclass(eq=False)
+class Slot:
+  """One bulk connection's place in a pool; reconnected lazily after failing."""
+  target: str  # as the user gave it
+  host: str  # the replica's address behind it
+  conn: BulkConnection
+  busy: bool = False
+  failures: int = 0
+  shunned_until: float = 0.0
+
+  @property
+  def replica(self) -> tuple[str, str]:
+    return self.target, self.host
+
+
+class Slots:
+  """Bulk connections shared by fetch threads, one request each at a time, so
+  they also bound the requests in flight."""
+
+  def __init__(self, slots: list[Slot]):
+    self._slots = slots
+    self._free = threading.Condition()
+    self._next = itertools.count()
+    self._closed = False
+
+  def __bool__(self) -> bool:
+    return bool(self._slots)
+
+  def __iter__(self) -> Iterator[Slot]:
+    return iter(self._slots)
+
+  def checkout(self, cancelled: Callable[[], bool]) -> Slot | None:
+    """A free slot (None once cancelled), round-robin, preferring replicas not
+    failing lately: waits for a healthy one rather than take a failing one,
+    unless all fail."""
+    with self._free:
+      while True:
+        if cancelled() or self._closed:
+          return None
+        now = time.monotonic()
+        healthy = [s for s in self._slots if s.shunned_until <= now]
+        free = [s for s in (healthy or self._slots) if not s.busy]
+        if free:
+          chosen = free[next(self._next) % len(free)]
+          chosen.busy = True
+          return chosen
+        self._free.wait(0.1)
+
+  def release(self, slot: Slot, *, failed: bool) -> None:
+    """Frees `slot`. A failure shuns its whole replica for 0.5 s, doubling per
+    consecutive failure up to 30 s: its other connections would most likely
+    each cost a timeout to find the same."""
+    with self._free:
+      if failed:
+        slot.failures += 1
+        until = time.monotonic() + min(30.0, 0.5 * 2**(slot.failures - 1))
+        for other in self._slots:
+          if other.replica == slot.replica:
+            other.shunned_until = max(other.shunned_until, until)
+      else:
+        slot.failures = 0
+      slot.busy = False
+      self._free.notify()
+
+  def close(self) -> None:
+    with self._free:
+      self._closed = True
+      for slot in self._slots:
+        slot.conn.close()
+      self._free.notify_all()

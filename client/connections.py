@@ -146,17 +146,6 @@ def _bulk_hosts(target: str) -> list[str]:
   return [host[1:-1] if host.startswith("[") else host]
 
 
-@dataclasses.dataclass(eq=False)
-class _BulkSlot:
-  """A bulk connection's place in the pool: reconnects lazily after failing."""
-  target: str
-  host: str
-  conn: bulk.BulkConnection
-  busy: bool = False
-  failures: int = 0
-  shunned_until: float = 0.0
-
-
 class ConnectionPool:
   """gRPC channels to every replica; fetches steps with failover.
 
@@ -181,8 +170,7 @@ class ConnectionPool:
     self.targets = list(targets)
     self.transport = transport
     self._bulk_ports: dict[str, int] = {}
-    self._bulk: list[_BulkSlot] = []
-    self._bulk_free = threading.Condition()
+    self._bulk = bulk.Slots([])
     self.retry = retry or RetryPolicy()
     self._security = security or Security()
     self._metadata = self._security.metadata
@@ -247,21 +235,22 @@ class ConnectionPool:
       self._shunned_until = [0.0] * len(channels)
       if self.transport != "grpc" and not self._security.tls:
         groups = [g for t in self.targets for g in self._spread_bulk(t)]
-        self._bulk = [s for layer in itertools.zip_longest(*groups) for s in layer if s]
+        self._bulk = bulk.Slots(
+            [s for layer in itertools.zip_longest(*groups) for s in layer if s])
       if self.transport == "bulk" and not self._bulk:
         raise errors.ServiceUnavailableError(
             f"transport='bulk', but no replica of {', '.join(self.targets)} offers a "
             "reachable bulk port (is it started with --no-bulk or TLS?)")
       self._balanced = True
 
-  def _spread_bulk(self, target: str) -> list[list[_BulkSlot]]:
+  def _spread_bulk(self, target: str) -> list[list[bulk.Slot]]:
     """Bulk connections to each replica behind `target`, balanced over its
     workers like `_spread`; none where a replica offers no bulk port or it
     cannot be reached (gRPC then)."""
     port = self._bulk_ports.get(target, 0)
-    groups: list[list[_BulkSlot]] = []
+    groups: list[list[bulk.Slot]] = []
     for host in _bulk_hosts(target) if port else []:
-      by_worker: dict[int, list[_BulkSlot]] = collections.defaultdict(list)
+      by_worker: dict[int, list[bulk.Slot]] = collections.defaultdict(list)
       for _ in range(8 * max(self._per_target, 4)):
         try:
           conn = bulk.BulkConnection(host, port)
@@ -274,7 +263,7 @@ class ConnectionPool:
         want = -(-self._per_target // workers)
         group = by_worker[conn.server.worker_index]
         if len(group) < want:
-          group.append(_BulkSlot(target, host, conn))
+          group.append(bulk.Slot(target, host, conn))
         else:
           conn.close()
         if len(by_worker) >= workers and all(len(g) >= want for g in by_worker.values()):
@@ -296,10 +285,7 @@ class ConnectionPool:
       self._closed = True
       for c in self._channels:
         c.close()
-      for slot in self._bulk:
-        slot.conn.close()
-    with self._bulk_free:
-      self._bulk_free.notify_all()
+    self._bulk.close()
 
   def _pick(self) -> int:
     """Round-robin over connections, skipping any that failed recently."""
@@ -416,8 +402,10 @@ class ConnectionPool:
 
   def _fetch_bulk(self, request: pb.BatchRequest, token: CancelToken,
                   out: list[list[np.ndarray]], first: int) -> None:
-    slot = self._checkout(token)
-    stream = None
+    slot = self._bulk.checkout(lambda: token.cancelled or self._closed)
+    if slot is None:
+      raise Cancelled()
+    stream, failed = None, False
     try:
       if slot.conn.broken:
         slot.conn.close()
@@ -428,43 +416,15 @@ class ConnectionPool:
       for step, leaves in stream:
         self._append(out, first, step, leaves, request.dataset)
     except grpc.RpcError as e:
-      if e.code() in RETRIABLE:
-        # Shun the whole replica, as _failed does a channel: its other
-        # connections would most likely cost a timeout each to find the same.
-        slot.failures += 1
-        until = time.monotonic() + min(30.0, 0.5 * 2**(slot.failures - 1))
-        for other in self._bulk:
-          if (other.target, other.host) == (slot.target, slot.host):
-            other.shunned_until = max(other.shunned_until, until)
+      failed = e.code() in RETRIABLE
       raise
-    else:
-      slot.failures = 0
     finally:
       token.attach(None)
       if stream is not None:
         stream.close()  # marks the connection spent if frames were left unread
-      with self._bulk_free:
-        slot.busy = False
-        self._bulk_free.notify()
+      self._bulk.release(slot, failed=failed)
 
-  def _checkout(self, token: CancelToken) -> _BulkSlot:
-    """A free bulk connection, round-robin, preferring ones not failing lately;
-    waits while all are busy (they bound the requests in flight)."""
-    with self._bulk_free:
-      while True:
-        if token.cancelled or self._closed:
-          raise Cancelled()
-        now = time.monotonic()
-        healthy = [s for s in self._bulk if s.shunned_until <= now]
-        # Wait for a healthy one rather than take a failing one, unless all fail.
-        free = [s for s in (healthy or self._bulk) if not s.busy]
-        if free:
-          chosen = free[next(self._next) % len(free)]
-          chosen.busy = True
-          return chosen
-        self._bulk_free.wait(0.1)
-
-  def _reconnect(self, slot: _BulkSlot) -> bulk.BulkConnection:
+  def _reconnect(self, slot: bulk.Slot) -> bulk.BulkConnection:
     """A new bulk connection to the slot's replica, asking its current bulk
     port if refused: a restarted server may have picked another free port."""
     target, host = slot.target, slot.host
