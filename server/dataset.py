@@ -25,10 +25,15 @@ from grain_elevator.server.errors import (ConfigError, DataLossError,
                                           StreamMismatchError,
                                           UnknownDatasetError)
 
-# A host's rows for one step must fit in one gRPC message.
 # A host's rows for one step are one gRPC message; bounded so that no request
 # (G = 10^9, say) makes a worker allocate without limit. `--max-message-bytes`.
 DEFAULT_MAX_BATCH_BYTES = 256 << 20
+
+# ArrayRecord's batched read hands positions to a thread pool: for small
+# records that beats ~55 µs per call, but from about this size a call per
+# record reads as fast on ~35% less CPU (BENCHMARKS.md), CPU that a data tier
+# or a shared trainer host spends elsewhere.
+SINGLE_READ_RECORD_BYTES = 64 << 10
 
 
 def mark_absl_flags_parsed() -> None:
@@ -44,8 +49,20 @@ class BatchedArrayRecordSource(grain.sources.ArrayRecordDataSource):
   Grain calls `_getitems` on sources that offer it. ArrayRecord's own
   `__getitems__` starts a new thread pool per call, which on a few cores
   costs more than it saves (BENCHMARKS.md); here each shard's positions are
-  read with one call, in the calling thread.
+  read with one call, in the calling thread, or with one call per record for
+  records of SINGLE_READ_RECORD_BYTES and up.
   """
+
+  _single_reads: bool | None = None
+
+  def _reads_singly(self) -> bool:
+    if self._single_reads is None:
+      try:
+        total = sum(os.path.getsize(i.filename) for i in self._read_instructions)
+        self._single_reads = total >= SINGLE_READ_RECORD_BYTES * max(1, len(self))
+      except (AttributeError, OSError):
+        self._single_reads = False
+    return self._single_reads
 
   def _getitems(self, indices: Sequence[int]) -> Sequence[bytes]:
     try:
@@ -63,7 +80,10 @@ class BatchedArrayRecordSource(grain.sources.ArrayRecordDataSource):
     filename = self._read_instructions[reader_idx].filename
     try:
       self._ensure_reader_exists(reader_idx)
-      return self._readers[reader_idx].read(positions)
+      reader = self._readers[reader_idx]
+      if self._reads_singly():
+        return [reader.read([p])[0] for p in positions]
+      return reader.read(positions)
     except Exception as e:  # pylint: disable=broad-except
       # Rare: find the first record that fails, to name it.
       for p in positions:

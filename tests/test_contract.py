@@ -82,3 +82,26 @@ def test_shuffle_is_a_permutation_per_epoch(oracle):
   assert sorted(ids[1000:]) == list(range(1000))
   assert not np.array_equal(ids[:1000], ids[1000:])  # reshuffled per epoch
   assert not np.array_equal(ids[:1000], np.arange(1000))
+
+
+def test_big_records_read_one_per_call_equal_literal_formula(tmp_path):
+  """Records of 64 KiB and up take the one-call-per-record read path; it must
+  give the same rows as the batched path's formula."""
+  from grain_elevator.client.embedded import EmbeddedBackend
+  from grain_elevator.server import dataset as dataset_lib, examples
+  examples.write_image_shards(str(tmp_path / "shards"), num_records=60, num_shards=3,
+                              height=128, width=192, channels=3)  # 73,744 B records
+  (tmp_path / "big.toml").write_text(
+      '[datasets.big]\npaths = ["shards/*.array_record"]\n'
+      'pipeline = "grain_elevator.server.examples:decode_images"\nseed = 2\n'
+      'num_epochs = 2\n[datasets.big.options]\nheight = 128\nwidth = 192\nchannels = 3\n')
+  config = config_lib.load_config(tmp_path / "big.toml").datasets["big"]
+  source = dataset_lib.BatchedArrayRecordSource(list(config.files))
+  assert source._reads_singly()  # pylint: disable=protected-access
+  records = _literal_records(config)
+  backend = EmbeddedBackend(str(tmp_path / "big.toml"))
+  for step, (h, n) in ((0, (0, 1)), (3, (1, 2)), (9, (2, 4))):
+    rows = [records[i] for i in contract.host_positions(step, 12, h, n)]
+    expected = {k: np.stack([np.asarray(r[k]) for r in rows]) for k in rows[0]}
+    assert_trees_equal(oracle_batch(backend, "big", step, 12, h, n), expected, f"step {step}")
+  backend.close()
