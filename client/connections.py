@@ -17,7 +17,7 @@ import random
 import socket
 import threading
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import grpc
 import numpy as np
@@ -146,6 +146,33 @@ def _bulk_hosts(target: str) -> list[str]:
   return [host[1:-1] if host.startswith("[") else host]
 
 
+def _spread_over_workers(open_one: Callable[[], tuple[Any, pb.ServerInfo] | None],
+                         close: Callable[[Any], None], per_target: int) -> list[list[Any]]:
+  """Connections to one replica, grouped by the worker process that took each.
+
+  The replica's workers share a port and the kernel hands each new TCP
+  connection to one of them by a hash, so this opens connections (each
+  reports its worker) until every worker holds ceil(per_target / workers),
+  closing the surplus. Stops early when `open_one` fails (returns None).
+  """
+  by_worker: dict[int, list[Any]] = collections.defaultdict(list)
+  for _ in range(8 * max(per_target, 4)):
+    opened = open_one()
+    if opened is None:
+      break
+    conn, server = opened
+    workers = max(1, server.num_workers)
+    want = -(-per_target // workers)  # per worker, at least 1
+    group = by_worker[server.worker_index]
+    if len(group) < want:
+      group.append(conn)
+    else:
+      close(conn)
+    if len(by_worker) >= workers and all(len(g) >= want for g in by_worker.values()):
+      break
+  return list(by_worker.values())
+
+
 class ConnectionPool:
   """gRPC channels to every replica; fetches steps with failover.
 
@@ -193,29 +220,22 @@ class ConnectionPool:
 
   def _spread(self, target: str, request: pb.DescribeRequest) -> list[list[grpc.Channel]]:
     """Channels to `target`, grouped by the worker process that holds them."""
-    by_worker: dict[int, list[grpc.Channel]] = collections.defaultdict(list)
-    want, workers = self._per_target, 1
-    for _ in range(8 * max(self._per_target, 4)):
+
+    def open_one() -> tuple[grpc.Channel, pb.ServerInfo] | None:
       channel = self._new_channel(target)
       try:
         response = pb_grpc.ElevatorStub(channel).Describe(
             request, timeout=5, metadata=self._metadata)
       except grpc.RpcError:
         channel.close()
-        break  # down or refusing: keep what we have; retries handle the rest
-      workers = max(1, response.server.num_workers)
+        return None  # down or refusing: keep what we have; retries handle the rest
       self._bulk_ports[target] = response.server.bulk_port
-      want = -(-self._per_target // workers)  # per worker, at least 1
-      group = by_worker[response.server.worker_index]
-      if len(group) < want:
-        group.append(channel)
-      else:
-        channel.close()
-      if len(by_worker) >= workers and all(len(g) >= want for g in by_worker.values()):
-        break
-    if not by_worker:  # unreachable now: plain channels that connect later
+      return channel, response.server
+
+    groups = _spread_over_workers(open_one, lambda c: c.close(), self._per_target)
+    if not groups:  # unreachable now: plain channels that connect later
       return [[self._new_channel(target)] for _ in range(self._per_target)]
-    return list(by_worker.values())
+    return groups
 
   def _balance(self, request: pb.DescribeRequest) -> None:
     with self._lock:
@@ -250,25 +270,22 @@ class ConnectionPool:
     port = self._bulk_ports.get(target, 0)
     groups: list[list[bulk.Slot]] = []
     for host in _bulk_hosts(target) if port else []:
-      by_worker: dict[int, list[bulk.Slot]] = collections.defaultdict(list)
-      for _ in range(8 * max(self._per_target, 4)):
+      failures: list[bulk.BulkRpcError] = []
+
+      def open_one(host: str = host, failures: list[bulk.BulkRpcError] = failures
+                   ) -> tuple[bulk.Slot, pb.ServerInfo] | None:
         try:
           conn = bulk.BulkConnection(host, port)
         except bulk.BulkRpcError as e:
-          if not by_worker:
-            log.warning("%s: bulk port %s:%d unreachable (%s); using gRPC", target, host,
-                        port, e.details())
-          break
-        workers = max(1, conn.server.num_workers)
-        want = -(-self._per_target // workers)
-        group = by_worker[conn.server.worker_index]
-        if len(group) < want:
-          group.append(bulk.Slot(target, host, conn))
-        else:
-          conn.close()
-        if len(by_worker) >= workers and all(len(g) >= want for g in by_worker.values()):
-          break
-      groups += by_worker.values()
+          failures.append(e)
+          return None
+        return bulk.Slot(target, host, conn), conn.server
+
+      found = _spread_over_workers(open_one, lambda s: s.conn.close(), self._per_target)
+      if not found:
+        log.warning("%s: bulk port %s:%d unreachable (%s); using gRPC", target, host,
+                    port, failures[-1].details())
+      groups += found
     return groups
 
   @property
