@@ -68,9 +68,8 @@ class Servers:
 def build_server(datasets: dict[str, dataset_lib.ElevatorDataset],
                  opts: WorkerOptions, index: int = 0) -> Servers:
   """Start-able gRPC (Elevator, health, reflection) and bulk servers."""
-  interceptors = []
-  if opts.auth_token_file:
-    interceptors.append(auth.BearerTokenInterceptor(auth.read_token(opts.auth_token_file)))
+  token = auth.read_token(opts.auth_token_file) if opts.auth_token_file else None
+  interceptors = [auth.BearerTokenInterceptor(token)] if token else []
   server = grpc.server(
       futures.ThreadPoolExecutor(max_workers=opts.threads,
                                  thread_name_prefix="elevator-rpc"),
@@ -86,7 +85,7 @@ def build_server(datasets: dict[str, dataset_lib.ElevatorDataset],
   if opts.bulk_port is not None:
     bulk_server = bulk_lib.BulkServer(
         servicer, opts.host, opts.bulk_port,
-        auth_token=auth.read_token(opts.auth_token_file) if opts.auth_token_file else None,
+        auth_token=token,
         max_concurrent_requests=opts.max_concurrent_rpcs)
     servicer.set_bulk_port(bulk_server.port)
   servicer_lib.add_to_server(servicer, server)
