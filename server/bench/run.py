@@ -13,6 +13,7 @@ import tempfile
 import time
 from typing import Any
 
+from grain_elevator.server.bench import portfile
 from grain_elevator.server.bench import workloads as workloads_lib
 from grain_elevator.server.launcher import LocalServer
 
@@ -144,10 +145,9 @@ def run(*, data_dir: str | None, workload_names: list[str], workers: list[int],
       port_file = root / f"tcp-port-{os.getpid()}"
       batch_bytes = w.global_batch_size * w.delivered_bytes_per_record
       tcp_proc = subprocess.Popen([*TCP, str(port_file), str(batch_bytes)])
-      deadline = time.monotonic() + 30
-      while not port_file.exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
-      tcp_port = int(port_file.read_text())
+      tcp_port = portfile.wait(port_file, tcp_proc, time.monotonic() + 30)
+      if tcp_port is None:
+        raise RuntimeError(f"the TCP sender ({' '.join(TCP)}) did not start within 30 s")
       port_file.unlink()
       systems = _systems(w, files, config, servers, tcp_port, tf_services, tf_files)
       raw: dict[str, list[dict[str, Any]]] = {s.key: [] for s in systems}

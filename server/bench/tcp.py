@@ -11,13 +11,13 @@ import os
 import socket
 import sys
 
+from grain_elevator.server.bench import portfile
+
 
 def serve(port_file: str, batch_bytes: int) -> None:
   payload = os.urandom(batch_bytes)
   with socket.create_server(("127.0.0.1", 0)) as server:
-    with open(port_file + ".tmp", "w") as f:
-      f.write(str(server.getsockname()[1]))
-    os.replace(port_file + ".tmp", port_file)
+    portfile.write(port_file, server.getsockname()[1])
     while True:
       conn, _ = server.accept()
       with conn:

@@ -27,6 +27,8 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Sequence
 
+from grain_elevator.server.bench import portfile
+
 if TYPE_CHECKING:
   import tensorflow as tf
   from grain_elevator.server.bench.workloads import Workload
@@ -213,14 +215,12 @@ class TfDataService:
   def _wait(self, child: tuple[str, subprocess.Popen, pathlib.Path], deadline: float) -> int:
     """The child's port once its port file appears; its log tail if it dies or stalls."""
     name, proc, log = child
-    port_file = self._dir / f"{name}.port"
-    while not port_file.exists():
-      if proc.poll() is not None or time.monotonic() > deadline:
-        why = (f"exited with {proc.returncode}" if proc.poll() is not None
-               else f"not ready after {self._timeout_s:.0f} s")
-        raise RuntimeError(f"tf.data service {name} {why}; its log ends:\n{_tail(log)}")
-      time.sleep(0.05)
-    return int(port_file.read_text())
+    port = portfile.wait(self._dir / f"{name}.port", proc, deadline)
+    if port is None:
+      why = (f"exited with {proc.returncode}" if proc.poll() is not None
+             else f"not ready after {self._timeout_s:.0f} s")
+      raise RuntimeError(f"tf.data service {name} {why}; its log ends:\n{_tail(log)}")
+    return port
 
   def logs(self) -> dict[str, str]:
     """Each child's output so far (TensorFlow warnings and errors)."""
@@ -249,13 +249,6 @@ def _tail(path: pathlib.Path, chars: int = 3000) -> str:
     return "(no log)"
 
 
-def _write_port(port_file: str, address: str) -> None:
-  """Atomically, so the parent never reads half a number."""
-  with open(port_file + ".tmp", "w") as f:
-    f.write(address.rsplit(":", 1)[1])
-  os.replace(port_file + ".tmp", port_file)
-
-
 def _exit_with_parent(parent_pid: int) -> None:
   """A child whose parent died (no stop() ran) exits instead of lingering."""
   def watch() -> None:
@@ -274,7 +267,7 @@ def serve_dispatcher(port_file: str, parent_pid: int = 0) -> None:
   server = service.DispatchServer(service.DispatcherConfig(
       port=0, protocol="grpc", job_gc_check_interval_ms=1000, job_gc_timeout_ms=5000))
   _exit_with_parent(parent_pid)
-  _write_port(port_file, server.target)
+  portfile.write(port_file, int(server.target.rsplit(":", 1)[1]))
   server.join()
 
 
@@ -287,7 +280,7 @@ def serve_worker(dispatcher_port: int, port_file: str, parent_pid: int = 0) -> N
       dispatcher_address=f"localhost:{dispatcher_port}", worker_address="localhost:%port%",
       port=0, protocol="grpc", heartbeat_interval_ms=1000))
   _exit_with_parent(parent_pid)
-  _write_port(port_file, server._address)  # pylint: disable=protected-access
+  portfile.write(port_file, int(server._address.rsplit(":", 1)[1]))  # pylint: disable=protected-access
   server.join()
 
 
