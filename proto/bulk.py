@@ -44,8 +44,8 @@ def send_parts(sock: socket.socket, parts: Sequence[Any]) -> None:
 
 
 def send_frame(sock: socket.socket, kind: int, parts: Sequence[Any]) -> None:
-  size = sum(len(memoryview(p).cast("B")) for p in parts)
-  send_parts(sock, [_HEADER.pack(kind, size), *parts])
+  views = [memoryview(p).cast("B") for p in parts]
+  send_parts(sock, [_HEADER.pack(kind, sum(len(v) for v in views)), *views])
 
 
 def recv_into(sock: socket.socket, view: memoryview) -> None:
