@@ -19,6 +19,7 @@ from grain_elevator.proto import tree
 from grain_elevator.proto.spec import DatasetInfo, ElementSpec
 from grain_elevator.server import collate as collate_lib
 from grain_elevator.server import contract
+from grain_elevator.server import shuffle as shuffle_lib
 from grain_elevator.server.config import DatasetConfig, ServerConfig
 from grain_elevator.server.errors import (ConfigError, DataLossError,
                                           InvalidRequestError,
@@ -175,7 +176,12 @@ class ElevatorDataset:
     num_records = len(source)
     if num_records == 0:
       raise ConfigError(f"dataset {config.name!r}: its files hold no records")
+    self._source = source
     self.raw_records = build_raw_records(config, source)
+    # The same chain over range(n) yields source indices: the reference for
+    # the batch-at-a-time shuffle that raw_batch uses.
+    self._source_index = shuffle_lib.SourceIndexMap(
+        build_raw_records(config, range(num_records)), num_records)
     self.records = apply_pipeline(config, self.raw_records)
     try:
       first = self.records[0]
@@ -195,29 +201,40 @@ class ElevatorDataset:
       self._verify_batch_transform(min(num_records, 64))
 
   def _verify_batch_transform(self, rows: int) -> None:
-    """Refuses a batch_transform that does not reproduce the pipeline."""
+    """Refuses a batch_transform that does not reproduce the pipeline, on
+    the first positions of epoch 0 and, where the stream has one, epoch 1."""
+    n = self.info.num_records
     positions = list(range(rows))
+    if self.info.stream_length >= 2 * n:
+      positions += [n + p for p in range(rows)]
     c = self.config
+    where = f"positions {positions[0]}..{positions[rows - 1]}" + (
+        f" and {n}..{n + rows - 1}" if len(positions) > rows else "")
     try:
       fast = self._transform_batch(positions)
     except Exception as e:
       raise ConfigError(
           f"dataset {c.name!r}: batch_transform {c.batch_transform!r} fails on "
-          f"records 0..{rows - 1}: {type(e).__name__}: {e}") from e
+          f"{where}: {type(e).__name__}: {e}") from e
     slow = self._collate_records(positions)
     for (path, _, _), a, b in zip(self._leaf_specs, fast, slow):
       if a.tobytes() != b.tobytes():
         raise ConfigError(
             f"dataset {c.name!r}: batch_transform {c.batch_transform!r} does not "
-            f"reproduce pipeline {c.pipeline!r}: leaf {path!r} differs on records "
-            f"0..{rows - 1}; it must give exactly the per-record rows, stacked")
+            f"reproduce pipeline {c.pipeline!r}: leaf {path!r} differs on "
+            f"{where}; it must give exactly the per-record rows, stacked")
 
   def _collate_records(self, positions: list[int]) -> list[np.ndarray]:
     rows = self.records._getitems(positions)  # pylint: disable=protected-access
     return collate_lib.collate(rows, self.info.element_spec.structure, self._leaf_specs)
 
+  def raw_batch(self, positions: Sequence[int]) -> Sequence[bytes]:
+    """The raw records at these stream positions: `raw_records`' items,
+    with the shuffle computed for the whole batch (server/shuffle.py)."""
+    return self._source._getitems(self._source_index(positions))  # pylint: disable=protected-access
+
   def _transform_batch(self, positions: list[int]) -> list[np.ndarray]:
-    raw = self.raw_records._getitems(positions)  # pylint: disable=protected-access
+    raw = self.raw_batch(positions)
     out = self._batch_fn(raw, **self.config.options)
     leaves, structure, _ = tree.flatten(out)
     return collate_lib.check_batch(leaves, structure, len(positions),

@@ -22,8 +22,8 @@ def test_batch_transform_equals_per_record_pipeline(server, g, n, h):
 @pytest.mark.parametrize("pipeline,transform,message", [
     ("decode_and_augment", "decode_images_batch",
      "batch_transform 'grain_elevator.server.examples:decode_images_batch' fails "
-     "on records 0..63: CollateError: batch_transform returned structure"),
-    ("decode_images", "encode_record", "fails on records 0..63: TypeError"),
+     "on positions 0..63: CollateError: batch_transform returned structure"),
+    ("decode_images", "encode_record", "fails on positions 0..63: TypeError"),
 ])
 def test_batch_transform_that_differs_is_refused(data_dir, pipeline, transform, message):
   path = data_dir / "bad_batch.toml"
