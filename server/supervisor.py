@@ -29,10 +29,14 @@ _START_TIMEOUT_S = 120.0
 # glibc returns big buffers to the OS on free and page-faults them back on the
 # next batch; keeping them nearly doubles gRPC throughput and cuts the cost of
 # encoding a 3 MB batch from ~8 ms to ~0.6 ms (DESIGN.md §3, BENCHMARKS.md).
+# numpy madvises arrays of 4 MiB and up as transparent huge pages; each new
+# multi-megabyte batch then faults in and zeroes fresh 2 MiB pages, ~20% of a
+# worker's CPU samples on the large bench workload (perf), ~2% without.
 # Workers inherit these unless the operator set them.
 MALLOC_ENV = {
     "MALLOC_MMAP_THRESHOLD_": "33554432",
     "MALLOC_TRIM_THRESHOLD_": "1073741824",
+    "NUMPY_MADVISE_HUGEPAGE": "0",
 }
 
 

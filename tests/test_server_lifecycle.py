@@ -56,3 +56,15 @@ def test_port_in_use_is_a_clear_error(config_path):
         capture_output=True, text=True, timeout=120)
   assert result.returncode == 2
   assert f"elevator: error: cannot bind 127.0.0.1:{port}" in result.stderr
+
+
+def test_workers_get_the_allocator_settings_unless_the_operator_set_them(config_path):
+  operator = ("env", "-u", "MALLOC_MMAP_THRESHOLD_", "-u", "MALLOC_TRIM_THRESHOLD_",
+              "NUMPY_MADVISE_HUGEPAGE=1")
+  with LocalServer(config_path, workers=1, prefix=operator) as server:
+    (pid,) = worker_pids(server)
+    with open(f"/proc/{pid}/environ", "rb") as f:
+      env = dict(kv.decode().split("=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+  assert env["MALLOC_MMAP_THRESHOLD_"] == str(32 << 20)
+  assert env["MALLOC_TRIM_THRESHOLD_"] == str(1 << 30)
+  assert env["NUMPY_MADVISE_HUGEPAGE"] == "1"  # the operator's choice stands
