@@ -15,7 +15,11 @@ import grain
 import numpy as np
 
 _HEADER = np.dtype([("id", "<i8"), ("label", "<i8")])
-_JOIN_BYTES = 8 << 20  # batch_transform: below this, join records first
+# batch_transform: records under this size are joined and read as one array
+# (one Python call per batch); bigger ones are copied straight into place,
+# which skips a multi-megabyte intermediate (~10% of a worker's CPU on 150 KiB
+# records, BENCHMARKS.md).
+_JOIN_RECORD_BYTES = 16 << 10
 
 
 def encode_record(record_id: int, label: int, image: np.ndarray) -> bytes:
@@ -84,7 +88,7 @@ def decode_images_batch(raw: list[bytes], *, height: int, width: int,
   if bad is not None:
     raise ValueError(f"a record is {bad} bytes, expected {record.itemsize} for a "
                      f"{height}x{width}x{channels} image")
-  if n * record.itemsize <= _JOIN_BYTES:  # small records: one join, then strided reads
+  if record.itemsize < _JOIN_RECORD_BYTES:  # small records: one join, then strided reads
     rows = np.frombuffer(b"".join(raw), dtype=record, count=n)
     header, pixels = rows["head"], rows["image"]
   else:  # big records: copy each straight into place, no joined intermediate

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from grain_elevator.client import RemoteDataset
 from grain_elevator.server import dataset as dataset_lib
+from grain_elevator.server import examples
 from grain_elevator.server.config import load_config
 from grain_elevator.server.errors import ConfigError
 from helpers import assert_streams_equal
@@ -53,3 +55,20 @@ def test_batch_transform_with_other_values_is_refused(data_dir, tmp_path, monkey
       "[datasets.d.options]\nheight = 4\nwidth = 4\nchannels = 3\n")
   with pytest.raises(ConfigError, match=r"does not reproduce pipeline .*: leaf 'label' differs"):
     dataset_lib.load_datasets(load_config(path))
+
+
+@pytest.mark.parametrize("shape", [(4, 4, 3), (96, 96, 3)])  # joined; copied each
+@pytest.mark.parametrize("normalize", [False, True])
+def test_decode_images_batch_is_the_stacked_per_record_decode(shape, normalize):
+  h, w, c = shape
+  rng = np.random.default_rng(0)
+  raw = [examples.encode_record(i, 7 * i, rng.integers(0, 256, shape, dtype=np.uint8))
+         for i in range(5)]
+  fast = examples.decode_images_batch(raw, height=h, width=w, channels=c,
+                                      normalize=normalize)
+  rows = [examples.decode_record(r, h, w, c) for r in raw]
+  if normalize:
+    rows = [examples._normalize(r) for r in rows]  # pylint: disable=protected-access
+  for key in ("id", "label", "image"):
+    want = np.stack([r[key] for r in rows])
+    assert fast[key].dtype == want.dtype and fast[key].tobytes() == want.tobytes(), key
