@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -63,19 +63,16 @@ def block_bits(max_index: int) -> int:
   return min(max(bits + bits % 2, 16), 64)
 
 
-def short_walk(num_records: int) -> bool:
-  """Whether cycle-walking takes few rounds: the block holds at most 8x the
-  records. Below ~8,192 records a 16-bit block makes each index walk
-  2^16 / n times, which numpy does far slower than Grain's C++ loop."""
-  return num_records <= 1 or (1 << block_bits(num_records - 1)) <= 8 * num_records
+# Below this many records the cipher's 16-bit minimum block makes each index
+# cycle-walk 2^16 / n times: from 8,192 records (at most 8 rounds) the batch is
+# encrypted directly; from 2,048 the epoch's whole permutation is built once
+# from a table of all 2^16 blocks; below that Grain's C++ loop is faster.
+DIRECT_MIN_RECORDS = 8_192
+TABLE_MIN_RECORDS = 2_048
 
 
-def index_shuffle(indices: np.ndarray, max_index: int, seed: int,
-                  rounds: int = ROUNDS) -> np.ndarray:
-  """Grain's `index_shuffle` of every element of `indices` (all ≤ max_index)."""
-  indices = np.asarray(indices, dtype=np.uint64)
-  if max_index == 0:
-    return np.zeros_like(indices)
+def _cipher(max_index: int, seed: int, rounds: int) -> Callable[[np.ndarray], np.ndarray]:
+  """Grain's Simon encryption of a uint64 array, for a permutation of [0, max_index]."""
   half = block_bits(max_index) // 2
   w, mask = np.uint64(half), np.uint64((1 << half) - 1)
   keys = [np.uint64(k & ((1 << half) - 1)) for k in round_keys(seed, rounds)]
@@ -90,13 +87,48 @@ def index_shuffle(indices: np.ndarray, max_index: int, seed: int,
       right ^= (rotl(left, 1) & rotl(left, 8)) ^ rotl(left, 2) ^ keys[i + 1]
     return (left << w) | right
 
-  out = encrypt(indices)
-  limit = np.uint64(max_index)
-  todo = np.flatnonzero(out > limit)
-  while todo.size:  # cycle-walk the few that left the range
-    out[todo] = encrypt(out[todo])
-    todo = todo[out[todo] > limit]
+  return encrypt
+
+
+def _walk(out: np.ndarray, step: Callable[[np.ndarray], np.ndarray], limit: int) -> np.ndarray:
+  """Cycle-walks, in place, the values of `out` that left [0, limit]."""
+  top = np.uint64(limit)
+  todo = np.flatnonzero(out > top)
+  while todo.size:
+    out[todo] = step(out[todo])
+    todo = todo[out[todo] > top]
   return out
+
+
+def index_shuffle(indices: np.ndarray, max_index: int, seed: int,
+                  rounds: int = ROUNDS) -> np.ndarray:
+  """Grain's `index_shuffle` of every element of `indices` (all ≤ max_index)."""
+  indices = np.asarray(indices, dtype=np.uint64)
+  if max_index == 0:
+    return np.zeros_like(indices)
+  encrypt = _cipher(max_index, seed, rounds)
+  return _walk(encrypt(indices), encrypt, max_index)
+
+
+@functools.lru_cache(maxsize=4)
+def epoch_permutation(num_records: int, seed: int, rounds: int = ROUNDS) -> np.ndarray:
+  """`index_shuffle(i, num_records - 1, seed)` for every i, from a table of
+  the cipher over its whole block (datasets of up to 2^16 records)."""
+  if num_records <= 1:
+    return np.zeros(num_records, dtype=np.uint64)
+  max_index = num_records - 1
+  table = _cipher(max_index, seed, rounds)(
+      np.arange(1 << block_bits(max_index), dtype=np.uint64))
+  table.flags.writeable = False
+  out = table[:num_records].copy()
+  _walk(out, lambda x: table[x], max_index)
+  out.flags.writeable = False
+  return out
+
+
+def vectorizable(num_records: int) -> bool:
+  """Whether `source_indices` is faster than Grain for this many records."""
+  return num_records <= 1 or num_records >= TABLE_MIN_RECORDS
 
 
 def source_indices(positions: Sequence[int], num_records: int,
@@ -110,7 +142,11 @@ def source_indices(positions: Sequence[int], num_records: int,
   out = np.empty_like(within)
   for e in np.unique(epoch).tolist():  # a batch spans at most two epochs, usually one
     sel = epoch == e
-    out[sel] = index_shuffle(within[sel], num_records - 1, (shuffle_seed + e) & _U32)
+    seed = (shuffle_seed + e) & _U32
+    if num_records >= DIRECT_MIN_RECORDS:
+      out[sel] = index_shuffle(within[sel], num_records - 1, seed)
+    else:
+      out[sel] = epoch_permutation(num_records, seed)[within[sel]]
   return out.tolist()
 
 
@@ -128,7 +164,7 @@ class SourceIndexMap:
     self._chain = chain
     self._num_records = num_records
     self._seed = _shuffle_seed(chain)
-    self.vectorized = ((self._seed is None or short_walk(num_records))
+    self.vectorized = ((self._seed is None or vectorizable(num_records))
                        and self._agrees_with_chain())
 
   def __call__(self, positions: Sequence[int]) -> list[int]:

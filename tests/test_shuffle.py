@@ -28,6 +28,15 @@ def test_index_shuffle_matches_grain(n):
     assert shuffle.index_shuffle(np.array(indices), n - 1, seed).tolist() == want
 
 
+@pytest.mark.parametrize("n", [2_048, 4_000, 8_191])
+def test_epoch_permutation_is_index_shuffle_of_every_record(n):
+  perm = shuffle.epoch_permutation(n, 99)
+  assert perm.tolist() == shuffle.index_shuffle(np.arange(n), n - 1, 99).tolist()
+  sample = range(0, n, 97)
+  assert [perm[i] for i in sample] == [
+      index_shuffle_module.index_shuffle(i, n - 1, 99, 4) for i in sample]
+
+
 def test_index_shuffle_is_a_permutation():
   out = shuffle.index_shuffle(np.arange(70_000), 69_999, 7)
   assert sorted(out.tolist()) == list(range(70_000))
@@ -43,7 +52,7 @@ def test_round_keys_are_seed_seq_words():
 
 @pytest.mark.parametrize("n,num_epochs,do_shuffle", [
     (10_000, None, True), (10_000, 3, True), (1_000, None, False), (1, None, True),
-    (65_537, None, True)])
+    (65_537, None, True), (2_048, None, True), (4_000, 3, True), (8_191, None, True)])
 def test_source_index_map_matches_grain_chain(n, num_epochs, do_shuffle):
   chain = grain.MapDataset.source(range(n)).seed(42)
   if do_shuffle:
