@@ -33,7 +33,7 @@ _START_TIMEOUT_S = 120.0
 # multi-megabyte batch then faults in and zeroes fresh 2 MiB pages, ~20% of a
 # worker's CPU samples on the large bench workload (perf), ~2% without.
 # Workers inherit these unless the operator set them.
-MALLOC_ENV = {
+WORKER_ENV = {
     "MALLOC_MMAP_THRESHOLD_": "33554432",
     "MALLOC_TRIM_THRESHOLD_": "1073741824",
     "NUMPY_MADVISE_HUGEPAGE": "0",
@@ -168,8 +168,8 @@ def serve(opts: worker_lib.WorkerOptions, num_workers: int | None = None) -> int
     auth.server_credentials(opts.tls_cert, opts.tls_key, opts.tls_client_ca)  # readable?
   if opts.auth_token_file:
     auth.read_token(opts.auth_token_file)
-  for key, value in MALLOC_ENV.items():
-    os.environ.setdefault(key, value)  # read by each spawned worker's glibc
+  for key, value in WORKER_ENV.items():
+    os.environ.setdefault(key, value)  # read by each spawned worker's glibc and numpy
   sup = Supervisor(opts, num_workers)
   signal.signal(signal.SIGTERM, sup.request_stop)
   signal.signal(signal.SIGINT, sup.request_stop)
