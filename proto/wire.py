@@ -13,6 +13,7 @@ import numpy as np
 
 from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.proto import tree
+from grain_elevator.proto.rows import RowStack
 
 
 def dtype_to_str(dtype: np.dtype) -> str:
@@ -30,8 +31,12 @@ def dtype_from_str(text: str) -> np.dtype:
   return np.dtype(text).newbyteorder("<")
 
 
+def _big_endian(dtype: np.dtype) -> bool:
+  return dtype.byteorder == ">" or (dtype.byteorder == "=" and not np.little_endian)
+
+
 def _little_endian(a: np.ndarray) -> np.ndarray:
-  if a.dtype.byteorder == ">" or (a.dtype.byteorder == "=" and np.little_endian is False):
+  if _big_endian(a.dtype):
     a = a.astype(a.dtype.newbyteorder("<"))
   return np.ascontiguousarray(a)
 
@@ -116,40 +121,51 @@ def _zstd():
   return zstandard
 
 
-def encode_batch_parts(step: int, leaves: Sequence[np.ndarray],
+def _tensor_data(a: np.ndarray | RowStack, compression: int
+                 ) -> tuple[np.dtype, list[Any], int, int]:
+  """(dtype as sent, buffers, their total size, codec) of one leaf's Tensor."""
+  if compression not in (COMPRESSION_NONE, COMPRESSION_ZSTD):
+    raise ValueError(f"unknown compression {compression}")
+  if isinstance(a, RowStack):
+    if compression == COMPRESSION_NONE and not _big_endian(a.dtype):
+      return a.dtype, a.buffers(), a.nbytes, COMPRESSION_NONE  # gathered by the socket
+    a = np.asarray(a)
+  a = _little_endian(a)
+  if not a.nbytes:
+    return a.dtype, [], 0, COMPRESSION_NONE
+  data: Any = memoryview(a).cast("B")
+  if compression == COMPRESSION_ZSTD and a.nbytes >= MIN_COMPRESSED_BYTES:
+    data = _zstd().ZstdCompressor(level=ZSTD_LEVEL).compress(data)
+    return a.dtype, [data], len(data), COMPRESSION_ZSTD
+  return a.dtype, [data], len(data), COMPRESSION_NONE
+
+
+def encode_batch_parts(step: int, leaves: Sequence[np.ndarray | RowStack],
                        compression: int = COMPRESSION_NONE) -> list[Any]:
   """The proto3 encoding of a Batch as a list of buffers, tensor data not
-  copied (unless compressed): a socket can send them with one `sendmsg`."""
+  copied (unless compressed): a socket can send them with one `sendmsg`.
+  A RowStack leaf contributes one buffer per row (proto/rows.py)."""
   parts: list[Any] = []
   if step:
     parts += [b"\x08", _varint(step)]
   for a in leaves:
-    a = _little_endian(a)
-    data: Any = memoryview(a).cast("B") if a.nbytes else b""
-    codec = COMPRESSION_NONE
-    if compression == COMPRESSION_ZSTD and a.nbytes >= MIN_COMPRESSED_BYTES:
-      data = _zstd().ZstdCompressor(level=ZSTD_LEVEL).compress(data)
-      codec = COMPRESSION_ZSTD
-    elif compression not in (COMPRESSION_NONE, COMPRESSION_ZSTD):
-      raise ValueError(f"unknown compression {compression}")
-    dtype = dtype_to_str(a.dtype).encode()
+    dt, data, size, codec = _tensor_data(a, compression)
+    dtype = dtype_to_str(dt).encode()
     head = [b"\x0a", _varint(len(dtype)), dtype]
     if a.shape:
       packed = b"".join(_varint(d) for d in a.shape)
       head += [b"\x12", _varint(len(packed)), packed]
-    if len(data):
-      head += [b"\x1a", _varint(len(data))]
+    if size:
+      head += [b"\x1a", _varint(size)]
     tail = b"\x20" + _varint(codec) if codec else b""
     head_bytes = b"".join(head)
-    parts += [b"\x12", _varint(len(head_bytes) + len(data) + len(tail)), head_bytes]
-    if len(data):
-      parts.append(data)
+    parts += [b"\x12", _varint(len(head_bytes) + size + len(tail)), head_bytes, *data]
     if tail:
       parts.append(tail)
   return parts
 
 
-def encode_batch_bytes(step: int, leaves: Sequence[np.ndarray],
+def encode_batch_bytes(step: int, leaves: Sequence[np.ndarray | RowStack],
                        compression: int = COMPRESSION_NONE) -> bytes:
   """`encode_batch(step, leaves).SerializeToString()`, with one data copy."""
   return b"".join(encode_batch_parts(step, leaves, compression))

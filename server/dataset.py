@@ -13,7 +13,6 @@ import os
 from typing import Any, Sequence
 
 import grain
-import numpy as np
 
 from grain_elevator.proto import tree
 from grain_elevator.proto.spec import DatasetInfo, ElementSpec
@@ -224,21 +223,25 @@ class ElevatorDataset:
             f"reproduce pipeline {c.pipeline!r}: leaf {path!r} differs on "
             f"{where}; it must give exactly the per-record rows, stacked")
 
-  def _collate_records(self, positions: list[int]) -> list[np.ndarray]:
+  def _collate_records(self, positions: list[int], stack: bool = True
+                       ) -> list[collate_lib.Leaf]:
     rows = self.records._getitems(positions)  # pylint: disable=protected-access
-    return collate_lib.collate(rows, self.info.element_spec.structure, self._leaf_specs)
+    return collate_lib.collate(rows, self.info.element_spec.structure, self._leaf_specs,
+                               stack=stack)
 
   def raw_batch(self, positions: Sequence[int]) -> Sequence[bytes]:
     """The raw records at these stream positions: `raw_records`' items,
     with the shuffle computed for the whole batch (server/shuffle.py)."""
     return self._source._getitems(self._source_index(positions))  # pylint: disable=protected-access
 
-  def _transform_batch(self, positions: list[int]) -> list[np.ndarray]:
+  def _transform_batch(self, positions: list[int], stack: bool = True
+                       ) -> list[collate_lib.Leaf]:
     raw = self.raw_batch(positions)
     out = self._batch_fn(raw, **self.config.options)
     leaves, structure, _ = tree.flatten(out)
     return collate_lib.check_batch(leaves, structure, len(positions),
-                                   self.info.element_spec.structure, self._leaf_specs)
+                                   self.info.element_spec.structure, self._leaf_specs,
+                                   stack=stack)
 
   def check_request(self, global_batch_size: int, shard_index: int,
                     shard_count: int, start_step: int, num_steps: int,
@@ -262,14 +265,20 @@ class ElevatorDataset:
                          global_batch_size)
 
   def host_batch_leaves(self, step: int, global_batch_size: int,
-                        shard_index: int, shard_count: int) -> list[np.ndarray]:
-    """Host h's rows of global batch `step`, one stacked array per leaf."""
+                        shard_index: int, shard_count: int, *,
+                        stack: bool = True) -> list[collate_lib.Leaf]:
+    """Host h's rows of global batch `step`, one stacked array per leaf.
+
+    `stack=False` (the servers' send path) may leave leaves of big rows as
+    RowStacks, which the socket gathers without a stacking copy
+    (proto/rows.py); the bytes sent are the same.
+    """
     positions = list(contract.host_positions(step, global_batch_size, shard_index,
                                              shard_count))
     try:
       if self._batch_fn is not None:
-        return self._transform_batch(positions)
-      return self._collate_records(positions)
+        return self._transform_batch(positions, stack)
+      return self._collate_records(positions, stack)
     except collate_lib.CollateError as e:
       raise collate_lib.CollateError(
           f"dataset {self.info.name!r}, step {step}: {e}") from e

@@ -14,12 +14,13 @@ from typing import Any
 import grain
 import numpy as np
 
+from grain_elevator.proto.rows import MIN_ROW_BYTES, RowStack
+
 _HEADER = np.dtype([("id", "<i8"), ("label", "<i8")])
 # batch_transform: records under this size are joined and read as one array
-# (one Python call per batch); bigger ones are copied straight into place,
-# which skips a multi-megabyte intermediate (~10% of a worker's CPU on 150 KiB
-# records, BENCHMARKS.md).
-_JOIN_RECORD_BYTES = 16 << 10
+# (one Python call per batch); bigger ones are not copied at all: their pixels
+# go out as views of the records (a RowStack), or are normalised row by row.
+_JOIN_RECORD_BYTES = MIN_ROW_BYTES
 
 
 def encode_record(record_id: int, label: int, image: np.ndarray) -> bytes:
@@ -80,10 +81,12 @@ def decode_images_batch(raw: list[bytes], *, height: int, width: int,
   """batch_transform for `decode_images`: one numpy decode for a whole batch.
 
   Gives exactly `decode_images`' rows stacked (same dtypes, same float32
-  arithmetic), which the server checks at start-up.
+  arithmetic), which the server checks at start-up. Big raw images stay
+  views of their records (a RowStack, stacked by the socket).
   """
   n = len(raw)
-  record = np.dtype([("head", _HEADER), ("image", np.uint8, (height, width, channels))])
+  shape = (height, width, channels)
+  record = np.dtype([("head", _HEADER), ("image", np.uint8, shape)])
   bad = next((len(r) for r in raw if len(r) != record.itemsize), None)
   if bad is not None:
     raise ValueError(f"a record is {bad} bytes, expected {record.itemsize} for a "
@@ -91,16 +94,18 @@ def decode_images_batch(raw: list[bytes], *, height: int, width: int,
   if record.itemsize < _JOIN_RECORD_BYTES:  # small records: one join, then strided reads
     rows = np.frombuffer(b"".join(raw), dtype=record, count=n)
     header, pixels = rows["head"], rows["image"]
-  else:  # big records: copy each straight into place, no joined intermediate
+    image: Any = (np.divide(pixels, np.float32(255.0), dtype=np.float32) if normalize
+                  else np.ascontiguousarray(pixels))
+  else:  # big records: no joined intermediate, no stacking copy
     header = np.frombuffer(b"".join(r[:_HEADER.itemsize] for r in raw), dtype=_HEADER)
-    pixels = np.empty((n, height, width, channels), dtype=np.uint8)
-    flat = pixels.reshape(n, -1)
-    for i, r in enumerate(raw):
-      flat[i] = np.frombuffer(r, dtype=np.uint8, offset=_HEADER.itemsize)
-  if normalize:  # same float32 arithmetic as _normalize, one pass
-    image = np.divide(pixels, np.float32(255.0), dtype=np.float32)
-  else:
-    image = np.ascontiguousarray(pixels)
+    views = [np.frombuffer(r, dtype=np.uint8, offset=_HEADER.itemsize).reshape(shape)
+             for r in raw]
+    if normalize:  # same float32 arithmetic as _normalize, straight into place
+      image = np.empty((n, *shape), dtype=np.float32)
+      for i, v in enumerate(views):
+        np.divide(v, np.float32(255.0), out=image[i], dtype=np.float32)
+    else:
+      image = RowStack(views)
   return {"id": np.ascontiguousarray(header["id"]),
           "label": np.ascontiguousarray(header["label"]), "image": image}
 

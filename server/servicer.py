@@ -70,7 +70,7 @@ class ElevatorServicer(pb_grpc.ElevatorServicer):
         return
       try:
         leaves = ds.host_batch_leaves(step, r.global_batch_size, r.shard_index,
-                                      r.shard_count)
+                                      r.shard_count, stack=False)
       except ElevatorError as e:  # e.g. DATA_LOSS naming the shard and record
         log.error("dataset %r step %d: %s", r.dataset, step, e)
         raise errors.from_status(e.code, f"dataset {r.dataset!r}, step {step}: {e}") from e
