@@ -70,7 +70,3 @@ class RowStack:
   def __repr__(self) -> str:
     return f"RowStack({self.dtype}{list(self.shape)})"
 
-
-def as_array(leaf: Any) -> np.ndarray:
-  """A batch leaf as one array: RowStacks are stacked, arrays pass through."""
-  return np.asarray(leaf) if isinstance(leaf, RowStack) else leaf

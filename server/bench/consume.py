@@ -90,6 +90,18 @@ class _TcpIterator:
     self._rx.close()
 
 
+class _FloorIterator:
+  def __init__(self, ports: list[int], batch_bytes: int):
+    from grain_elevator.server.bench import floor  # pylint: disable=g-import-not-at-top
+    self._rx = floor.Receiver(ports, batch_bytes)
+
+  def __next__(self) -> int:
+    return self._rx.next_batch()
+
+  def close(self) -> None:
+    self._rx.close()
+
+
 def _resume(make: Callable[[], Any]) -> float | None:
   """Seconds from a new iterator + set_state(step 10^6) to its first batch."""
   t = time.perf_counter()
@@ -116,6 +128,9 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
   kind = spec["system"]
   if kind == "tcp":
     make = lambda: _TcpIterator(spec["tcp_port"], spec["batch_bytes"])  # noqa: E731
+    size = lambda b: b  # noqa: E731
+  elif kind == "floor":
+    make = lambda: _FloorIterator(spec["ports"], spec["batch_bytes"])  # noqa: E731
     size = lambda b: b  # noqa: E731
   else:
     make = {"grain": _grain_local, "tfdata": _tfdata}.get(kind, _elevator)(spec)
@@ -148,7 +163,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
   }
   if kind == "tfdata":  # tf.data service iterators cannot be saved or restored
     result["resume_first_batch_s"] = None
-  elif kind != "tcp":
+  elif kind not in ("tcp", "floor"):
     result["resume_first_batch_s"] = _resume(make)
   return result
 

@@ -16,9 +16,11 @@ from typing import Any
 from grain_elevator.server.bench import portfile
 from grain_elevator.server.bench import workloads as workloads_lib
 from grain_elevator.server.launcher import LocalServer
+from grain_elevator.server.supervisor import WORKER_ENV
 
 CONSUME = [sys.executable, "-m", "grain_elevator.server.bench.consume"]
 TCP = [sys.executable, "-m", "grain_elevator.server.bench.tcp"]
+FLOOR = [sys.executable, "-m", "grain_elevator.server.bench.floor"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +44,8 @@ def _client_settings(w: workloads_lib.Workload, **extra: Any) -> dict[str, Any]:
 
 def _systems(w: workloads_lib.Workload, files: list[str], config: str,
              servers: dict[int, LocalServer], tcp_port: int | None,
-             tf_services: dict[int, Any], tf_files: list[str]) -> list[System]:
+             floor_ports: list[int], tf_services: dict[int, Any],
+             tf_files: list[str]) -> list[System]:
   base = {"workload": w.name, "global_batch_size": w.global_batch_size}
   out = []
   for threads in (0, 16):
@@ -71,6 +74,11 @@ def _systems(w: workloads_lib.Workload, files: list[str], config: str,
     out.append(System("tcp", "(d) plain TCP socket, same bytes", {
         **base, "system": "tcp", "tcp_port": tcp_port,
         "batch_bytes": w.global_batch_size * w.delivered_bytes_per_record}, "tcp"))
+  if floor_ports:
+    out.append(System("floor", f"(f) floor: ArrayRecord reads + TCP, W={len(floor_ports)}, "
+                      "raw records", {
+        **base, "system": "floor", "ports": floor_ports,
+        "batch_bytes": w.global_batch_size * w.record_bytes}, "floor"))
   from grain_elevator.server.bench import tfdata  # pylint: disable=g-import-not-at-top
   for workers, svc in tf_services.items():
     out.append(System(f"tfdata_w{workers}", f"(e) tf.data service, W={workers}", {
@@ -98,6 +106,12 @@ def _summary(values: list[float | None]) -> dict[str, float] | None:
 def _has_tensorflow() -> bool:
   import importlib.util  # pylint: disable=g-import-not-at-top
   return importlib.util.find_spec("tensorflow") is not None
+
+
+_FLOOR_NOTE = ("(f) floor: W processes that only read random records with ArrayRecord "
+               "and send their raw bytes (no Grain, decode, framing or gRPC), received "
+               "into fresh buffers: the most an ArrayRecord-reading server gets from these "
+               "cores. It moves raw records, so on small compare records/s, not GB/s.")
 
 
 def _tfdata_note(ran: bool) -> str:
@@ -130,6 +144,7 @@ def run(*, data_dir: str | None, workload_names: list[str], workers: list[int],
     tf_files: list[str] = []
     run_tf = tfdata and _has_tensorflow()
     tcp_proc, tcp_port = None, None
+    floor_procs: list[subprocess.Popen] = []
     try:
       for wk in workers:
         servers[wk] = LocalServer(config, workers=wk)
@@ -149,7 +164,9 @@ def run(*, data_dir: str | None, workload_names: list[str], workers: list[int],
       if tcp_port is None:
         raise RuntimeError(f"the TCP sender ({' '.join(TCP)}) did not start within 30 s")
       port_file.unlink()
-      systems = _systems(w, files, config, servers, tcp_port, tf_services, tf_files)
+      floor_ports = _start_floor(root, w, files, max(workers), floor_procs)
+      systems = _systems(w, files, config, servers, tcp_port, floor_ports, tf_services,
+                         tf_files)
       raw: dict[str, list[dict[str, Any]]] = {s.key: [] for s in systems}
       total = repeats * len(systems)
       done = 0
@@ -165,9 +182,10 @@ def run(*, data_dir: str | None, workload_names: list[str], workers: list[int],
         server.stop()
       for svc in tf_services.values():
         svc.stop()
-      if tcp_proc:
-        tcp_proc.kill()
-        tcp_proc.wait()
+      for proc in [tcp_proc, *floor_procs]:
+        if proc:
+          proc.kill()
+          proc.wait()
     rows = {}
     for s in systems:
       rs = raw[s.key]
@@ -179,8 +197,24 @@ def run(*, data_dir: str | None, workload_names: list[str], workers: list[int],
     report["workloads"][name] = {
         "record_bytes": w.record_bytes, "delivered_bytes_per_record": w.delivered_bytes_per_record,
         "global_batch_size": w.global_batch_size, "records": n, "systems": rows,
-        "notes": [_tfdata_note(run_tf)]}
+        "notes": [_FLOOR_NOTE, _tfdata_note(run_tf)]}
   return report
+
+
+def _start_floor(root: pathlib.Path, w: workloads_lib.Workload, files: list[str],
+                 senders: int, procs: list[subprocess.Popen]) -> list[int]:
+  """Starts the floor's sender processes (bench/floor.py); their ports."""
+  ports = []
+  for i in range(senders):
+    port_file = root / f"floor-port-{os.getpid()}-{i}"
+    procs.append(subprocess.Popen([*FLOOR, str(port_file), str(w.global_batch_size), *files],
+                                  env={**os.environ, **WORKER_ENV}))  # as the server's workers
+    port = portfile.wait(port_file, procs[-1], time.monotonic() + 30)
+    if port is None:
+      raise RuntimeError(f"the floor sender ({' '.join(FLOOR)}) did not start within 30 s")
+    port_file.unlink()
+    ports.append(port)
+  return ports
 
 
 def _fmt(s: dict[str, float] | None, scale: float = 1.0, digits: int = 0) -> str:
@@ -229,7 +263,7 @@ def plot(report: dict[str, Any], path: str) -> None:
     err = [[m - r["gb_per_s"]["min"] for m, r in zip(med, rows)],
            [r["gb_per_s"]["max"] - m for m, r in zip(med, rows)]]
     colors = {"grain": "#999999", "embedded": "#6baed6", "service": "#2171b5",
-              "tcp": "#fd8d3c", "tfdata": "#74c476"}
+              "tcp": "#fd8d3c", "floor": "#fdd0a2", "tfdata": "#74c476"}
     ax.barh(range(len(rows)), med, xerr=err, color=[colors[r["kind"]] for r in rows])
     ax.set_yticks(range(len(rows)), labels, fontsize=8)
     ax.invert_yaxis()

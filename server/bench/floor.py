@@ -1,0 +1,110 @@
+"""The floor for serving these shards: ArrayRecord reads plus a plain socket.
+
+Each sender process reads G random records of the benchmark's shards the
+way the server does (one call per big record, one batched call per shard for
+small ones), sends their bytes back to back with one `sendmsg`, and repeats:
+no Grain, no shuffle map, no decode, no framing, no gRPC. The receiver reads
+each batch into a fresh buffer, as the service's client does. What the
+service delivers on top of this is its whole cost beyond reading and moving
+bytes; what this reaches is the most any ArrayRecord-reading server could on
+the same cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import queue
+import random
+import socket
+import sys
+import threading
+from typing import Sequence
+
+import numpy as np
+
+from grain_elevator.proto import bulk
+from grain_elevator.server.bench import portfile
+from grain_elevator.server.dataset import SINGLE_READ_RECORD_BYTES
+
+
+def _send_batches(conn: socket.socket, files: Sequence[str], global_batch_size: int,
+                  seed: int) -> None:
+  from array_record.python.array_record_module import ArrayRecordReader  # pylint: disable=g-import-not-at-top
+  readers = [ArrayRecordReader(f, "readahead_buffer_size:0") for f in files]
+  sizes = [r.num_records() for r in readers]
+  single = len(readers[0].read([0])[0]) >= SINGLE_READ_RECORD_BYTES
+  rng = random.Random(seed)
+  try:
+    while True:
+      per_shard: dict[int, list[int]] = {}
+      for _ in range(global_batch_size):
+        s = rng.randrange(len(readers))
+        per_shard.setdefault(s, []).append(rng.randrange(sizes[s]))
+      records: list[bytes] = []
+      for s, positions in per_shard.items():
+        if single:
+          records += [readers[s].read([p])[0] for p in positions]
+        else:
+          records += readers[s].read(positions)
+      bulk.send_parts(conn, records)
+  except OSError:
+    pass  # the receiver is done
+  finally:
+    conn.close()
+
+
+def serve(port_file: str, files: Sequence[str], global_batch_size: int) -> None:
+  with socket.create_server(("127.0.0.1", 0)) as server:
+    portfile.write(port_file, server.getsockname()[1])
+    for seed in range(1 << 30):
+      conn, _ = server.accept()
+      threading.Thread(target=_send_batches, args=(conn, files, global_batch_size, seed),
+                       daemon=True).start()
+
+
+class Receiver:
+  """One connection per sender process, each read by a thread into fresh
+  buffers; batches are handed over through a bounded queue."""
+
+  def __init__(self, ports: Sequence[int], batch_bytes: int, in_flight: int = 8):
+    self._batch_bytes = batch_bytes
+    self._queue: queue.Queue[np.ndarray | BaseException] = queue.Queue(in_flight)
+    self._socks = [socket.create_connection(("127.0.0.1", p)) for p in ports]
+    self._stop = threading.Event()
+    for sock in self._socks:
+      threading.Thread(target=self._receive, args=(sock,), daemon=True).start()
+
+  def _receive(self, sock: socket.socket) -> None:
+    try:
+      while not self._stop.is_set():
+        batch = np.empty(self._batch_bytes, dtype=np.uint8)
+        bulk.recv_into(sock, memoryview(batch))
+        self._queue.put(batch)
+    except OSError as e:
+      if not self._stop.is_set():
+        self._queue.put(e)
+
+  def next_batch(self) -> int:
+    got = self._queue.get()
+    if isinstance(got, BaseException):
+      raise ConnectionError(f"floor sender failed: {got}")
+    return got.nbytes
+
+  def close(self) -> None:
+    self._stop.set()
+    for sock in self._socks:
+      try:
+        sock.shutdown(socket.SHUT_RDWR)
+      except OSError:
+        pass
+      sock.close()
+
+
+if __name__ == "__main__":
+  p = argparse.ArgumentParser()
+  p.add_argument("port_file")
+  p.add_argument("global_batch_size", type=int)
+  p.add_argument("files", nargs="+")
+  a = p.parse_args()
+  serve(a.port_file, a.files, a.global_batch_size)
+  sys.exit(0)
