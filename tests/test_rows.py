@@ -3,8 +3,6 @@ transport as the stacked batch, and as embedded mode, bit for bit."""
 
 from __future__ import annotations
 
-import textwrap
-
 import numpy as np
 import pytest
 
@@ -99,38 +97,25 @@ def test_collate_stacks_a_leaf_once_a_row_is_strided():
   assert np.array_equal(leaf, np.stack([r[:, :64] for r in rows]))
 
 
-CONFIG = textwrap.dedent("""\
-    [datasets.per_record]    # collate gathers the pixels
-    paths = ["big/*.array_record"]
-    pipeline = "grain_elevator.server.examples:decode_images"
-    seed = 2
-    [datasets.per_record.options]
-    height = 96
-    width = 96
-    channels = 3
+def _dataset(name: str, *, batch_transform: bool, **extra: object) -> str:
+  """A config section over the big-record shards, 96x96x3 images."""
+  lines = [f"[datasets.{name}]", 'paths = ["big/*.array_record"]',
+           'pipeline = "grain_elevator.server.examples:decode_images"', "seed = 2"]
+  if batch_transform:
+    lines.append('batch_transform = "grain_elevator.server.examples:decode_images_batch"')
+  lines += [f"{k} = {v}" for k, v in extra.items() if k != "normalize"]
+  lines += [f"[datasets.{name}.options]", "height = 96", "width = 96", "channels = 3"]
+  if extra.get("normalize"):
+    lines.append("normalize = true")
+  return "\n".join(lines) + "\n"
 
-    [datasets.batch]         # the batch_transform returns a RowStack
-    paths = ["big/*.array_record"]
-    pipeline = "grain_elevator.server.examples:decode_images"
-    batch_transform = "grain_elevator.server.examples:decode_images_batch"
-    seed = 2
-    [datasets.batch.options]
-    height = 96
-    width = 96
-    channels = 3
 
-    [datasets.batch_float]   # normalised row by row into one array
-    paths = ["big/*.array_record"]
-    pipeline = "grain_elevator.server.examples:decode_images"
-    batch_transform = "grain_elevator.server.examples:decode_images_batch"
-    seed = 2
-    num_epochs = 2
-    [datasets.batch_float.options]
-    height = 96
-    width = 96
-    channels = 3
-    normalize = true
-    """)
+CONFIG = "\n".join([
+    _dataset("per_record", batch_transform=False),  # collate gathers the pixels
+    _dataset("batch", batch_transform=True),  # the batch_transform returns a RowStack
+    # normalised row by row into one array; 2 epochs
+    _dataset("batch_float", batch_transform=True, num_epochs=2, normalize=True),
+])
 
 
 @pytest.fixture(scope="module")
