@@ -78,10 +78,12 @@ def _tfdata(spec: dict[str, Any]) -> Callable[[], Any]:
   return make
 
 
-class _TcpIterator:
-  def __init__(self, port: int, batch_bytes: int):
-    from grain_elevator.server.bench import tcp  # pylint: disable=g-import-not-at-top
-    self._rx = tcp.Receiver(port, batch_bytes)
+class _Received:
+  """Batches of a bench receiver (plain TCP or the floor's), as an iterator
+  of their sizes."""
+
+  def __init__(self, rx: Any):
+    self._rx = rx
 
   def __next__(self) -> int:
     return self._rx.next_batch()
@@ -90,16 +92,11 @@ class _TcpIterator:
     self._rx.close()
 
 
-class _FloorIterator:
-  def __init__(self, ports: list[int], batch_bytes: int):
-    from grain_elevator.server.bench import floor  # pylint: disable=g-import-not-at-top
-    self._rx = floor.Receiver(ports, batch_bytes)
-
-  def __next__(self) -> int:
-    return self._rx.next_batch()
-
-  def close(self) -> None:
-    self._rx.close()
+def _receiver(spec: dict[str, Any]) -> _Received:
+  from grain_elevator.server.bench import floor, tcp  # pylint: disable=g-import-not-at-top
+  if spec["system"] == "floor":
+    return _Received(floor.Receiver(spec["ports"], spec["batch_bytes"]))
+  return _Received(tcp.Receiver(spec["tcp_port"], spec["batch_bytes"]))
 
 
 def _resume(make: Callable[[], Any]) -> float | None:
@@ -126,11 +123,8 @@ def _close(it: Any) -> None:
 
 def measure(spec: dict[str, Any]) -> dict[str, Any]:
   kind = spec["system"]
-  if kind == "tcp":
-    make = lambda: _TcpIterator(spec["tcp_port"], spec["batch_bytes"])  # noqa: E731
-    size = lambda b: b  # noqa: E731
-  elif kind == "floor":
-    make = lambda: _FloorIterator(spec["ports"], spec["batch_bytes"])  # noqa: E731
+  if kind in ("tcp", "floor"):
+    make = lambda: _receiver(spec)  # noqa: E731
     size = lambda b: b  # noqa: E731
   else:
     make = {"grain": _grain_local, "tfdata": _tfdata}.get(kind, _elevator)(spec)

@@ -208,7 +208,7 @@ def _start_floor(root: pathlib.Path, w: workloads_lib.Workload, files: list[str]
   for i in range(senders):
     port_file = root / f"floor-port-{os.getpid()}-{i}"
     procs.append(subprocess.Popen([*FLOOR, str(port_file), str(w.global_batch_size), *files],
-                                  env={**os.environ, **WORKER_ENV}))  # as the server's workers
+                                  env={**WORKER_ENV, **os.environ}))  # as `elevator serve` does
     port = portfile.wait(port_file, procs[-1], time.monotonic() + 30)
     if port is None:
       raise RuntimeError(f"the floor sender ({' '.join(FLOOR)}) did not start within 30 s")
