@@ -354,10 +354,14 @@ class ConnectionPool:
       time.sleep(self._backoff(attempt))
     raise AssertionError("unreachable")
 
-  def fetch(self, request: pb.BatchRequest, token: CancelToken) -> list[list[np.ndarray]]:
-    """Steps [start, start+num) of `request`, in order, from any replica."""
+  def fetch(self, request: pb.BatchRequest, token: CancelToken,
+            out: list[list[np.ndarray]] | None = None) -> list[list[np.ndarray]]:
+    """Steps [start, start+num) of `request`, in order, from any replica.
+
+    Each step is appended to `out` (a new list by default) as it arrives, so
+    a caller may take early steps before the request ends."""
     self._balance(pb.DescribeRequest(dataset=request.dataset))
-    out: list[list[np.ndarray]] = []
+    out = [] if out is None else out
     deadline = time.monotonic() + self.retry.timeout_s
     last = None
     attempt = 0

@@ -42,14 +42,18 @@ class EmbeddedBackend:
     names = [dataset] if dataset else sorted(self._config.datasets)
     return [self.dataset(n).info for n in names]
 
-  def fetch(self, request: pb.BatchRequest, token: object = None) -> list[list[np.ndarray]]:
+  def fetch(self, request: pb.BatchRequest, token: object = None,
+            out: list[list[np.ndarray]] | None = None) -> list[list[np.ndarray]]:
+    """Like ConnectionPool.fetch: steps appended to `out` as they are made."""
     del token  # In-process work is not interruptible mid-batch.
     r = request
     ds = self.dataset(r.dataset)
     ds.check_request(r.global_batch_size, r.shard_index, r.shard_count,
                      r.start_step, r.num_steps, r.config_fingerprint)
-    return [ds.host_batch_leaves(s, r.global_batch_size, r.shard_index, r.shard_count)
-            for s in range(r.start_step, r.start_step + r.num_steps)]
+    out = [] if out is None else out
+    for s in range(r.start_step, r.start_step + r.num_steps):
+      out.append(ds.host_batch_leaves(s, r.global_batch_size, r.shard_index, r.shard_count))
+    return out
 
   def close(self) -> None:
     pass

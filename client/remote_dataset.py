@@ -55,10 +55,25 @@ def describe(target: str | Sequence[str], dataset: str | None = None) -> list[Da
     backend.close()
 
 
+class _Arrivals(list):
+  """A request's steps, appended by the fetch thread as they arrive; wakes
+  the trainer's thread, which may take each one before the request ends."""
+
+  def __init__(self, arrived: threading.Condition):
+    super().__init__()
+    self._arrived = arrived
+
+  def append(self, item: Any) -> None:
+    with self._arrived:
+      super().append(item)
+      self._arrived.notify_all()
+
+
 @dataclasses.dataclass(frozen=True)
 class _Chunk:
   start: int
   num_steps: int
+  steps: _Arrivals
   future: concurrent.futures.Future
   token: connections.CancelToken
 
@@ -82,7 +97,9 @@ class RemoteDataset(grain.IterDataset):
     shard_count: H, the number of hosts; must divide G. Default:
       `jax.process_count()` when JAX runs as several processes, else 1.
     prefetch: steps kept in flight ahead of the trainer (0: fetch on demand).
-    steps_per_request: consecutive steps asked for in one streaming RPC.
+    steps_per_request: consecutive steps asked for in one streaming RPC. The
+      window is topped up a whole request at a time; each step reaches the
+      trainer as soon as it arrives, not when its request ends.
     connections_per_target: TCP connections per replica (spread over the
       server's worker processes). Over the bulk transport each carries one
       request at a time, so this also bounds the requests in flight.
@@ -199,6 +216,7 @@ class _RemoteIterator(grain.DatasetIterator):
     self._requested = 0  # first step not yet requested
     self._chunks: collections.deque[_Chunk] = collections.deque()
     self._lock = threading.Lock()
+    self._arrived = threading.Condition()  # a step arrived or a fetch ended
     self._pool: concurrent.futures.ThreadPoolExecutor | None = None
 
   # -- fetching -------------------------------------------------------------
@@ -221,13 +239,33 @@ class _RemoteIterator(grain.DatasetIterator):
       workers = max(1, -(-self._ds.prefetch // self._ds.steps_per_request))
       self._pool = concurrent.futures.ThreadPoolExecutor(
           max_workers=workers, thread_name_prefix="grain-elevator-fetch")
+    per_request = self._ds.steps_per_request
     while self._requested < limit:
-      n = min(self._ds.steps_per_request, limit - self._requested)
+      n = min(per_request, limit - self._requested)
+      if n < per_request and self._requested > self._step and (
+          self._total is None or self._requested + n < self._total):
+        break  # steps are in flight: wait until a whole request fits the window
       token = connections.CancelToken()
+      steps = _Arrivals(self._arrived)
       future = self._pool.submit(self._backend.fetch,
-                                 self._request(self._requested, n), token)
-      self._chunks.append(_Chunk(self._requested, n, future, token))
+                                 self._request(self._requested, n), token, steps)
+      future.add_done_callback(self._wake)
+      self._chunks.append(_Chunk(self._requested, n, steps, future, token))
       self._requested += n
+
+  def _wake(self, _: concurrent.futures.Future) -> None:
+    with self._arrived:
+      self._arrived.notify_all()
+
+  def _take(self, chunk: _Chunk, i: int) -> list[Any]:
+    """Step `i` of `chunk` once it has arrived; the fetch's error if it failed first."""
+    with self._arrived:
+      while len(chunk.steps) <= i and not chunk.future.done():
+        self._arrived.wait()
+    if len(chunk.steps) > i:
+      return chunk.steps[i]
+    chunk.future.result()  # raises what ended the fetch
+    raise ElevatorError(f"{self._ds}: step {chunk.start + i} was not received")
 
   def _cancel_all(self) -> None:
     while self._chunks:
@@ -246,7 +284,7 @@ class _RemoteIterator(grain.DatasetIterator):
       self._fill()
       chunk = self._chunks[0]
       try:
-        leaves = chunk.future.result()[self._step - chunk.start]
+        leaves = self._take(chunk, self._step - chunk.start)
       except connections.Cancelled:
         raise ElevatorError(f"{self._ds} iterator was closed") from None
       if self._step == chunk.start + chunk.num_steps - 1:

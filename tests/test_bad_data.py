@@ -79,3 +79,14 @@ def test_failing_pipeline_gives_internal_naming_dataset_step_and_error(bad_serve
     it = iter(ds)
     it.set_state({**it.get_state(), "step": 2})
     np.testing.assert_array_equal(next(it)["id"], np.arange(8, 12))
+
+
+def test_steps_received_before_a_failure_in_the_same_request_are_delivered(bad_server):
+  """Steps reach the trainer as they arrive: a request for steps 0-3 that
+  fails at step 1 still delivers step 0, then the error."""
+  with RemoteDataset(bad_server.target, "failing", 4, prefetch=4,
+                     steps_per_request=4) as ds:
+    it = iter(ds)
+    np.testing.assert_array_equal(next(it)["id"], np.arange(4))
+    with pytest.raises(ElevatorError, match="step 1: ValueError: record 7"):
+      next(it)
