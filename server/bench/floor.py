@@ -1,9 +1,10 @@
 """The floor for serving these shards: ArrayRecord reads plus a plain socket.
 
-Each sender process reads G random records of the benchmark's shards the
-way the server does (one call per big record, one batched call per shard for
-small ones), sends their bytes back to back with one `sendmsg`, and repeats:
-no Grain, no shuffle map, no decode, no framing, no gRPC. The receiver reads
+Each sender process reads G random records of the benchmark's shards with
+the server's own reader (`BatchedArrayRecordSource`: one call per big
+record, one batched call per shard for small ones), sends their bytes back
+to back with one `sendmsg`, and repeats: no Grain pipeline, no shuffle map,
+no decode, no framing, no gRPC. The receiver reads
 each batch into a fresh buffer, as the service's client does. What the
 service delivers on top of this is its whole cost beyond reading and moving
 bytes; what this reaches is the most any ArrayRecord-reading server could on
@@ -24,29 +25,17 @@ import numpy as np
 
 from grain_elevator.proto import bulk
 from grain_elevator.server.bench import portfile
-from grain_elevator.server.dataset import SINGLE_READ_RECORD_BYTES
+from grain_elevator.server.dataset import BatchedArrayRecordSource, mark_absl_flags_parsed
 
 
 def _send_batches(conn: socket.socket, files: Sequence[str], global_batch_size: int,
                   seed: int) -> None:
-  from array_record.python.array_record_module import ArrayRecordReader  # pylint: disable=g-import-not-at-top
-  readers = [ArrayRecordReader(f, "readahead_buffer_size:0") for f in files]
-  sizes = [r.num_records() for r in readers]
-  single = len(readers[0].read([0])[0]) >= SINGLE_READ_RECORD_BYTES
+  source = BatchedArrayRecordSource(list(files))  # the server's own shard reads
   rng = random.Random(seed)
   try:
     while True:
-      per_shard: dict[int, list[int]] = {}
-      for _ in range(global_batch_size):
-        s = rng.randrange(len(readers))
-        per_shard.setdefault(s, []).append(rng.randrange(sizes[s]))
-      records: list[bytes] = []
-      for s, positions in per_shard.items():
-        if single:
-          records += [readers[s].read([p])[0] for p in positions]
-        else:
-          records += readers[s].read(positions)
-      bulk.send_parts(conn, records)
+      positions = [rng.randrange(len(source)) for _ in range(global_batch_size)]
+      bulk.send_parts(conn, source._getitems(positions))  # pylint: disable=protected-access
   except OSError:
     pass  # the receiver is done
   finally:
@@ -54,6 +43,7 @@ def _send_batches(conn: socket.socket, files: Sequence[str], global_batch_size: 
 
 
 def serve(port_file: str, files: Sequence[str], global_batch_size: int) -> None:
+  mark_absl_flags_parsed()
   with socket.create_server(("127.0.0.1", 0)) as server:
     portfile.write(port_file, server.getsockname()[1])
     for seed in range(1 << 30):
