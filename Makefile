@@ -4,7 +4,12 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test proto clean
+.PHONY: demo test proto clean host-tools
+
+# System tools the tests use beyond Python: iptables (random loss on the
+# netns test's link). Installed with apt where we are root and it is missing;
+# elsewhere the tests that need it are skipped with the reason.
+HOST_TOOLS := iptables
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -17,8 +22,17 @@ $(STAMP): $(PY) pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/elevator demo
 
-test: $(STAMP)
+test: $(STAMP) host-tools
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+host-tools:
+	@missing=$$(for t in $(HOST_TOOLS); do command -v $$t >/dev/null || echo $$t; done); \
+	if [ -n "$$missing" ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  echo "installing $$missing (apt-get)"; \
+	  apt-get install -y -q $$missing >/dev/null 2>&1 || \
+	    { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q $$missing >/dev/null 2>&1; } || \
+	    echo "could not install $$missing; the tests that need it will be skipped"; \
+	fi
 
 # Regenerate the gRPC stubs after editing proto/elevator.proto.
 proto: $(STAMP)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -27,6 +28,8 @@ def _sh(*cmd: str) -> None:
 
 @pytest.fixture
 def hosts():
+  if shutil.which("iptables") is None:
+    pytest.skip("iptables is not installed (`make test` installs it with apt as root)")
   tag = f"ge{os.getpid() % 100000}"
   srv, cli = f"{tag}s", f"{tag}c"
   try:
