@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 from typing import Any, Sequence
 
@@ -18,6 +19,7 @@ from grain_elevator.proto import tree
 from grain_elevator.proto.spec import DatasetInfo, ElementSpec
 from grain_elevator.server import collate as collate_lib
 from grain_elevator.server import contract
+from grain_elevator.server import shard_reader
 from grain_elevator.server import shuffle as shuffle_lib
 from grain_elevator.server.config import DatasetConfig, ServerConfig
 from grain_elevator.server.errors import (ConfigError, DataLossError,
@@ -25,14 +27,16 @@ from grain_elevator.server.errors import (ConfigError, DataLossError,
                                           StreamMismatchError,
                                           UnknownDatasetError)
 
+log = logging.getLogger("grain_elevator.server")
+
 # A host's rows for one step are one gRPC message; bounded so that no request
 # (G = 10^9, say) makes a worker allocate without limit. `--max-message-bytes`.
 DEFAULT_MAX_BATCH_BYTES = 256 << 20
 
-# ArrayRecord's batched read hands positions to a thread pool: for small
-# records that beats ~55 µs per call, but from about this size a call per
-# record reads as fast on ~35% less CPU (BENCHMARKS.md), CPU that a data tier
-# or a shared trainer host spends elsewhere.
+# Where ArrayRecord reads a shard (server/shard_reader.py does not decode
+# it): its batched read hands positions to a thread pool, which for small
+# records beats ~55 µs per call, but from about this size a call per record
+# reads as fast on ~35% less CPU (BENCHMARKS.md).
 SINGLE_READ_RECORD_BYTES = 64 << 10
 
 
@@ -43,17 +47,26 @@ def mark_absl_flags_parsed() -> None:
     flags.FLAGS.mark_as_parsed()
 
 
+_UNOPENED = object()
+
+
 class BatchedArrayRecordSource(grain.sources.ArrayRecordDataSource):
   """ArrayRecordDataSource that opts in to Grain's batched-read path.
 
-  Grain calls `_getitems` on sources that offer it. ArrayRecord's own
-  `__getitems__` starts a new thread pool per call, which on a few cores
-  costs more than it saves (BENCHMARKS.md); here each shard's positions are
-  read with one call, in the calling thread, or with one call per record for
-  records of SINGLE_READ_RECORD_BYTES and up.
+  Grain calls `_getitems` on sources that offer it. Each shard's positions
+  are read in the calling thread by `shard_reader.ShardReader` (one pread
+  per chunk, riegeli's hashes checked; ~5 µs of CPU per small record against
+  ~20 through ArrayRecord). Shards it does not decode, and builds without
+  its C part, go through ArrayRecord: one call per shard, or one per record
+  for records of SINGLE_READ_RECORD_BYTES and up (its batched call starts a
+  thread pool, which on a few cores costs more than it saves).
   """
 
   _single_reads: bool | None = None
+
+  def __init__(self, paths: Any, reader_options: dict[str, str] | None = None):
+    super().__init__(paths, reader_options)
+    self._shards: list[Any] = [_UNOPENED] * len(self._read_instructions)
 
   def _reads_singly(self) -> bool:
     if self._single_reads is None:
@@ -63,6 +76,30 @@ class BatchedArrayRecordSource(grain.sources.ArrayRecordDataSource):
       except (AttributeError, OSError):
         self._single_reads = False
     return self._single_reads
+
+  def __getstate__(self):
+    state = super().__getstate__()
+    del state["_shards"]  # open file descriptors: reopened lazily
+    return state
+
+  def __setstate__(self, state):
+    super().__setstate__(state)
+    self._shards = [_UNOPENED] * len(self._read_instructions)
+
+  def _shard(self, reader_idx: int) -> shard_reader.ShardReader | None:
+    """This shard's fast reader, opened on first use; None: use ArrayRecord."""
+    shard = self._shards[reader_idx]
+    if shard is _UNOPENED:
+      with self._lock:
+        shard = self._shards[reader_idx]
+        if shard is _UNOPENED:
+          filename = self._read_instructions[reader_idx].filename
+          try:
+            shard = shard_reader.open_shard(filename)
+          except (shard_reader.CorruptShard, OSError) as e:
+            raise DataLossError(f"shard {filename} cannot be opened: {e}") from e
+          self._shards[reader_idx] = shard
+    return shard
 
   def _getitems(self, indices: Sequence[int]) -> Sequence[bytes]:
     try:
@@ -77,6 +114,28 @@ class BatchedArrayRecordSource(grain.sources.ArrayRecordDataSource):
     return out
 
   def _read(self, reader_idx: int, positions: list[int]) -> Sequence[bytes]:
+    filename = self._read_instructions[reader_idx].filename
+    shard = self._shard(reader_idx)
+    if shard is not None:
+      try:
+        return shard.read(positions)
+      except shard_reader.CorruptShard:
+        for p in positions:  # name the first record that fails
+          try:
+            shard.read([p])
+          except shard_reader.CorruptShard as record_error:
+            raise DataLossError(
+                f"shard {filename} is corrupt: record {p} cannot be read: "
+                f"{record_error}") from record_error
+        raise
+      except OSError as e:
+        raise DataLossError(f"shard {filename} cannot be read: {e}") from e
+      except shard_reader.UnsupportedShard as e:  # a chunk unlike the first
+        log.warning("%s: %s; reading it through ArrayRecord from now on", filename, e)
+        self._shards[reader_idx] = None
+    return self._read_with_array_record(reader_idx, positions)
+
+  def _read_with_array_record(self, reader_idx: int, positions: list[int]) -> Sequence[bytes]:
     filename = self._read_instructions[reader_idx].filename
     try:
       self._ensure_reader_exists(reader_idx)
@@ -166,6 +225,10 @@ class ElevatorDataset:
     mark_absl_flags_parsed()
     self.config = config
     self.max_batch_bytes = max_batch_bytes
+    try:
+      shard_reader.check_setup()
+    except ValueError as e:
+      raise ConfigError(str(e)) from e
     try:
       source = BatchedArrayRecordSource(list(config.files))
     except Exception as e:

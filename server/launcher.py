@@ -6,12 +6,13 @@ exactly what an operator runs.
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import subprocess
 import sys
 import threading
-from typing import Sequence
+from typing import Mapping, Sequence
 
 ELEVATOR = (sys.executable, "-m", "grain_elevator.server.cli")
 _READY = re.compile(r" on (\S+):(\d+) with ")
@@ -23,12 +24,14 @@ class LocalServer:
 
   def __init__(self, config: str, *, workers: int = 2, host: str = "127.0.0.1",
                port: int = 0, extra_args: Sequence[str] = (),
-               prefix: Sequence[str] = ()):
-    """`prefix` runs the server under another command (`ip netns exec NS`)."""
+               prefix: Sequence[str] = (), env: Mapping[str, str] | None = None):
+    """`prefix` runs the server under another command (`ip netns exec NS`);
+    `env` adds to this process's environment."""
     self.proc = subprocess.Popen(
         [*prefix, *ELEVATOR, "serve", "--config", str(config), "--host", host,
          "--port", str(port), "--workers", str(workers), *extra_args],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, **env} if env else None)
     self._stderr: list[str] = []
     self._drain = threading.Thread(target=self._read_stderr, daemon=True)
     self._drain.start()

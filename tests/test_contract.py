@@ -84,9 +84,11 @@ def test_shuffle_is_a_permutation_per_epoch(oracle):
   assert not np.array_equal(ids[:1000], np.arange(1000))
 
 
-def test_big_records_read_one_per_call_equal_literal_formula(tmp_path):
-  """Records of 64 KiB and up take the one-call-per-record read path; it must
-  give the same rows as the batched path's formula."""
+@pytest.mark.parametrize("reader", ["auto", "arrayrecord"])
+def test_big_records_equal_literal_formula(tmp_path, monkeypatch, reader):
+  """Records of 64 KiB and up: the shard reader's big-chunk path, and
+  ArrayRecord's one-call-per-record path, give the formula's rows."""
+  monkeypatch.setenv("ELEVATOR_SHARD_READER", reader)
   from grain_elevator.client.embedded import EmbeddedBackend
   from grain_elevator.server import dataset as dataset_lib, examples
   examples.write_image_shards(str(tmp_path / "shards"), num_records=60, num_shards=3,

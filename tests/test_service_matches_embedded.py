@@ -58,3 +58,15 @@ def test_in_flight_settings_do_not_change_the_stream(server, config_path, prefet
                      connections_per_target=connections, **kwargs) as remote:
     with RemoteDataset.embedded(config_path, "aug2", 48, **kwargs) as local:
       assert assert_streams_equal(remote, local) == 41
+
+
+@pytest.mark.parametrize("dataset,g,n,h", [("aug2", 96, 2, 1), ("raw", 32, 1, 0)])
+def test_server_reading_through_array_record_matches_oracle(config_path, dataset, g, n, h):
+  """The same stream whichever reader a server uses: ArrayRecord's here,
+  server/shard_reader.py in embedded mode (and in the `server` fixture)."""
+  from grain_elevator.server.launcher import LocalServer
+  with LocalServer(config_path, workers=1, env={"ELEVATOR_SHARD_READER": "arrayrecord"}) as srv:
+    with RemoteDataset(srv.target, dataset, g, shard_index=h, shard_count=n) as remote:
+      with RemoteDataset.embedded(config_path, dataset, g, shard_index=h,
+                                  shard_count=n, prefetch=0) as local:
+        assert assert_streams_equal(remote, local) == (1000 * (2 if dataset == "aug2" else 1)) // g

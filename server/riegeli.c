@@ -1,0 +1,573 @@
+/* grain_elevator.server._riegeli: the hot part of reading ArrayRecord shards.
+ *
+ * ArrayRecord files are riegeli files: chunks interrupted every 64 KiB by a
+ * 24-byte block header, each chunk a 40-byte header and its data, both
+ * protected by a 64-bit HighwayHash with a fixed key
+ * (riegeli/doc/riegeli_records_file_format.md). ArrayRecord's reader spends
+ * ~20 µs of CPU per small record through its Python binding and thread pool;
+ * this reads a chunk with one pread, checks both hashes and returns the data,
+ * with the GIL released around the I/O and the hashing. Decompression and the
+ * simple-chunk framing stay in Python (server/shard_reader.py).
+ *
+ * HighwayHash is implemented here from its published description (portable
+ * lanes, and AVX2 where the CPU has it, chosen at import); the tests check it
+ * against the hashes riegeli itself wrote.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <errno.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define HAVE_X86 1
+#endif
+
+#define BLOCK_SIZE 65536u
+#define BLOCK_HEADER_SIZE 24u
+#define CHUNK_HEADER_SIZE 40u
+/* Chunks whose whole extent fits in this are read with one pread into a
+ * scratch buffer; bigger ones read their data straight into the result. */
+#define SMALL_EXTENT (64u << 10)
+#define RELEASE_GIL_BYTES 16384u
+
+/* ------------------------------------------------------------------------ */
+/* HighwayHash-64                                                            */
+
+static const uint64_t kInitMul0[4] = {0xdbe6d5d5fe4cce2full, 0xa4093822299f31d0ull,
+                                      0x13198a2e03707344ull, 0x243f6a8885a308d3ull};
+static const uint64_t kInitMul1[4] = {0x3bd39e10cb0ef593ull, 0xc0acf169b5f18a8cull,
+                                      0xbe5466cf34e90c6cull, 0x452821e638d01377ull};
+/* 'Riegeli/', 'records\n', twice. */
+static const uint64_t kRiegeliKey[4] = {0x2f696c6567656952ull, 0x0a7364726f636572ull,
+                                        0x2f696c6567656952ull, 0x0a7364726f636572ull};
+
+typedef struct {
+  uint64_t v0[4], v1[4], mul0[4], mul1[4];
+} Lanes;
+
+typedef void (*PacketsFn)(const uint8_t*, size_t, Lanes*);
+
+typedef struct {
+  Lanes s;
+  PacketsFn packets;
+  uint8_t carry[32];
+  size_t carried;
+} Hasher;
+
+static void hasher_init(Hasher* h, PacketsFn packets) {
+  h->packets = packets;
+  for (int i = 0; i < 4; i++) {
+    const uint64_t k = kRiegeliKey[i];
+    h->s.mul0[i] = kInitMul0[i];
+    h->s.mul1[i] = kInitMul1[i];
+    h->s.v0[i] = kInitMul0[i] ^ k;
+    h->s.v1[i] = kInitMul1[i] ^ ((k >> 32) | (k << 32));
+  }
+  h->carried = 0;
+}
+
+static inline void zipper_add(uint64_t v1, uint64_t v0, uint64_t* add1, uint64_t* add0) {
+  *add0 += (((v0 & 0xff000000ull) | (v1 & 0xff00000000ull)) >> 24) |
+           (((v0 & 0xff0000000000ull) | (v1 & 0xff000000000000ull)) >> 16) |
+           (v0 & 0xff0000ull) | ((v0 & 0xff00ull) << 32) |
+           ((v1 & 0xff00000000000000ull) >> 8) | (v0 << 56);
+  *add1 += (((v1 & 0xff000000ull) | (v0 & 0xff00000000ull)) >> 24) |
+           (v1 & 0xff0000ull) | ((v1 & 0xff0000000000ull) >> 16) |
+           ((v1 & 0xff00ull) << 24) | ((v0 & 0xff000000000000ull) >> 8) |
+           ((v1 & 0xffull) << 48) | (v0 & 0xff00000000000000ull);
+}
+
+static inline uint64_t load_le64(const uint8_t* p) {
+  uint64_t x;
+  memcpy(&x, p, 8);
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+  x = __builtin_bswap64(x);
+#endif
+  return x;
+}
+
+static inline void update_lanes(const uint64_t in[4], Lanes* s) {
+  for (int i = 0; i < 4; i++) {
+    s->v1[i] += s->mul0[i] + in[i];
+    s->mul0[i] ^= (s->v1[i] & 0xffffffffull) * (s->v0[i] >> 32);
+    s->v0[i] += s->mul1[i];
+    s->mul1[i] ^= (s->v0[i] & 0xffffffffull) * (s->v1[i] >> 32);
+  }
+  zipper_add(s->v1[1], s->v1[0], &s->v0[1], &s->v0[0]);
+  zipper_add(s->v1[3], s->v1[2], &s->v0[3], &s->v0[2]);
+  zipper_add(s->v0[1], s->v0[0], &s->v1[1], &s->v1[0]);
+  zipper_add(s->v0[3], s->v0[2], &s->v1[3], &s->v1[2]);
+}
+
+static void packets_portable(const uint8_t* p, size_t n, Lanes* s) {
+  for (size_t i = 0; i < n; i++, p += 32) {
+    const uint64_t in[4] = {load_le64(p), load_le64(p + 8), load_le64(p + 16), load_le64(p + 24)};
+    update_lanes(in, s);
+  }
+}
+
+#ifdef HAVE_X86
+/* The same update on four lanes at once; the zipper merge is one byte shuffle. */
+__attribute__((target("avx2"))) static void packets_avx2(const uint8_t* p, size_t n, Lanes* s) {
+  const __m256i zipper = _mm256_setr_epi8(3, 12, 2, 5, 14, 1, 15, 0, 11, 4, 10, 13, 9, 6, 8, 7,
+                                          3, 12, 2, 5, 14, 1, 15, 0, 11, 4, 10, 13, 9, 6, 8, 7);
+  __m256i v0 = _mm256_loadu_si256((const __m256i*)s->v0);
+  __m256i v1 = _mm256_loadu_si256((const __m256i*)s->v1);
+  __m256i mul0 = _mm256_loadu_si256((const __m256i*)s->mul0);
+  __m256i mul1 = _mm256_loadu_si256((const __m256i*)s->mul1);
+  for (size_t i = 0; i < n; i++, p += 32) {
+    const __m256i in = _mm256_loadu_si256((const __m256i*)p);
+    v1 = _mm256_add_epi64(v1, _mm256_add_epi64(mul0, in));
+    mul0 = _mm256_xor_si256(mul0, _mm256_mul_epu32(v1, _mm256_srli_epi64(v0, 32)));
+    v0 = _mm256_add_epi64(v0, mul1);
+    mul1 = _mm256_xor_si256(mul1, _mm256_mul_epu32(v0, _mm256_srli_epi64(v1, 32)));
+    v0 = _mm256_add_epi64(v0, _mm256_shuffle_epi8(v1, zipper));
+    v1 = _mm256_add_epi64(v1, _mm256_shuffle_epi8(v0, zipper));
+  }
+  _mm256_storeu_si256((__m256i*)s->v0, v0);
+  _mm256_storeu_si256((__m256i*)s->v1, v1);
+  _mm256_storeu_si256((__m256i*)s->mul0, mul0);
+  _mm256_storeu_si256((__m256i*)s->mul1, mul1);
+}
+#endif
+
+/* The fastest this CPU runs, chosen at import. */
+static PacketsFn best_packets = packets_portable;
+
+static void hasher_update(Hasher* h, const uint8_t* p, size_t n) {
+  if (h->carried) {
+    size_t take = 32 - h->carried;
+    if (take > n) take = n;
+    memcpy(h->carry + h->carried, p, take);
+    h->carried += take;
+    p += take;
+    n -= take;
+    if (h->carried < 32) return;
+    h->packets(h->carry, 1, &h->s);
+    h->carried = 0;
+  }
+  const size_t whole = n / 32;
+  if (whole) {
+    h->packets(p, whole, &h->s);
+    p += whole * 32;
+    n -= whole * 32;
+  }
+  if (n) {
+    memcpy(h->carry, p, n);
+    h->carried = n;
+  }
+}
+
+static inline uint32_t rotl32(uint32_t x, unsigned c) { return (x << c) | (x >> ((32 - c) & 31)); }
+
+static uint64_t hasher_final(Hasher* h) {
+  Lanes* s = &h->s;
+  const size_t size_mod32 = h->carried;
+  if (size_mod32) {
+    const uint8_t* bytes = h->carry;
+    const size_t size_mod4 = size_mod32 & 3;
+    const uint8_t* rem = bytes + (size_mod32 & ~(size_t)3);
+    uint8_t packet[32] = {0};
+    for (int i = 0; i < 4; i++) {
+      s->v0[i] += ((uint64_t)size_mod32 << 32) + size_mod32;
+      const uint32_t lo = (uint32_t)s->v1[i], hi = (uint32_t)(s->v1[i] >> 32);
+      s->v1[i] = (uint64_t)rotl32(lo, (unsigned)size_mod32) |
+                 ((uint64_t)rotl32(hi, (unsigned)size_mod32) << 32);
+    }
+    memcpy(packet, bytes, (size_t)(rem - bytes));
+    if (size_mod32 & 16) {
+      for (int i = 0; i < 4; i++) packet[28 + i] = rem[i + size_mod4 - 4];
+    } else if (size_mod4) {
+      packet[16] = rem[0];
+      packet[17] = rem[size_mod4 >> 1];
+      packet[18] = rem[size_mod4 - 1];
+    }
+    packets_portable(packet, 1, s);
+  }
+  for (int n = 0; n < 4; n++) {
+    const uint64_t p[4] = {(s->v0[2] >> 32) | (s->v0[2] << 32), (s->v0[3] >> 32) | (s->v0[3] << 32),
+                           (s->v0[0] >> 32) | (s->v0[0] << 32), (s->v0[1] >> 32) | (s->v0[1] << 32)};
+    update_lanes(p, s);
+  }
+  return s->v0[0] + s->v1[0] + s->mul0[0] + s->mul1[0];
+}
+
+static uint64_t hash_with(PacketsFn packets, const uint8_t* p, size_t n) {
+  Hasher h;
+  hasher_init(&h, packets);
+  hasher_update(&h, p, n);
+  return hasher_final(&h);
+}
+
+static uint64_t hash_bytes(const uint8_t* p, size_t n) { return hash_with(best_packets, p, n); }
+
+/* ------------------------------------------------------------------------ */
+/* Riegeli layout                                                            */
+
+/* Skips a block header that `pos` lies in (or begins). */
+static inline uint64_t past_block_header(uint64_t pos) {
+  const uint64_t in_block = pos % BLOCK_SIZE;
+  return in_block < BLOCK_HEADER_SIZE ? pos + (BLOCK_HEADER_SIZE - in_block) : pos;
+}
+
+/* Calls `fn` on each physical piece of `size` logical bytes from `pos`; returns
+ * the position after them. */
+typedef int (*PieceFn)(void* ctx, uint64_t pos, uint64_t len);
+static int for_each_piece(uint64_t pos, uint64_t size, PieceFn fn, void* ctx, uint64_t* end) {
+  while (size) {
+    pos = past_block_header(pos);
+    uint64_t n = BLOCK_SIZE - pos % BLOCK_SIZE;
+    if (n > size) n = size;
+    if (fn && fn(ctx, pos, n)) return -1;
+    pos += n;
+    size -= n;
+  }
+  *end = pos;
+  return 0;
+}
+
+static uint64_t logical_end(uint64_t pos, uint64_t size) {
+  uint64_t end = pos;
+  for_each_piece(pos, size, NULL, NULL, &end);
+  return end;
+}
+
+/* Reads exactly `n` bytes at `pos`; returns 0, or -1 with errno (0 = EOF). */
+static int pread_full(int fd, uint8_t* dst, uint64_t n, uint64_t pos) {
+  while (n) {
+    const ssize_t got = pread(fd, dst, n > (1u << 30) ? (1u << 30) : (size_t)n, (off_t)pos);
+    if (got < 0) {
+      if (errno == EINTR) continue;
+      return -1;
+    }
+    if (got == 0) {
+      errno = 0;
+      return -1;
+    }
+    dst += got;
+    pos += (uint64_t)got;
+    n -= (uint64_t)got;
+  }
+  return 0;
+}
+
+typedef struct {
+  uint64_t data_size, data_hash, num_records, decoded_data_size;
+  int chunk_type;
+} ChunkHeader;
+
+/* Copy pieces out of a buffer that holds the file from `base` on. */
+typedef struct {
+  const uint8_t* src;
+  uint64_t base;
+  uint8_t* dst;
+} CopyCtx;
+
+static int copy_piece(void* ctx, uint64_t pos, uint64_t len) {
+  CopyCtx* c = (CopyCtx*)ctx;
+  memcpy(c->dst, c->src + (pos - c->base), (size_t)len);
+  c->dst += len;
+  return 0;
+}
+
+/* Read pieces from the file into consecutive memory. */
+typedef struct {
+  int fd;
+  uint8_t* dst;
+} ReadCtx;
+
+static int read_piece(void* ctx, uint64_t pos, uint64_t len) {
+  ReadCtx* c = (ReadCtx*)ctx;
+  if (pread_full(c->fd, c->dst, len, pos)) return -1;
+  c->dst += len;
+  return 0;
+}
+
+static PyObject* shard_error(const char* what, uint64_t begin) {
+  PyErr_Format(PyExc_ValueError, "chunk at byte %llu: %s", (unsigned long long)begin, what);
+  return NULL;
+}
+
+static PyObject* io_error(uint64_t begin, uint64_t end) {
+  if (errno == 0) {
+    PyErr_Format(PyExc_ValueError,
+                 "chunk at byte %llu: the file ends before the chunk's end at byte %llu "
+                 "(truncated?)",
+                 (unsigned long long)begin, (unsigned long long)end);
+    return NULL;
+  }
+  return PyErr_SetFromErrno(PyExc_OSError);
+}
+
+/* Parses and checks the 40 header bytes `h`; sets a Python error and returns -1
+ * when the header is corrupt. */
+static int parse_header(const uint8_t* h, uint64_t begin, ChunkHeader* out) {
+  if (hash_bytes(h + 8, 32) != load_le64(h)) {
+    shard_error("header hash mismatch (the chunk header is corrupt)", begin);
+    return -1;
+  }
+  out->data_size = load_le64(h + 8);
+  out->data_hash = load_le64(h + 16);
+  const uint64_t type_and_count = load_le64(h + 24);
+  out->chunk_type = (int)(type_and_count & 0xff);
+  out->num_records = type_and_count >> 8;
+  out->decoded_data_size = load_le64(h + 32);
+  return 0;
+}
+
+/* read_chunk(fd, begin, end) -> (chunk_type, num_records, decoded_data_size, data) */
+static PyObject* py_read_chunk(PyObject* Py_UNUSED(self), PyObject* args) {
+  int fd;
+  unsigned long long begin_arg, end_arg;
+  if (!PyArg_ParseTuple(args, "iKK", &fd, &begin_arg, &end_arg)) return NULL;
+  const uint64_t begin = begin_arg, end = end_arg;
+  if (end <= begin) return shard_error("empty extent (bad chunk offsets in the footer)", begin);
+  const uint64_t extent = end - begin;
+  const uint64_t header_end = logical_end(begin, CHUNK_HEADER_SIZE);
+  if (header_end > end) return shard_error("its extent is shorter than a chunk header", begin);
+
+  uint8_t header[CHUNK_HEADER_SIZE];
+  ChunkHeader h;
+  PyObject* data = NULL;
+  int failed;
+
+  if (extent <= SMALL_EXTENT) {
+    /* One pread of the whole extent, then a copy of the data out of it. */
+    uint8_t* buf = (uint8_t*)malloc((size_t)extent);
+    if (!buf) return PyErr_NoMemory();
+    Py_BEGIN_ALLOW_THREADS
+    failed = pread_full(fd, buf, extent, begin);
+    Py_END_ALLOW_THREADS
+    if (failed) {
+      free(buf);
+      return io_error(begin, end);
+    }
+    CopyCtx hc = {buf, begin, header};
+    uint64_t data_begin;
+    for_each_piece(begin, CHUNK_HEADER_SIZE, copy_piece, &hc, &data_begin);
+    if (parse_header(header, begin, &h) ||
+        logical_end(data_begin, h.data_size) > end) {
+      free(buf);
+      return PyErr_Occurred() ? NULL : shard_error("data_size runs past the chunk's extent", begin);
+    }
+    data = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)h.data_size);
+    if (!data) {
+      free(buf);
+      return NULL;
+    }
+    uint8_t* dst = (uint8_t*)PyBytes_AS_STRING(data);
+    CopyCtx dc = {buf, begin, dst};
+    uint64_t unused;
+    for_each_piece(data_begin, h.data_size, copy_piece, &dc, &unused);
+    free(buf);
+  } else {
+    /* Header first, then the data pieces straight into the result. */
+    uint8_t head[CHUNK_HEADER_SIZE + 2 * BLOCK_HEADER_SIZE];
+    const uint64_t head_len = header_end - begin;
+    Py_BEGIN_ALLOW_THREADS
+    failed = pread_full(fd, head, head_len, begin);
+    Py_END_ALLOW_THREADS
+    if (failed) return io_error(begin, end);
+    CopyCtx hc = {head, begin, header};
+    uint64_t data_begin;
+    for_each_piece(begin, CHUNK_HEADER_SIZE, copy_piece, &hc, &data_begin);
+    if (parse_header(header, begin, &h)) return NULL;
+    if (logical_end(data_begin, h.data_size) > end)
+      return shard_error("data_size runs past the chunk's extent", begin);
+    data = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)h.data_size);
+    if (!data) return NULL;
+    ReadCtx rc = {fd, (uint8_t*)PyBytes_AS_STRING(data)};
+    uint64_t unused;
+    Py_BEGIN_ALLOW_THREADS
+    failed = for_each_piece(data_begin, h.data_size, read_piece, &rc, &unused);
+    Py_END_ALLOW_THREADS
+    if (failed) {
+      Py_DECREF(data);
+      return io_error(begin, end);
+    }
+  }
+
+  const uint8_t* bytes = (const uint8_t*)PyBytes_AS_STRING(data);
+  uint64_t got;
+  if (h.data_size >= RELEASE_GIL_BYTES) {
+    Py_BEGIN_ALLOW_THREADS
+    got = hash_bytes(bytes, (size_t)h.data_size);
+    Py_END_ALLOW_THREADS
+  } else {
+    got = hash_bytes(bytes, (size_t)h.data_size);
+  }
+  if (got != h.data_hash) {
+    Py_DECREF(data);
+    return shard_error("data hash mismatch (the chunk's data is corrupt)", begin);
+  }
+  PyObject* out = Py_BuildValue("iKKN", h.chunk_type, (unsigned long long)h.num_records,
+                                (unsigned long long)h.decoded_data_size, data);
+  return out;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Varints and the footer's messages                                         */
+
+static int read_varint(const uint8_t** p, const uint8_t* end, uint64_t* out) {
+  uint64_t v = 0;
+  for (int shift = 0; shift < 64; shift += 7) {
+    if (*p >= end) return -1;
+    const uint8_t b = *(*p)++;
+    v |= (uint64_t)(b & 0x7f) << shift;
+    if (b < 0x80) {
+      *out = v;
+      return 0;
+    }
+  }
+  return -1;
+}
+
+/* varints(buffer, count) -> bytes: `count` varints as little-endian uint64s. */
+static PyObject* py_varints(PyObject* Py_UNUSED(self), PyObject* args) {
+  Py_buffer view;
+  Py_ssize_t count;
+  if (!PyArg_ParseTuple(args, "y*n", &view, &count)) return NULL;
+  if (count < 0 || count > view.len) {
+    PyBuffer_Release(&view);
+    PyErr_Format(PyExc_ValueError, "%zd varints cannot fit in %zd bytes", count, view.len);
+    return NULL;
+  }
+  PyObject* out = PyBytes_FromStringAndSize(NULL, count * 8);
+  if (!out) {
+    PyBuffer_Release(&view);
+    return NULL;
+  }
+  uint64_t* dst = (uint64_t*)PyBytes_AS_STRING(out);
+  const uint8_t* p = (const uint8_t*)view.buf;
+  const uint8_t* end = p + view.len;
+  for (Py_ssize_t i = 0; i < count; i++) {
+    uint64_t v;
+    if (read_varint(&p, end, &v)) {
+      PyBuffer_Release(&view);
+      Py_DECREF(out);
+      PyErr_Format(PyExc_ValueError, "varint %zd of %zd is truncated or too long", i, count);
+      return NULL;
+    }
+    dst[i] = v;
+  }
+  PyBuffer_Release(&view);
+  return out;
+}
+
+/* message_field(values, sizes, field) -> bytes: for each message (sizes: uint64s,
+ * values: the messages back to back), its varint field `field` (0 if absent). */
+static PyObject* py_message_field(PyObject* Py_UNUSED(self), PyObject* args) {
+  Py_buffer values, sizes;
+  unsigned int field;
+  if (!PyArg_ParseTuple(args, "y*y*I", &values, &sizes, &field)) return NULL;
+  PyObject* out = NULL;
+  const Py_ssize_t count = sizes.len / 8;
+  const uint64_t* size_of = (const uint64_t*)sizes.buf;
+  const uint8_t* p = (const uint8_t*)values.buf;
+  const uint8_t* values_end = p + values.len;
+  if (sizes.len % 8) {
+    PyErr_SetString(PyExc_ValueError, "sizes must be uint64s");
+    goto done;
+  }
+  out = PyBytes_FromStringAndSize(NULL, count * 8);
+  if (!out) goto done;
+  uint64_t* dst = (uint64_t*)PyBytes_AS_STRING(out);
+  for (Py_ssize_t i = 0; i < count; i++) {
+    if (size_of[i] > (uint64_t)(values_end - p)) goto corrupt;
+    const uint8_t* end = p + size_of[i];
+    uint64_t found = 0;
+    while (p < end) {
+      uint64_t key, v;
+      if (read_varint(&p, end, &key)) goto corrupt;
+      switch (key & 7) {
+        case 0:
+          if (read_varint(&p, end, &v)) goto corrupt;
+          if ((key >> 3) == field) found = v;
+          break;
+        case 1:
+          if (end - p < 8) goto corrupt;
+          p += 8;
+          break;
+        case 2:
+          if (read_varint(&p, end, &v) || v > (uint64_t)(end - p)) goto corrupt;
+          p += v;
+          break;
+        case 5:
+          if (end - p < 4) goto corrupt;
+          p += 4;
+          break;
+        default:
+          goto corrupt;
+      }
+    }
+    dst[i] = found;
+    continue;
+  corrupt:
+    Py_DECREF(out);
+    out = NULL;
+    PyErr_Format(PyExc_ValueError, "footer message %zd of %zd is malformed", i, count);
+    goto done;
+  }
+done:
+  PyBuffer_Release(&values);
+  PyBuffer_Release(&sizes);
+  return out;
+}
+
+/* ------------------------------------------------------------------------ */
+
+static PyObject* py_hash(PyObject* Py_UNUSED(self), PyObject* args) {
+  Py_buffer view;
+  int portable = 0;
+  if (!PyArg_ParseTuple(args, "y*|p", &view, &portable)) return NULL;
+  const PacketsFn fn = portable ? packets_portable : best_packets;
+  uint64_t h;
+  if ((size_t)view.len >= RELEASE_GIL_BYTES) {
+    Py_BEGIN_ALLOW_THREADS
+    h = hash_with(fn, (const uint8_t*)view.buf, (size_t)view.len);
+    Py_END_ALLOW_THREADS
+  } else {
+    h = hash_with(fn, (const uint8_t*)view.buf, (size_t)view.len);
+  }
+  PyBuffer_Release(&view);
+  return PyLong_FromUnsignedLongLong(h);
+}
+
+static PyObject* py_simd(PyObject* Py_UNUSED(self), PyObject* Py_UNUSED(unused)) {
+#ifdef HAVE_X86
+  if (best_packets == packets_avx2) return PyUnicode_FromString("avx2");
+#endif
+  return PyUnicode_FromString("portable");
+}
+
+static PyMethodDef methods[] = {
+    {"hash", py_hash, METH_VARARGS,
+     "hash(buffer, portable=False) -> int: HighwayHash-64 with riegeli's key\n"
+     "(portable: the plain-C lanes even where AVX2 runs, for tests)."},
+    {"read_chunk", py_read_chunk, METH_VARARGS,
+     "read_chunk(fd, begin, end) -> (chunk_type, num_records, decoded_data_size, data)\n\n"
+     "Reads the chunk at [begin, end) of a riegeli file, checks its header and data\n"
+     "hashes, and returns its data with the block headers taken out. Raises\n"
+     "ValueError naming the chunk when it is corrupt or truncated, OSError on I/O."},
+    {"varints", py_varints, METH_VARARGS,
+     "varints(buffer, count) -> bytes: the first `count` varints, as uint64s."},
+    {"message_field", py_message_field, METH_VARARGS,
+     "message_field(values, sizes, field) -> bytes: varint field `field` of each\n"
+     "message (0 where absent), as uint64s."},
+    {"simd", py_simd, METH_NOARGS, "simd() -> 'avx2' or 'portable': the hash in use."},
+    {NULL, NULL, 0, NULL}};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_riegeli",
+                                    "Reads and verifies riegeli chunks (ArrayRecord shards).",
+                                    -1, methods, NULL, NULL, NULL, NULL};
+
+PyMODINIT_FUNC PyInit__riegeli(void) {
+#ifdef HAVE_X86
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx2")) best_packets = packets_avx2;
+#endif
+  return PyModule_Create(&module);
+}

@@ -1,0 +1,279 @@
+"""ArrayRecord shards read one pread per chunk, riegeli's hashes checked.
+
+ArrayRecord's Python reader costs ~20 µs of CPU per small record (its
+binding, a thread pool per batched call, a zstd context per chunk) where the
+work itself is a few µs; on the 2-core machine that cost, not the wire, was
+what bounded the service (BENCHMARKS.md). This reader parses the footer that
+ArrayRecord writes (one offset per chunk), then reads the chunk holding each
+record with `_riegeli.read_chunk`: one pread, the header and data hashes
+checked in C with the GIL released. Here, the simple chunk's framing is
+undone and zstd, if the shard uses it, decompressed.
+
+It reads what `ArrayRecordWriter` writes by default: simple chunks,
+uncompressed or zstd, any group size. `open_shard` returns None for anything
+else (brotli, snappy, transposed chunks, another footer layout) and when the
+C part was not built (no compiler at install): those shards are read through
+ArrayRecord, exactly as before.
+
+Layout: riegeli/doc/riegeli_records_file_format.md and array_record's
+cpp/layout.proto. Records are the same bytes ArrayRecord returns (tested
+shard by shard against it).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Sequence
+
+import numpy as np
+import zstandard
+
+try:
+  from grain_elevator.server import _riegeli  # type: ignore[attr-defined]
+except ImportError:  # built without a C compiler
+  _riegeli = None
+
+log = logging.getLogger("grain_elevator.server")
+
+BLOCK_SIZE = 1 << 16
+_SIMPLE_CHUNK = ord("r")
+_UNCOMPRESSED, _ZSTD = 0, ord("z")
+_ARRAY_RECORD_MAGIC = 0x71930E704FDAE05E
+_ARRAY_RECORD_VERSION = 1
+# ELEVATOR_SHARD_READER=arrayrecord reads every shard through ArrayRecord:
+# for comparing the two (elevator bench does) or ruling this reader out.
+READER_ENV = "ELEVATOR_SHARD_READER"
+READER_CHOICES = ("auto", "arrayrecord")
+# A zstd context per thread: decompressors are not safe to share, and making
+# one per chunk is part of what ArrayRecord pays.
+_local = threading.local()
+
+
+class UnsupportedShard(Exception):
+  """A valid shard this reader does not decode; ArrayRecord reads it."""
+
+
+class CorruptShard(ValueError):
+  """A chunk failed its hash or its framing; the message names the chunk."""
+
+
+def available() -> bool:
+  """Whether the C part was built (else every shard goes through ArrayRecord)."""
+  return _riegeli is not None
+
+
+def reader_choice() -> str:
+  """The operator's choice of reader; raises ValueError naming the variable."""
+  choice = os.environ.get(READER_ENV, "") or "auto"
+  if choice not in READER_CHOICES:
+    raise ValueError(f"{READER_ENV}={choice!r}: expected one of {', '.join(READER_CHOICES)}")
+  return choice
+
+
+_warned = False
+
+
+def check_setup() -> None:
+  """At start-up: refuses a bad READER_ENV; says once when the C part is missing."""
+  global _warned
+  if reader_choice() == "auto" and not available() and not _warned:
+    _warned = True
+    log.warning("grain_elevator.server._riegeli was not built (no C compiler when the "
+                "package was installed?): every shard is read through ArrayRecord, "
+                "~3x the CPU per small record. Reinstall with gcc present to fix.")
+
+
+def _zstd() -> zstandard.ZstdDecompressor:
+  d = getattr(_local, "zstd", None)
+  if d is None:
+    d = _local.zstd = zstandard.ZstdDecompressor()
+  return d
+
+
+def _varint(buf: bytes | memoryview, pos: int) -> tuple[int, int]:
+  value = shift = 0
+  while True:
+    if pos >= len(buf) or shift > 63:
+      raise CorruptShard("truncated varint")
+    b = buf[pos]
+    pos += 1
+    value |= (b & 0x7F) << shift
+    if b < 0x80:
+      return value, pos
+    shift += 7
+
+
+def _fields(message: bytes) -> dict[int, int | bytes]:
+  """The varint and length-delimited fields of a small protobuf message."""
+  out: dict[int, int | bytes] = {}
+  pos = 0
+  while pos < len(message):
+    key, pos = _varint(message, pos)
+    if key & 7 == 0:
+      out[key >> 3], pos = _varint(message, pos)
+    elif key & 7 == 2:
+      size, pos = _varint(message, pos)
+      out[key >> 3] = message[pos:pos + size]
+      pos += size
+    else:
+      raise UnsupportedShard(f"unexpected protobuf wire type {key & 7} in the footer")
+  return out
+
+
+def _decompress(block: memoryview, compression: int) -> bytes | memoryview:
+  """A riegeli compressed block: the decompressed size as a varint, then zstd."""
+  if compression == _UNCOMPRESSED:
+    return block
+  size, pos = _varint(block, 0)
+  out = _zstd().decompress(block[pos:], max_output_size=size)
+  if len(out) != size:
+    raise CorruptShard(f"zstd block decompressed to {len(out)} bytes, expected {size}")
+  return out
+
+
+def _simple_chunk(chunk_type: int, num_records: int, decoded_size: int,
+                  data: bytes) -> tuple[np.ndarray | None, bytes | memoryview]:
+  """(record sizes, or None for a one-record chunk; the concatenated records)."""
+  if chunk_type != _SIMPLE_CHUNK:
+    raise UnsupportedShard(f"chunk type {chunk_type:#x} (only simple chunks, 'r')")
+  view = memoryview(data)
+  if not view:
+    raise CorruptShard("empty chunk data")
+  compression = view[0]
+  if compression not in (_UNCOMPRESSED, _ZSTD):
+    raise UnsupportedShard(f"compression {compression:#x} (only none and zstd)")
+  sizes_len, pos = _varint(view, 1)
+  values = _decompress(view[pos + sizes_len:], compression)
+  if len(values) != decoded_size:
+    raise CorruptShard(f"records total {len(values)} bytes, the header says {decoded_size}")
+  if num_records == 1:  # its size is the chunk's decoded size: skip the sizes
+    return None, values
+  sizes_raw = _decompress(view[pos:pos + sizes_len], compression)
+  sizes = np.frombuffer(_riegeli.varints(sizes_raw, num_records), np.uint64)
+  if int(sizes.sum()) != decoded_size:
+    raise CorruptShard("record sizes do not add up to the chunk's decoded size")
+  return sizes, values
+
+
+def _starts(counts: np.ndarray) -> np.ndarray:
+  """[0, c0, c0+c1, ...] as int64 (uint64 mixed with a Python int makes floats)."""
+  out = np.zeros(len(counts) + 1, np.int64)
+  np.cumsum(counts, dtype=np.int64, out=out[1:])
+  return out
+
+
+class ShardReader:
+  """Random access to one ArrayRecord shard; safe to share between threads."""
+
+  def __init__(self, path: str):
+    if _riegeli is None:
+      raise UnsupportedShard("grain_elevator.server._riegeli was not built")
+    self.path = path
+    self._fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+      self._open()
+    except BaseException:
+      os.close(self._fd)
+      raise
+
+  def _open(self) -> None:
+    size = os.fstat(self._fd).st_size
+    if size < BLOCK_SIZE:
+      raise CorruptShard(f"{size} bytes is less than ArrayRecord's 64 KiB postscript block")
+    postscript = self._records(size - BLOCK_SIZE, size)
+    fields = _fields(bytes(postscript[0])) if postscript else {}
+    if fields.get(2) != _ARRAY_RECORD_MAGIC or not isinstance(fields.get(1), int):
+      raise UnsupportedShard("no ArrayRecord postscript in the last 64 KiB block")
+    footer_offset = fields[1]
+    sizes, values = self._chunk(footer_offset, size - BLOCK_SIZE)
+    if sizes is None or len(sizes) < 1:
+      raise UnsupportedShard("the footer holds no metadata record")
+    meta = _fields(bytes(values[:int(sizes[0])]))
+    array_record = meta.get(1)
+    if not isinstance(array_record, bytes):
+      raise UnsupportedShard("footer metadata is not ArrayRecordMetadata")
+    info = _fields(array_record)
+    if info.get(1) != _ARRAY_RECORD_VERSION:
+      raise UnsupportedShard(f"ArrayRecord layout version {info.get(1)}")
+    entries = memoryview(values)[int(sizes[0]):]
+    entry_sizes = sizes[1:].tobytes()
+    offsets = np.frombuffer(_riegeli.message_field(entries, entry_sizes, 1), np.uint64)
+    counts = np.frombuffer(_riegeli.message_field(entries, entry_sizes, 3), np.uint64)
+    if len(offsets) != info.get(2, 0) or int(counts.sum()) != info.get(3, 0):
+      raise CorruptShard("the footer's chunk list disagrees with its metadata")
+    if len(offsets) and (np.any(np.diff(offsets.astype(np.int64)) <= 0)
+                         or int(offsets[-1]) >= footer_offset):
+      raise CorruptShard("the footer's chunk offsets are not increasing")
+    self._begins = offsets
+    self._ends = np.append(offsets[1:], np.uint64(footer_offset))
+    self._first_record = _starts(counts)
+    self._one_per_chunk = bool(len(counts) == 0 or (counts == 1).all())
+    self.num_records = int(self._first_record[-1])
+    if len(offsets):  # the writer's options hold for every chunk: probe one
+      self._chunk(int(self._begins[0]), int(self._ends[0]))
+
+  def _chunk(self, begin: int, end: int) -> tuple[np.ndarray | None, bytes | memoryview]:
+    try:
+      chunk_type, num_records, decoded, data = _riegeli.read_chunk(self._fd, begin, end)
+    except ValueError as e:
+      raise CorruptShard(str(e)) from e
+    return _simple_chunk(chunk_type, num_records, decoded, data)
+
+  def _records(self, begin: int, end: int) -> list[bytes | memoryview]:
+    sizes, values = self._chunk(begin, end)
+    if sizes is None:
+      return [values]
+    bounds = _starts(sizes).tolist()
+    return [values[a:b] for a, b in zip(bounds, bounds[1:])]
+
+  def read(self, indices: Sequence[int]) -> list[bytes]:
+    """The records at `indices` (positions in this shard), as bytes."""
+    out: list[bytes] = []
+    if self._one_per_chunk:
+      begins, ends = self._begins, self._ends
+      for i in indices:
+        if not 0 <= i < self.num_records:
+          raise IndexError(f"record {i} of {self.num_records}")
+        _, values = self._chunk(int(begins[i]), int(ends[i]))
+        out.append(values if type(values) is bytes else bytes(values))
+      return out
+    chunks = np.searchsorted(self._first_record, np.asarray(indices, np.int64), "right") - 1
+    decoded: dict[int, list[bytes | memoryview]] = {}
+    for i, c in zip(indices, chunks.tolist()):
+      if not 0 <= i < self.num_records:
+        raise IndexError(f"record {i} of {self.num_records}")
+      records = decoded.get(c)
+      if records is None:
+        records = decoded[c] = self._records(int(self._begins[c]), int(self._ends[c]))
+      record = records[i - int(self._first_record[c])]
+      out.append(record if type(record) is bytes else bytes(record))
+    return out
+
+  def close(self) -> None:
+    if self._fd >= 0:
+      os.close(self._fd)
+      self._fd = -1
+
+  def __del__(self) -> None:
+    try:
+      self.close()
+    except Exception:  # pylint: disable=broad-except
+      pass
+
+
+def open_shard(path: str) -> ShardReader | None:
+  """A reader for `path`, or None where ArrayRecord must read it.
+
+  Corruption found while opening (a bad postscript or footer hash) is raised,
+  not hidden behind the fallback.
+  """
+  if reader_choice() == "arrayrecord":
+    return None
+  try:
+    return ShardReader(path)
+  except UnsupportedShard as e:
+    if available():
+      log.info("%s: read through ArrayRecord (%s)", path, e)
+    return None

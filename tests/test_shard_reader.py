@@ -1,0 +1,193 @@
+"""server/shard_reader.py against ArrayRecord's own reader, byte for byte;
+riegeli's hashes against the values in its format specification; corrupt,
+truncated and unsupported shards."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import numpy as np
+import pytest
+from array_record.python.array_record_module import ArrayRecordReader, ArrayRecordWriter
+
+from grain_elevator.server import dataset as dataset_lib
+from grain_elevator.server import shard_reader
+from grain_elevator.server.errors import ConfigError, DataLossError
+
+pytestmark = pytest.mark.skipif(not shard_reader.available(),
+                                reason="grain_elevator.server._riegeli was not built")
+
+# The first 64 bytes of every riegeli file (riegeli_records_file_format.md):
+# a block header, then the signature chunk's header; both carry HighwayHashes.
+RIEGELI_FIRST_64 = bytes.fromhex(
+    "83af70d10d884a3f 0000000000000000"
+    "4000000000000000 91bac23c9287e1a9"
+    "0000000000000000 e19f13c0e9b1c372"
+    "7300000000000000 0000000000000000")
+
+
+def _write(path, records, options: str) -> str:
+  writer = ArrayRecordWriter(str(path), options)
+  for r in records:
+    writer.write(r)
+  writer.close()
+  return str(path)
+
+
+def _records(sizes, copies: int = 5, seed: int = 0) -> list[bytes]:
+  rng = np.random.default_rng(seed)
+  return [rng.integers(0, 256, s, dtype=np.uint8).tobytes() for s in list(sizes) * copies]
+
+
+@pytest.mark.parametrize("portable", [False, True])
+def test_hash_matches_the_values_riegeli_writes(portable):
+  from grain_elevator.server import _riegeli
+  le64 = lambda b: int.from_bytes(b, "little")
+  assert _riegeli.hash(b"", portable) == le64(RIEGELI_FIRST_64[40:48])  # data_hash of no data
+  assert _riegeli.hash(RIEGELI_FIRST_64[8:24], portable) == le64(RIEGELI_FIRST_64[0:8])
+  assert _riegeli.hash(RIEGELI_FIRST_64[32:64], portable) == le64(RIEGELI_FIRST_64[24:32])
+
+
+def test_hash_lanes_agree_at_every_tail_length():
+  """The AVX2 and portable lanes (whichever this CPU runs) on 0..300 bytes
+  and across 64 KiB, from aligned and unaligned starts."""
+  from grain_elevator.server import _riegeli
+  data = os.urandom(140_000)
+  for n in [*range(301), 65_535, 65_536, 131_073]:
+    for start in (0, 3):
+      chunk = data[start:start + n]
+      assert _riegeli.hash(chunk) == _riegeli.hash(chunk, True), (n, start)
+
+
+@pytest.mark.parametrize("options", [
+    "group_size:1", "group_size:1,uncompressed", "group_size:3", "zstd:1,group_size:2",
+    "group_size:64,uncompressed", "",
+])
+@pytest.mark.parametrize("sizes", [
+    [3_088], [153_616], [0, 1, 40, 65_512, 65_536, 131_072], range(70),
+], ids=["small", "large", "edges", "ramp"])
+def test_reads_what_array_record_reads(tmp_path, options, sizes):
+  records = _records(sizes)
+  path = _write(tmp_path / "s.array_record", records, options)
+  reader = shard_reader.open_shard(path)
+  assert reader is not None
+  assert reader.num_records == ArrayRecordReader(path).num_records() == len(records)
+  order = np.random.default_rng(1).permutation(len(records)).tolist()
+  got = reader.read(order)
+  assert got == [records[i] for i in order]
+  assert all(type(r) is bytes for r in got)
+
+
+@pytest.mark.parametrize("options", ["group_size:1,uncompressed", "group_size:2,uncompressed"])
+def test_chunks_across_block_headers(tmp_path, options):
+  """A first record of 65,420-65,560 B moves the next chunk's header across
+  the 64 KiB block header, byte by byte (and onto it exactly)."""
+  path = tmp_path / "s.array_record"
+  for first in range(65_420, 65_560, 3):
+    records = [os.urandom(first)] + [bytes([i]) * (37 * i) for i in range(1, 6)]
+    reader = shard_reader.ShardReader(_write(path, records, options))
+    assert reader.read(list(range(len(records)))) == records, first
+    reader.close()
+
+
+@pytest.mark.parametrize("options", ["group_size:1,brotli", "group_size:1,snappy",
+                                     "group_size:1,transpose"])
+def test_other_encodings_are_left_to_array_record(tmp_path, options):
+  records = _records([100, 3_000])
+  path = _write(tmp_path / "s.array_record", records, options)
+  assert shard_reader.open_shard(path) is None
+  source = dataset_lib.BatchedArrayRecordSource([path])
+  assert list(source._getitems([3, 0, 9])) == [records[3], records[0], records[9]]  # pylint: disable=protected-access
+
+
+def test_threads_share_a_reader(tmp_path):
+  records = _records([3_088, 70_000], copies=20)
+  reader = shard_reader.ShardReader(_write(tmp_path / "s.array_record", records, "group_size:1"))
+  errors: list[BaseException] = []
+
+  def work(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    try:
+      for _ in range(30):
+        idx = rng.integers(0, len(records), 8).tolist()
+        assert reader.read(idx) == [records[i] for i in idx]
+    except BaseException as e:  # pylint: disable=broad-except
+      errors.append(e)
+
+  threads = [threading.Thread(target=work, args=(s,)) for s in range(4)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+  assert not errors, errors[0]
+
+
+def _chunk_begin(path: str, record: int) -> int:
+  reader = shard_reader.ShardReader(path)
+  begin = int(reader._begins[record])  # pylint: disable=protected-access
+  reader.close()
+  return begin
+
+
+@pytest.mark.parametrize("where,message", [
+    (41, "data hash mismatch"),    # a byte of the chunk's data
+    (12, "header hash mismatch"),  # data_size, in the chunk header
+])
+def test_corruption_names_shard_and_record(tmp_path, where, message):
+  records = _records([500], copies=12)
+  path = _write(tmp_path / "c.array_record", records, "group_size:1")
+  begin = _chunk_begin(path, 7)
+  data = bytearray(open(path, "rb").read())
+  data[begin + where] ^= 0x40
+  open(path, "wb").write(bytes(data))
+  reader = shard_reader.ShardReader(path)
+  assert reader.read([6, 8]) == [records[6], records[8]]  # the rest still reads
+  with pytest.raises(shard_reader.CorruptShard, match=message):
+    reader.read([7])
+  source = dataset_lib.BatchedArrayRecordSource([path])
+  with pytest.raises(DataLossError, match=rf"shard {path} is corrupt: record 7 cannot be "
+                                          rf"read: chunk at byte {begin}: {message}"):
+    source._getitems([2, 7])  # pylint: disable=protected-access
+
+
+def test_shard_truncated_while_open_is_data_loss_not_a_crash(tmp_path):
+  records = _records([20_000], copies=50)
+  path = _write(tmp_path / "t.array_record", records, "group_size:1")
+  source = dataset_lib.BatchedArrayRecordSource([path])
+  assert source._getitems([0]) == [records[0]]  # pylint: disable=protected-access
+  os.truncate(path, _chunk_begin(path, 30) + 100)
+  with pytest.raises(DataLossError, match="record 40 cannot be read: .*ends before"):
+    source._getitems([40])  # pylint: disable=protected-access
+
+
+def test_truncated_shard_fails_to_open(tmp_path):
+  path = _write(tmp_path / "t.array_record", _records([3_000], copies=30), "group_size:1")
+  os.truncate(path, os.path.getsize(path) - 1000)
+  with pytest.raises(shard_reader.CorruptShard):
+    shard_reader.open_shard(path)
+
+
+def test_env_chooses_array_record(tmp_path, monkeypatch, config_path):
+  path = _write(tmp_path / "s.array_record", _records([10]), "group_size:1")
+  monkeypatch.setenv(shard_reader.READER_ENV, "arrayrecord")
+  assert shard_reader.open_shard(path) is None
+  monkeypatch.setenv(shard_reader.READER_ENV, "fast")
+  with pytest.raises(ValueError, match="ELEVATOR_SHARD_READER='fast': expected one of"):
+    shard_reader.open_shard(path)
+  from grain_elevator.server import config as config_lib
+  config = config_lib.load_config(config_path).datasets["plain"]
+  with pytest.raises(ConfigError, match="ELEVATOR_SHARD_READER"):
+    dataset_lib.ElevatorDataset(config)
+
+
+def test_malformed_footer_messages_are_refused():
+  from grain_elevator.server import _riegeli
+  sizes = np.array([3], np.uint64).tobytes()
+  assert np.frombuffer(_riegeli.message_field(b"\x08\x96\x01", sizes, 1), np.uint64) == [150]
+  with pytest.raises(ValueError, match="malformed"):
+    _riegeli.message_field(b"\x08\x96", np.array([2], np.uint64).tobytes(), 1)
+  with pytest.raises(ValueError, match="malformed"):
+    _riegeli.message_field(b"\x08", np.array([5], np.uint64).tobytes(), 1)
+  with pytest.raises(ValueError, match="truncated or too long"):
+    _riegeli.varints(b"\x80\x80", 1)
