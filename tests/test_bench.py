@@ -21,13 +21,15 @@ def test_bench_reports_every_system(tmp_path):
     systems = report["workloads"][workload]["systems"]
     assert set(systems) == {"grain_t0_mp0", "grain_t0_mp2", "grain_t16_mp0", "grain_t16_mp2",
                             "embedded", "service_w1", "service_w1_grpc", "service_w1_zstd",
-                            "service_w1_per_record", "tcp", "floor"}
+                            "service_w1_per_record", "service_w1_arrayrecord", "tcp",
+                            "floor"}
     for key, row in systems.items():
       assert row["records_per_s"]["median"] > 0, key
     assert systems["service_w1"]["resume_first_batch_s"]["median"] > 0
   assert "| (c) grain-elevator service, W=1 |" in result.stdout
   assert "tf.data service: skipped" in result.stdout
-  assert "| (f) floor: ArrayRecord reads + TCP, W=1, raw records |" in result.stdout
+  assert "| (f) floor: shard reads + TCP, W=1, raw records |" in result.stdout
+  assert "| (c) service, W=1, shards read through ArrayRecord |" in result.stdout
 
 
 def test_bench_feed_reports_stall_and_h2d(tmp_path):

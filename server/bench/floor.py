@@ -1,14 +1,13 @@
-"""The floor for serving these shards: ArrayRecord reads plus a plain socket.
+"""The floor for serving these shards: shard reads plus a plain socket.
 
 Each sender process reads G random records of the benchmark's shards with
-the server's own reader (`BatchedArrayRecordSource`: one call per big
-record, one batched call per shard for small ones), sends their bytes back
-to back with one `sendmsg`, and repeats: no Grain pipeline, no shuffle map,
-no decode, no framing, no gRPC. The receiver reads
-each batch into a fresh buffer, as the service's client does. What the
-service delivers on top of this is its whole cost beyond reading and moving
-bytes; what this reaches is the most any ArrayRecord-reading server could on
-the same cores.
+the server's own reader (`BatchedArrayRecordSource`, i.e.
+server/shard_reader.py), sends their bytes back to back with one `sendmsg`,
+and repeats: no Grain pipeline, no shuffle map, no decode, no framing, no
+gRPC. The receiver reads each batch into a fresh buffer, as the service's
+client does. What the service delivers on top of this is its whole cost
+beyond reading and moving bytes; what this reaches is the most a server
+reading the shards this way could on the same cores.
 """
 
 from __future__ import annotations

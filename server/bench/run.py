@@ -15,6 +15,7 @@ from typing import Any
 
 from grain_elevator.server.bench import portfile
 from grain_elevator.server.bench import workloads as workloads_lib
+from grain_elevator.server import shard_reader
 from grain_elevator.server.launcher import LocalServer
 from grain_elevator.server.supervisor import WORKER_ENV
 
@@ -43,8 +44,8 @@ def _client_settings(w: workloads_lib.Workload, **extra: Any) -> dict[str, Any]:
 
 
 def _systems(w: workloads_lib.Workload, files: list[str], config: str,
-             servers: dict[int, LocalServer], tcp_port: int | None,
-             floor_ports: list[int], tf_services: dict[int, Any],
+             servers: dict[int, LocalServer], ar_server: LocalServer | None,
+             tcp_port: int | None, floor_ports: list[int], tf_services: dict[int, Any],
              tf_files: list[str]) -> list[System]:
   base = {"workload": w.name, "global_batch_size": w.global_batch_size}
   out = []
@@ -70,12 +71,16 @@ def _systems(w: workloads_lib.Workload, files: list[str], config: str,
   out.append(System(f"service_w{top}_per_record",
                     f"(c) service, W={top}, per-record pipeline (no batch_transform)", {
       **service, "dataset": f"{w.name}_per_record", "client": _client_settings(w)}, "service"))
+  if ar_server is not None:
+    out.append(System(f"service_w{top}_arrayrecord",
+                      f"(c) service, W={top}, shards read through ArrayRecord", {
+        **service, "target": ar_server.target, "client": _client_settings(w)}, "service"))
   if tcp_port is not None:
     out.append(System("tcp", "(d) plain TCP socket, same bytes", {
         **base, "system": "tcp", "tcp_port": tcp_port,
         "batch_bytes": w.global_batch_size * w.delivered_bytes_per_record}, "tcp"))
   if floor_ports:
-    out.append(System("floor", f"(f) floor: ArrayRecord reads + TCP, W={len(floor_ports)}, "
+    out.append(System("floor", f"(f) floor: shard reads + TCP, W={len(floor_ports)}, "
                       "raw records", {
         **base, "system": "floor", "ports": floor_ports,
         "batch_bytes": w.global_batch_size * w.record_bytes}, "floor"))
@@ -108,10 +113,14 @@ def _has_tensorflow() -> bool:
   return importlib.util.find_spec("tensorflow") is not None
 
 
-_FLOOR_NOTE = ("(f) floor: W processes that only read random records with ArrayRecord "
-               "and send their raw bytes (no Grain, decode, framing or gRPC), received "
-               "into fresh buffers: the most an ArrayRecord-reading server gets from these "
-               "cores. It moves raw records, so on small compare records/s, not GB/s.")
+_FLOOR_NOTE = ("(f) floor: W processes that only read random records with the server's "
+               "shard reader and send their raw bytes (no Grain, decode, framing or gRPC), "
+               "received into fresh buffers: the most a server reading these shards this way "
+               "gets from these cores. It moves raw records, so on small compare records/s, "
+               "not GB/s.")
+_READER_NOTE = ("'shards read through ArrayRecord': the same server with "
+                f"{shard_reader.READER_ENV}=arrayrecord, i.e. ArrayRecord's own reader instead "
+                "of server/shard_reader.py: what the shard reader is worth, in the same run.")
 
 
 def _tfdata_note(ran: bool) -> str:
@@ -140,6 +149,7 @@ def run(*, data_dir: str | None, workload_names: list[str], workers: list[int],
     files = workloads_lib.shard_files(root, w)
     workloads_lib.warm_page_cache(files)
     servers: dict[int, LocalServer] = {}
+    ar_server: LocalServer | None = None
     tf_services: dict[int, Any] = {}
     tf_files: list[str] = []
     run_tf = tfdata and _has_tensorflow()
@@ -149,6 +159,10 @@ def run(*, data_dir: str | None, workload_names: list[str], workers: list[int],
       for wk in workers:
         servers[wk] = LocalServer(config, workers=wk)
         _log(f"[{name}] server W={wk} on {servers[wk].target}")
+      if shard_reader.available():
+        ar_server = LocalServer(config, workers=max(workers),
+                                env={shard_reader.READER_ENV: "arrayrecord"})
+        _log(f"[{name}] server W={max(workers)}, ArrayRecord's reader, on {ar_server.target}")
       if run_tf:
         from grain_elevator.server.bench import tfdata as tfdata_lib  # pylint: disable=g-import-not-at-top
         _log(f"[{name}] writing the records as TFRecord for tf.data ...")
@@ -165,8 +179,8 @@ def run(*, data_dir: str | None, workload_names: list[str], workers: list[int],
         raise RuntimeError(f"the TCP sender ({' '.join(TCP)}) did not start within 30 s")
       port_file.unlink()
       floor_ports = _start_floor(root, w, files, max(workers), floor_procs)
-      systems = _systems(w, files, config, servers, tcp_port, floor_ports, tf_services,
-                         tf_files)
+      systems = _systems(w, files, config, servers, ar_server, tcp_port, floor_ports,
+                         tf_services, tf_files)
       raw: dict[str, list[dict[str, Any]]] = {s.key: [] for s in systems}
       total = repeats * len(systems)
       done = 0
@@ -178,8 +192,9 @@ def run(*, data_dir: str | None, workload_names: list[str], workers: list[int],
           _log(f"[{name}] {done:3d}/{total} rep {rep + 1}: {s.label:<62} "
                f"{r['records_per_s']:>10,.0f} rec/s {r['gb_per_s']:6.3f} GB/s")
     finally:
-      for server in servers.values():
-        server.stop()
+      for server in [*servers.values(), ar_server]:
+        if server:
+          server.stop()
       for svc in tf_services.values():
         svc.stop()
       for proc in [tcp_proc, *floor_procs]:
@@ -197,7 +212,7 @@ def run(*, data_dir: str | None, workload_names: list[str], workers: list[int],
     report["workloads"][name] = {
         "record_bytes": w.record_bytes, "delivered_bytes_per_record": w.delivered_bytes_per_record,
         "global_batch_size": w.global_batch_size, "records": n, "systems": rows,
-        "notes": [_FLOOR_NOTE, _tfdata_note(run_tf)]}
+        "notes": [_FLOOR_NOTE, _READER_NOTE, _tfdata_note(run_tf)]}
   return report
 
 
