@@ -19,6 +19,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/uio.h>
 #include <unistd.h>
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -254,6 +255,21 @@ static int pread_full(int fd, uint8_t* dst, uint64_t n, uint64_t pos) {
   return 0;
 }
 
+/* Reads `n` bytes at `pos` only if the page cache holds them all, without
+ * sleeping (preadv2 with RWF_NOWAIT, Linux >= 4.14); 0 on success. A hit
+ * takes ~1 µs, less than releasing the GIL and waiting to get it back, so
+ * small reads try this first and release the GIL only when they must wait
+ * for the disk. */
+static int pread_cached(int fd, uint8_t* dst, uint64_t n, uint64_t pos) {
+#ifdef RWF_NOWAIT
+  struct iovec iov = {dst, (size_t)n};
+  return preadv2(fd, &iov, 1, (off_t)pos, RWF_NOWAIT) == (ssize_t)n ? 0 : -1;
+#else
+  (void)fd, (void)dst, (void)n, (void)pos;
+  return -1;
+#endif
+}
+
 typedef struct {
   uint64_t data_size, data_hash, num_records, decoded_data_size;
   int chunk_type;
@@ -338,9 +354,12 @@ static PyObject* py_read_chunk(PyObject* Py_UNUSED(self), PyObject* args) {
     /* One pread of the whole extent, then a copy of the data out of it. */
     uint8_t* buf = (uint8_t*)malloc((size_t)extent);
     if (!buf) return PyErr_NoMemory();
-    Py_BEGIN_ALLOW_THREADS
-    failed = pread_full(fd, buf, extent, begin);
-    Py_END_ALLOW_THREADS
+    failed = pread_cached(fd, buf, extent, begin);
+    if (failed) {
+      Py_BEGIN_ALLOW_THREADS
+      failed = pread_full(fd, buf, extent, begin);
+      Py_END_ALLOW_THREADS
+    }
     if (failed) {
       free(buf);
       return io_error(begin, end);

@@ -191,3 +191,18 @@ def test_malformed_footer_messages_are_refused():
     _riegeli.message_field(b"\x08", np.array([5], np.uint64).tobytes(), 1)
   with pytest.raises(ValueError, match="truncated or too long"):
     _riegeli.varints(b"\x80\x80", 1)
+
+
+def test_reads_a_shard_that_is_not_in_the_page_cache(tmp_path):
+  """Small chunks are read with RWF_NOWAIT while the GIL is held; a shard
+  evicted from the page cache takes the blocking read instead."""
+  records = _records([3_000, 200], copies=20)
+  path = _write(tmp_path / "cold.array_record", records, "group_size:1")
+  reader = shard_reader.ShardReader(path)
+  fd = os.open(path, os.O_RDONLY)
+  try:
+    os.fsync(fd)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+  finally:
+    os.close(fd)
+  assert reader.read(list(range(len(records)))[::-1]) == records[::-1]
