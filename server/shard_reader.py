@@ -122,20 +122,8 @@ def _fields(message: bytes) -> dict[int, int | bytes]:
   return out
 
 
-def _decompress(block: memoryview, compression: int) -> bytes | memoryview:
-  """A riegeli compressed block: the decompressed size as a varint, then zstd."""
-  if compression == _UNCOMPRESSED:
-    return block
-  size, pos = _varint(block, 0)
-  out = _zstd().decompress(block[pos:], max_output_size=size)
-  if len(out) != size:
-    raise CorruptShard(f"zstd block decompressed to {len(out)} bytes, expected {size}")
-  return out
-
-
-def _simple_chunk(chunk_type: int, num_records: int, decoded_size: int,
-                  data: bytes) -> tuple[np.ndarray | None, bytes | memoryview]:
-  """(record sizes, or None for a one-record chunk; the concatenated records)."""
+def _split(chunk_type: int, data: bytes) -> tuple[int, memoryview, memoryview]:
+  """A simple chunk's (compression, compressed sizes, compressed values)."""
   if chunk_type != _SIMPLE_CHUNK:
     raise UnsupportedShard(f"chunk type {chunk_type:#x} (only simple chunks, 'r')")
   view = memoryview(data)
@@ -145,13 +133,58 @@ def _simple_chunk(chunk_type: int, num_records: int, decoded_size: int,
   if compression not in (_UNCOMPRESSED, _ZSTD):
     raise UnsupportedShard(f"compression {compression:#x} (only none and zstd)")
   sizes_len, pos = _varint(view, 1)
-  values = _decompress(view[pos + sizes_len:], compression)
+  return compression, view[pos:pos + sizes_len], view[pos + sizes_len:]
+
+
+def _zstd_frame(block: memoryview) -> tuple[memoryview, int]:
+  """A riegeli compressed block: (its zstd frame, its decompressed size)."""
+  size, pos = _varint(block, 0)
+  return block[pos:], size
+
+
+def _checked(out: bytes, size: int) -> bytes:
+  if len(out) != size:
+    raise CorruptShard(f"zstd block decompressed to {len(out)} bytes, expected {size}")
+  return out
+
+
+def _decompress(block: memoryview, compression: int) -> bytes | memoryview:
+  if compression == _UNCOMPRESSED:
+    return block
+  frame, size = _zstd_frame(block)
+  return _checked(_zstd().decompress(frame, max_output_size=size), size)
+
+
+# Below this size, frames are decompressed together: python-zstandard releases
+# the GIL for every call, and on a busy worker each release hands it to
+# another thread and costs more than decompressing a small record.
+_BATCH_DECOMPRESS_BYTES = 64 << 10
+
+
+def _decompress_frames(frames: list[memoryview], sizes: list[int]) -> list[bytes]:
+  if len(frames) > 1 and max(sizes) < _BATCH_DECOMPRESS_BYTES:
+    many = getattr(_zstd(), "multi_decompress_to_buffer", None)  # not in the cffi backend
+    if many is not None:
+      try:
+        out = many(frames, decompressed_sizes=np.asarray(sizes, np.uint64).tobytes())
+      except zstandard.ZstdError as e:
+        raise CorruptShard(f"zstd: {e}") from e
+      return [_checked(out[k].tobytes(), size) for k, size in enumerate(sizes)]
+  d = _zstd()
+  return [_checked(d.decompress(f, max_output_size=s), s) for f, s in zip(frames, sizes)]
+
+
+def _simple_chunk(chunk_type: int, num_records: int, decoded_size: int,
+                  data: bytes) -> tuple[np.ndarray | None, bytes | memoryview]:
+  """(record sizes, or None for a one-record chunk; the concatenated records)."""
+  compression, sizes_raw, values_raw = _split(chunk_type, data)
+  values = _decompress(values_raw, compression)
   if len(values) != decoded_size:
     raise CorruptShard(f"records total {len(values)} bytes, the header says {decoded_size}")
   if num_records == 1:  # its size is the chunk's decoded size: skip the sizes
     return None, values
-  sizes_raw = _decompress(view[pos:pos + sizes_len], compression)
-  sizes = np.frombuffer(_riegeli.varints(sizes_raw, num_records), np.uint64)
+  sizes = np.frombuffer(_riegeli.varints(_decompress(sizes_raw, compression), num_records),
+                        np.uint64)
   if int(sizes.sum()) != decoded_size:
     raise CorruptShard("record sizes do not add up to the chunk's decoded size")
   return sizes, values
@@ -214,12 +247,14 @@ class ShardReader:
     if len(offsets):  # the writer's options hold for every chunk: probe one
       self._chunk(int(self._begins[0]), int(self._ends[0]))
 
-  def _chunk(self, begin: int, end: int) -> tuple[np.ndarray | None, bytes | memoryview]:
+  def _read_chunk(self, begin: int, end: int) -> tuple[int, int, int, bytes]:
     try:
-      chunk_type, num_records, decoded, data = _riegeli.read_chunk(self._fd, begin, end)
+      return _riegeli.read_chunk(self._fd, begin, end)
     except ValueError as e:
       raise CorruptShard(str(e)) from e
-    return _simple_chunk(chunk_type, num_records, decoded, data)
+
+  def _chunk(self, begin: int, end: int) -> tuple[np.ndarray | None, bytes | memoryview]:
+    return _simple_chunk(*self._read_chunk(begin, end))
 
   def _records(self, begin: int, end: int) -> list[bytes | memoryview]:
     sizes, values = self._chunk(begin, end)
@@ -230,25 +265,45 @@ class ShardReader:
 
   def read(self, indices: Sequence[int]) -> list[bytes]:
     """The records at `indices` (positions in this shard), as bytes."""
-    out: list[bytes] = []
-    if self._one_per_chunk:
-      begins, ends = self._begins, self._ends
-      for i in indices:
-        if not 0 <= i < self.num_records:
-          raise IndexError(f"record {i} of {self.num_records}")
-        _, values = self._chunk(int(begins[i]), int(ends[i]))
-        out.append(values if type(values) is bytes else bytes(values))
-      return out
-    chunks = np.searchsorted(self._first_record, np.asarray(indices, np.int64), "right") - 1
-    decoded: dict[int, list[bytes | memoryview]] = {}
-    for i, c in zip(indices, chunks.tolist()):
+    for i in indices:
       if not 0 <= i < self.num_records:
         raise IndexError(f"record {i} of {self.num_records}")
+    if self._one_per_chunk:
+      return self._read_single_record_chunks(indices)
+    chunks = np.searchsorted(self._first_record, np.asarray(indices, np.int64), "right") - 1
+    decoded: dict[int, list[bytes | memoryview]] = {}
+    out: list[bytes] = []
+    for i, c in zip(indices, chunks.tolist()):
       records = decoded.get(c)
       if records is None:
         records = decoded[c] = self._records(int(self._begins[c]), int(self._ends[c]))
       record = records[i - int(self._first_record[c])]
       out.append(record if type(record) is bytes else bytes(record))
+    return out
+
+  def _read_single_record_chunks(self, indices: Sequence[int]) -> list[bytes]:
+    """ArrayRecord's default layout (group_size:1): the chunk is the record."""
+    out: list[bytes] = [b""] * len(indices)
+    frames: list[memoryview] = []
+    sizes: list[int] = []
+    where: list[int] = []
+    begins, ends = self._begins, self._ends
+    for k, i in enumerate(indices):
+      chunk_type, _, decoded, data = self._read_chunk(int(begins[i]), int(ends[i]))
+      compression, _, values = _split(chunk_type, data)
+      if compression == _UNCOMPRESSED:
+        if len(values) != decoded:
+          raise CorruptShard(f"record is {len(values)} bytes, the header says {decoded}")
+        out[k] = bytes(values)
+      else:
+        frame, size = _zstd_frame(values)
+        if size != decoded:
+          raise CorruptShard(f"record is {size} bytes, the header says {decoded}")
+        frames.append(frame)
+        sizes.append(size)
+        where.append(k)
+    for k, record in zip(where, _decompress_frames(frames, sizes)):
+      out[k] = record
     return out
 
   def close(self) -> None:
