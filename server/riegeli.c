@@ -428,6 +428,193 @@ static PyObject* py_read_chunk(PyObject* Py_UNUSED(self), PyObject* args) {
 }
 
 /* ------------------------------------------------------------------------ */
+/* One record, read straight into place                                      */
+
+static int read_varint(const uint8_t** p, const uint8_t* end, uint64_t* out);
+
+/* Reads `n` logical bytes at logical offset `x` of data that begins at
+ * physical `data_begin`. */
+static int read_logical(int fd, uint64_t data_begin, uint64_t x, uint64_t n, uint8_t* dst) {
+  ReadCtx rc = {fd, dst};
+  uint64_t unused;
+  return for_each_piece(logical_end(data_begin, x), n, read_piece, &rc, &unused);
+}
+
+#define MAX_RAW_BLOCKS 64     /* zstd raw blocks are <= 128 KiB: records to 8 MiB */
+#define HEAD_READ 512         /* chunk header and the data's framing, in one pread */
+
+/* Where a one-record chunk's bytes lie: the record is the concatenation of
+ * `num` payloads, each preceded in the data by a 3-byte zstd block header
+ * (none for uncompressed data); `framing` bytes come first. */
+typedef struct {
+  uint64_t framing;                       /* data bytes before the first payload */
+  uint64_t payload_at[MAX_RAW_BLOCKS];    /* logical data offset of each payload */
+  uint64_t payload_len[MAX_RAW_BLOCKS];
+  uint8_t block_header[MAX_RAW_BLOCKS][3];/* the header before payload k (k >= 1) */
+  int num;
+} Layout;
+
+/* Fills `lay` from the data's first bytes (`prefix`, `have` of them), reading
+ * later block headers from the file. Returns 1 when the record can be read
+ * straight into place, 0 when not (compressed blocks, another framing), -1 on
+ * an I/O error. Nothing here is trusted: the data hash, checked after, is. */
+static int plan_record(int fd, uint64_t data_begin, uint64_t data_size, uint64_t decoded,
+                       const uint8_t* prefix, size_t have, Layout* lay) {
+  const uint8_t* p = prefix;
+  const uint8_t* end = prefix + have;
+  uint64_t sizes_len, v;
+  if (have < 2) return 0;
+  const uint8_t compression = *p++;
+  if (read_varint(&p, end, &sizes_len) || sizes_len > (uint64_t)(end - p)) return 0;
+  p += sizes_len;
+  lay->num = 0;
+  if (compression == 0) {
+    lay->framing = (uint64_t)(p - prefix);
+    if (data_size - lay->framing != decoded) return 0;
+    lay->payload_at[0] = lay->framing;
+    lay->payload_len[0] = decoded;
+    lay->num = 1;
+    return 1;
+  }
+  if (compression != 'z') return 0;
+  if (read_varint(&p, end, &v) || v != decoded) return 0;
+  /* The zstd frame header (RFC 8878 §3.1.1). */
+  if (end - p < 6 || p[0] != 0x28 || p[1] != 0xb5 || p[2] != 0x2f || p[3] != 0xfd) return 0;
+  p += 4;
+  const uint8_t fhd = *p++;
+  if (fhd & 0x08) return 0; /* reserved bit */
+  static const int kDictIdBytes[4] = {0, 1, 2, 4};
+  const int single_segment = (fhd >> 5) & 1;
+  const int fcs_flag = fhd >> 6;
+  const int fcs_bytes = fcs_flag == 0 ? single_segment : (1 << fcs_flag);
+  const uint64_t header_rest = (uint64_t)(!single_segment) + kDictIdBytes[fhd & 3] + fcs_bytes;
+  if (header_rest + 3 > (uint64_t)(end - p)) return 0;
+  p += header_rest;
+  if ((fhd >> 2) & 1) return 0; /* a content checksum: riegeli does not write one */
+  uint64_t at = (uint64_t)(p - prefix); /* logical offset of the first block header */
+  lay->framing = at + 3;
+  uint64_t total = 0;
+  for (;;) {
+    uint8_t bh[3];
+    if (at + 3 > data_size || lay->num == MAX_RAW_BLOCKS) return 0;
+    if (at + 3 <= have) {
+      memcpy(bh, prefix + at, 3);
+    } else if (read_logical(fd, data_begin, at, 3, bh)) {
+      return -1;
+    }
+    const uint32_t word = (uint32_t)bh[0] | ((uint32_t)bh[1] << 8) | ((uint32_t)bh[2] << 16);
+    const uint64_t size = word >> 3;
+    if (((word >> 1) & 3) != 0) return 0; /* not a raw block */
+    if (lay->num > 0) memcpy(lay->block_header[lay->num], bh, 3);
+    lay->payload_at[lay->num] = at + 3;
+    lay->payload_len[lay->num] = size;
+    lay->num++;
+    total += size;
+    at += 3 + size;
+    if (word & 1) break; /* last block */
+  }
+  if (at != data_size || total != decoded) return 0;
+  return 1;
+}
+
+/* read_record(fd, begin, end) -> bytes | None */
+static PyObject* py_read_record(PyObject* Py_UNUSED(self), PyObject* args) {
+  int fd;
+  unsigned long long begin_arg, end_arg;
+  if (!PyArg_ParseTuple(args, "iKK", &fd, &begin_arg, &end_arg)) return NULL;
+  const uint64_t begin = begin_arg, end = end_arg;
+  if (end <= begin) return shard_error("empty extent (bad chunk offsets in the footer)", begin);
+  const uint64_t header_end = logical_end(begin, CHUNK_HEADER_SIZE);
+  if (header_end > end) return shard_error("its extent is shorter than a chunk header", begin);
+
+  /* The chunk header and the start of its data, in one read. */
+  uint8_t head[HEAD_READ + 3 * BLOCK_HEADER_SIZE];
+  const uint64_t head_len = end - begin < sizeof head ? end - begin : sizeof head;
+  int failed = pread_cached(fd, head, head_len, begin);
+  if (failed) {
+    Py_BEGIN_ALLOW_THREADS
+    failed = pread_full(fd, head, head_len, begin);
+    Py_END_ALLOW_THREADS
+  }
+  if (failed) return io_error(begin, end);
+  uint8_t header[CHUNK_HEADER_SIZE];
+  CopyCtx hc = {head, begin, header};
+  uint64_t data_begin;
+  for_each_piece(begin, CHUNK_HEADER_SIZE, copy_piece, &hc, &data_begin);
+  ChunkHeader h;
+  if (parse_header(header, begin, &h)) return NULL;
+  if (logical_end(data_begin, h.data_size) > end)
+    return shard_error("data_size runs past the chunk's extent", begin);
+  if (h.chunk_type != 'r' || h.num_records != 1) Py_RETURN_NONE;
+
+  /* The data's first bytes, as far as the head read them. */
+  uint8_t prefix[HEAD_READ];
+  size_t have = 0;
+  {
+    uint64_t pos = data_begin, left = h.data_size;
+    while (left && have < sizeof prefix) {
+      pos = past_block_header(pos);
+      if (pos >= begin + head_len) break;
+      uint64_t n = BLOCK_SIZE - pos % BLOCK_SIZE;
+      if (n > left) n = left;
+      if (n > begin + head_len - pos) n = begin + head_len - pos;
+      if (n > sizeof prefix - have) n = sizeof prefix - have;
+      memcpy(prefix + have, head + (pos - begin), (size_t)n);
+      have += (size_t)n;
+      pos += n;
+      left -= n;
+    }
+  }
+  Layout* lay = (Layout*)PyMem_Malloc(sizeof(Layout));
+  if (!lay) return PyErr_NoMemory();
+  const int plan = plan_record(fd, data_begin, h.data_size, h.decoded_data_size, prefix, have, lay);
+  if (plan <= 0 || lay->framing > have) {
+    PyMem_Free(lay);
+    if (plan < 0) return io_error(begin, end);
+    Py_RETURN_NONE;
+  }
+
+  PyObject* out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)h.decoded_data_size);
+  if (!out) {
+    PyMem_Free(lay);
+    return NULL;
+  }
+  uint8_t* dst = (uint8_t*)PyBytes_AS_STRING(out);
+  uint64_t got = 0;
+  Py_BEGIN_ALLOW_THREADS
+  uint8_t* at = dst;
+  for (int k = 0; k < lay->num && !failed; k++) {
+    failed = read_logical(fd, data_begin, lay->payload_at[k], lay->payload_len[k], at);
+    at += lay->payload_len[k];
+  }
+  if (!failed) {
+    /* The data hash over the data as stored: the framing, then each payload
+     * with the block header before it. */
+    Hasher hs;
+    hasher_init(&hs, best_packets);
+    hasher_update(&hs, prefix, (size_t)lay->framing);
+    at = dst;
+    for (int k = 0; k < lay->num; k++) {
+      if (k > 0) hasher_update(&hs, lay->block_header[k], 3);
+      hasher_update(&hs, at, (size_t)lay->payload_len[k]);
+      at += lay->payload_len[k];
+    }
+    got = hasher_final(&hs);
+  }
+  Py_END_ALLOW_THREADS
+  PyMem_Free(lay);
+  if (failed) {
+    Py_DECREF(out);
+    return io_error(begin, end);
+  }
+  if (got != h.data_hash) {
+    Py_DECREF(out);
+    return shard_error("data hash mismatch (the chunk's data is corrupt)", begin);
+  }
+  return out;
+}
+
+/* ------------------------------------------------------------------------ */
 /* Varints and the footer's messages                                         */
 
 static int read_varint(const uint8_t** p, const uint8_t* end, uint64_t* out) {
@@ -571,6 +758,12 @@ static PyMethodDef methods[] = {
      "Reads the chunk at [begin, end) of a riegeli file, checks its header and data\n"
      "hashes, and returns its data with the block headers taken out. Raises\n"
      "ValueError naming the chunk when it is corrupt or truncated, OSError on I/O."},
+    {"read_record", py_read_record, METH_VARARGS,
+     "read_record(fd, begin, end) -> bytes | None\n\n"
+     "The record of a one-record simple chunk whose data is uncompressed or a zstd\n"
+     "frame of raw blocks (what zstd stores for incompressible records), read\n"
+     "straight into the result, hashes checked; None for any other chunk. Raises\n"
+     "as read_chunk does."},
     {"varints", py_varints, METH_VARARGS,
      "varints(buffer, count) -> bytes: the first `count` varints, as uint64s."},
     {"message_field", py_message_field, METH_VARARGS,
@@ -588,5 +781,11 @@ PyMODINIT_FUNC PyInit__riegeli(void) {
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx2")) best_packets = packets_avx2;
 #endif
-  return PyModule_Create(&module);
+  PyObject* m = PyModule_Create(&module);
+  /* Chunks up to this size are read with one pread and a copy (read_chunk). */
+  if (m && PyModule_AddIntConstant(m, "SMALL_EXTENT", SMALL_EXTENT)) {
+    Py_DECREF(m);
+    return NULL;
+  }
+  return m;
 }

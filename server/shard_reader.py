@@ -253,6 +253,12 @@ class ShardReader:
     except ValueError as e:
       raise CorruptShard(str(e)) from e
 
+  def _read_record(self, begin: int, end: int) -> bytes | None:
+    try:
+      return _riegeli.read_record(self._fd, begin, end)
+    except ValueError as e:
+      raise CorruptShard(str(e)) from e
+
   def _chunk(self, begin: int, end: int) -> tuple[np.ndarray | None, bytes | memoryview]:
     return _simple_chunk(*self._read_chunk(begin, end))
 
@@ -289,7 +295,15 @@ class ShardReader:
     where: list[int] = []
     begins, ends = self._begins, self._ends
     for k, i in enumerate(indices):
-      chunk_type, _, decoded, data = self._read_chunk(int(begins[i]), int(ends[i]))
+      begin, end = int(begins[i]), int(ends[i])
+      if end - begin > _riegeli.SMALL_EXTENT:
+        # Big records: straight into place, without a decompression copy, when
+        # zstd stored them as raw blocks (incompressible: images, media).
+        record = self._read_record(begin, end)
+        if record is not None:
+          out[k] = record
+          continue
+      chunk_type, _, decoded, data = self._read_chunk(begin, end)
       compression, _, values = _split(chunk_type, data)
       if compression == _UNCOMPRESSED:
         if len(values) != decoded:

@@ -206,3 +206,74 @@ def test_reads_a_shard_that_is_not_in_the_page_cache(tmp_path):
   finally:
     os.close(fd)
   assert reader.read(list(range(len(records)))[::-1]) == records[::-1]
+
+
+def _advance(pos: int, n: int) -> int:
+  """The file position `n` bytes of chunk data after `pos`, past block headers."""
+  while True:
+    if pos % 65_536 < 24:
+      pos += 24 - pos % 65_536
+    if not n:
+      return pos
+    step = min(n, 65_536 - pos % 65_536)
+    pos, n = pos + step, n - step
+
+
+def _big_records() -> list[bytes]:
+  """Big records as zstd stores them: raw blocks (random bytes, 1-3 and 70
+  blocks), compressed blocks (a pattern), and both in one frame."""
+  rng = np.random.default_rng(3)
+  noise = lambda n: rng.integers(0, 256, n, dtype=np.uint8).tobytes()
+  return [noise(153_616), noise(70_000), noise(300_001), b"ab" * 80_000,
+          noise(100_000) + bytes(100_000), noise(9 << 20)]
+
+
+@pytest.mark.parametrize("options", ["group_size:1", "group_size:1,uncompressed"])
+def test_big_records_read_straight_into_place(tmp_path, options):
+  """Raw-block and uncompressed records take `read_record`; compressed or
+  mixed frames, and frames of over 64 blocks, fall back to decompressing."""
+  from grain_elevator.server import _riegeli
+  records = _big_records()
+  path = _write(tmp_path / "big.array_record", records, options)
+  reader = shard_reader.ShardReader(path)
+  assert reader.read([5, 0, 3, 1, 4, 2]) == [records[i] for i in (5, 0, 3, 1, 4, 2)]
+  direct = [_riegeli.read_record(reader._fd, int(b), int(e))  # pylint: disable=protected-access
+            for b, e in zip(reader._begins, reader._ends)]  # pylint: disable=protected-access
+  if "uncompressed" in options:
+    assert direct == records
+  else:  # zstd: raw blocks only for the random records of up to 64 blocks
+    assert [d is not None for d in direct] == [True, True, True, False, False, False]
+    assert direct[:3] == records[:3]
+
+
+@pytest.mark.parametrize("where,message", [
+    (100_000, "data hash mismatch"),  # a payload byte, past the first 64 KiB block
+    (-1, "data hash mismatch"),       # the second zstd block header: compressed now
+])
+def test_corrupt_big_record(tmp_path, where, message):
+  records = _big_records()[:3]
+  path = _write(tmp_path / "big.array_record", records, "group_size:1")
+  begin = _chunk_begin(path, 2)
+  data = bytearray(open(path, "rb").read())
+  if where < 0:  # the values' frame (the record sizes have one first): after its
+    magic = b"\x28\xb5\x2f\xfd"  # header (6 B), a block header and 128 KiB of payload
+    frame = data.index(magic, data.index(magic, begin) + 4)
+    at = _advance(frame, 6 + 3 + (128 << 10))
+    assert data[at] & 0x06 == 0  # a raw block
+    data[at] |= 0x04  # now "compressed"
+  else:
+    data[begin + where] ^= 0x01
+  open(path, "wb").write(bytes(data))
+  reader = shard_reader.ShardReader(path)
+  assert reader.read([0, 1]) == records[:2]
+  with pytest.raises(shard_reader.CorruptShard, match=message):
+    reader.read([2])
+
+
+def test_big_record_truncated_while_open(tmp_path):
+  records = _big_records()[:3]
+  path = _write(tmp_path / "big.array_record", records, "group_size:1")
+  reader = shard_reader.ShardReader(path)
+  os.truncate(path, _chunk_begin(path, 2) + 200_000)
+  with pytest.raises(shard_reader.CorruptShard, match="ends before"):
+    reader.read([2])
