@@ -5,9 +5,13 @@ binding, a thread pool per batched call, a zstd context per chunk) where the
 work itself is a few µs; on the 2-core machine that cost, not the wire, was
 what bounded the service (BENCHMARKS.md). This reader parses the footer that
 ArrayRecord writes (one offset per chunk), then reads the chunk holding each
-record with `_riegeli.read_chunk`: one pread, the header and data hashes
-checked in C with the GIL released. Here, the simple chunk's framing is
-undone and zstd, if the shard uses it, decompressed.
+record in C (server/riegeli.c), which checks the header and data hashes:
+`read_chunk` returns a chunk's data (one pread; the GIL is let go only for
+big chunks and reads that must wait for the disk), and here its framing is
+undone and zstd, if the shard uses it, decompressed, a shard-batch of small
+records in one call. Big records that zstd stored as raw blocks (what it
+does with incompressible bytes: images, media) or that are uncompressed are
+read by `read_record` straight into the record, without that copy.
 
 It reads what `ArrayRecordWriter` writes by default: simple chunks,
 uncompressed or zstd, any group size. `open_shard` returns None for anything
