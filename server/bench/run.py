@@ -289,4 +289,4 @@ def plot(report: dict[str, Any], path: str) -> None:
     ax.set_title(f"{name}: {wl['record_bytes']:,} B records, G={wl['global_batch_size']}")
   fig.suptitle(f"elevator bench, {report['machine']['cpus']} cores")
   fig.tight_layout()
-  fig.savefig(path, dpi=110)
+  fig.savefig(path, dpi=110, bbox_inches="tight")
