@@ -334,16 +334,31 @@ static int parse_header(const uint8_t* h, uint64_t begin, ChunkHeader* out) {
   return 0;
 }
 
+/* Parses the (fd, begin, end) arguments of a read; sets a Python error and
+ * returns -1 unless [begin, end) can hold a chunk header. */
+static int parse_extent(PyObject* args, int* fd, uint64_t* begin, uint64_t* end) {
+  unsigned long long b, e;
+  if (!PyArg_ParseTuple(args, "iKK", fd, &b, &e)) return -1;
+  *begin = b;
+  *end = e;
+  if (e <= b) {
+    shard_error("empty extent (bad chunk offsets in the footer)", b);
+    return -1;
+  }
+  if (logical_end(b, CHUNK_HEADER_SIZE) > e) {
+    shard_error("its extent is shorter than a chunk header", b);
+    return -1;
+  }
+  return 0;
+}
+
 /* read_chunk(fd, begin, end) -> (chunk_type, num_records, decoded_data_size, data) */
 static PyObject* py_read_chunk(PyObject* Py_UNUSED(self), PyObject* args) {
   int fd;
-  unsigned long long begin_arg, end_arg;
-  if (!PyArg_ParseTuple(args, "iKK", &fd, &begin_arg, &end_arg)) return NULL;
-  const uint64_t begin = begin_arg, end = end_arg;
-  if (end <= begin) return shard_error("empty extent (bad chunk offsets in the footer)", begin);
+  uint64_t begin, end;
+  if (parse_extent(args, &fd, &begin, &end)) return NULL;
   const uint64_t extent = end - begin;
   const uint64_t header_end = logical_end(begin, CHUNK_HEADER_SIZE);
-  if (header_end > end) return shard_error("its extent is shorter than a chunk header", begin);
 
   uint8_t header[CHUNK_HEADER_SIZE];
   ChunkHeader h;
@@ -520,12 +535,8 @@ static int plan_record(int fd, uint64_t data_begin, uint64_t data_size, uint64_t
 /* read_record(fd, begin, end) -> bytes | None */
 static PyObject* py_read_record(PyObject* Py_UNUSED(self), PyObject* args) {
   int fd;
-  unsigned long long begin_arg, end_arg;
-  if (!PyArg_ParseTuple(args, "iKK", &fd, &begin_arg, &end_arg)) return NULL;
-  const uint64_t begin = begin_arg, end = end_arg;
-  if (end <= begin) return shard_error("empty extent (bad chunk offsets in the footer)", begin);
-  const uint64_t header_end = logical_end(begin, CHUNK_HEADER_SIZE);
-  if (header_end > end) return shard_error("its extent is shorter than a chunk header", begin);
+  uint64_t begin, end;
+  if (parse_extent(args, &fd, &begin, &end)) return NULL;
 
   /* The chunk header and the start of its data, in one read. */
   uint8_t head[HEAD_READ + 3 * BLOCK_HEADER_SIZE];

@@ -277,3 +277,18 @@ def test_big_record_truncated_while_open(tmp_path):
   os.truncate(path, _chunk_begin(path, 2) + 200_000)
   with pytest.raises(shard_reader.CorruptShard, match="ends before"):
     reader.read([2])
+
+
+@pytest.mark.parametrize("read", ["read_chunk", "read_record"])
+def test_bad_extents_are_refused(tmp_path, read):
+  """What a footer with bad chunk offsets would ask for."""
+  from grain_elevator.server import _riegeli
+  path = _write(tmp_path / "s.array_record", _records([100]), "group_size:1")
+  fd = os.open(path, os.O_RDONLY)
+  try:
+    with pytest.raises(ValueError, match="chunk at byte 200: empty extent"):
+      getattr(_riegeli, read)(fd, 200, 100)
+    with pytest.raises(ValueError, match="chunk at byte 64: its extent is shorter"):
+      getattr(_riegeli, read)(fd, 64, 90)
+  finally:
+    os.close(fd)
