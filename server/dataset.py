@@ -50,6 +50,18 @@ def mark_absl_flags_parsed() -> None:
 _UNOPENED = object()
 
 
+def _raise_for_first_bad_record(filename: str, positions: Sequence[int],
+                                read_one: Any, errors: type[Exception] | tuple) -> None:
+  """After a batch failed (rare): re-reads its records one by one and raises
+  DataLossError naming the first that fails."""
+  for p in positions:
+    try:
+      read_one(p)
+    except errors as e:  # pylint: disable=broad-except
+      raise DataLossError(
+          f"shard {filename} is corrupt: record {p} cannot be read: {e}") from e
+
+
 class BatchedArrayRecordSource(grain.sources.ArrayRecordDataSource):
   """ArrayRecordDataSource that opts in to Grain's batched-read path.
 
@@ -120,13 +132,8 @@ class BatchedArrayRecordSource(grain.sources.ArrayRecordDataSource):
       try:
         return shard.read(positions)
       except shard_reader.CorruptShard:
-        for p in positions:  # name the first record that fails
-          try:
-            shard.read([p])
-          except shard_reader.CorruptShard as record_error:
-            raise DataLossError(
-                f"shard {filename} is corrupt: record {p} cannot be read: "
-                f"{record_error}") from record_error
+        _raise_for_first_bad_record(filename, positions,
+                                    lambda p: shard.read([p]), shard_reader.CorruptShard)
         raise
       except OSError as e:
         raise DataLossError(f"shard {filename} cannot be read: {e}") from e
@@ -144,14 +151,8 @@ class BatchedArrayRecordSource(grain.sources.ArrayRecordDataSource):
         return [reader.read([p])[0] for p in positions]
       return reader.read(positions)
     except Exception as e:  # pylint: disable=broad-except
-      # Rare: find the first record that fails, to name it.
-      for p in positions:
-        try:
-          self._readers[reader_idx].read([p])
-        except Exception as record_error:  # pylint: disable=broad-except
-          raise DataLossError(
-              f"shard {filename} is corrupt: record {p} cannot be read: "
-              f"{record_error}") from record_error
+      _raise_for_first_bad_record(filename, positions,
+                                  lambda p: self._readers[reader_idx].read([p]), Exception)
       raise DataLossError(f"shard {filename} cannot be read: {e}") from e
 
   def __getitem__(self, record_key: int) -> bytes:

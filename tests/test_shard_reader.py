@@ -292,3 +292,18 @@ def test_bad_extents_are_refused(tmp_path, read):
       getattr(_riegeli, read)(fd, 64, 90)
   finally:
     os.close(fd)
+
+
+def test_corrupt_shard_read_through_array_record_names_the_record(tmp_path, monkeypatch):
+  """The fallback path names the record too (brotli shards, no C part)."""
+  monkeypatch.setenv(shard_reader.READER_ENV, "arrayrecord")
+  records = _records([500], copies=12)
+  path = _write(tmp_path / "c.array_record", records, "group_size:1")
+  begin = _chunk_begin(path, 7)
+  data = bytearray(open(path, "rb").read())
+  data[begin + 41] ^= 0x40
+  open(path, "wb").write(bytes(data))
+  source = dataset_lib.BatchedArrayRecordSource([path])
+  assert source._getitems([6, 8]) == [records[6], records[8]]  # pylint: disable=protected-access
+  with pytest.raises(DataLossError, match=rf"shard {path} is corrupt: record 7 cannot be read"):
+    source._getitems([2, 7])  # pylint: disable=protected-access
