@@ -30,22 +30,23 @@ class ProtocolError(ConnectionError):
 
 def send_parts(sock: socket.socket, parts: Sequence[Any]) -> None:
   """Sends every buffer in order with as few syscalls as the kernel allows,
-  without joining them (tensor data is not copied)."""
-  views = [memoryview(p).cast("B") for p in parts if len(p)]
+  without joining them (tensor data is not copied). Each part is a flat byte
+  buffer (bytes, or a memoryview cast to "B"), so len() is its size."""
+  views = [p for p in parts if len(p)]
   while views:
     sent = sock.sendmsg(views[:_IOV_MAX])
     while sent:
       if sent >= len(views[0]):
         sent -= len(views[0])
         views.pop(0)
-      else:
-        views[0] = views[0][sent:]
+      else:  # a partial send, rare on a blocking socket: resend the rest
+        views[0] = memoryview(views[0]).cast("B")[sent:]
         sent = 0
 
 
 def send_frame(sock: socket.socket, kind: int, parts: Sequence[Any]) -> None:
-  views = [memoryview(p).cast("B") for p in parts]
-  send_parts(sock, [_HEADER.pack(kind, sum(len(v) for v in views)), *views])
+  """One frame; `parts` as for send_parts."""
+  send_parts(sock, [_HEADER.pack(kind, sum(len(p) for p in parts)), *parts])
 
 
 def recv_into(sock: socket.socket, view: memoryview) -> None:

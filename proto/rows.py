@@ -55,7 +55,9 @@ class RowStack:
 
   def buffers(self) -> list[memoryview]:
     """Each row's bytes, in order: together, the stacked array's buffer."""
-    return [memoryview(r.reshape(-1).view(np.uint8)) for r in self.rows]
+    if not self.rows[0].nbytes:
+      return [memoryview(b"")] * len(self.rows)
+    return [memoryview(r).cast("B") for r in self.rows]
 
   def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
     del copy  # a new array either way

@@ -7,6 +7,7 @@ protobuf fields), so a message stays valid for any language's stubs.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Sequence
 
 import numpy as np
@@ -16,6 +17,7 @@ from grain_elevator.proto import tree
 from grain_elevator.proto.rows import RowStack
 
 
+@functools.lru_cache(maxsize=256)
 def dtype_to_str(dtype: np.dtype) -> str:
   """A portable dtype name: "float32", "uint8"; numpy's code ("|S64") where a
   name would not round-trip (fixed-size bytes and strings)."""

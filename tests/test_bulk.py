@@ -222,3 +222,27 @@ def test_a_dns_target_gets_bulk_connections_to_its_addresses(server, oracle):
     assert_trees_equal(next(it), oracle_batch(oracle, "seed3", 0, 50))
     hosts = {s.host for s in it._backend._bulk}  # pylint: disable=protected-access
   assert "127.0.0.1" in hosts
+
+
+def test_a_frame_sent_in_pieces_arrives_whole():
+  """Partial sends (a socket with a timeout is non-blocking underneath) resume
+  mid-buffer: the frame is the parts' bytes in order, whatever their types."""
+  from grain_elevator.proto import bulk as framing
+  from grain_elevator.proto.rows import RowStack
+  rng = np.random.default_rng(3)
+  rows = RowStack([rng.integers(0, 255, (300, 400), np.uint8) for _ in range(6)])
+  parts = [b"head", memoryview(np.arange(1000, dtype=np.float32)).cast("B"), b"",
+           *rows.buffers(), b"tail"]
+  want = b"".join(bytes(p) for p in parts)
+  a, b = socket.socketpair()
+  a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+  a.settimeout(10)
+  b.settimeout(10)
+  sender = threading.Thread(target=framing.send_frame, args=(a, framing.BATCH, parts))
+  sender.start()
+  time.sleep(0.2)  # let the sender fill the buffer and wait
+  kind, payload = framing.recv_frame(b, (framing.BATCH,))
+  sender.join(10)
+  a.close()
+  b.close()
+  assert kind == framing.BATCH and payload.tobytes() == want

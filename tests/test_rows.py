@@ -47,6 +47,14 @@ def test_rows_that_cannot_stack_are_refused(rows, message):
     RowStack(rows)
 
 
+def test_a_row_stack_of_empty_rows_is_the_empty_stack():
+  rows = [np.zeros((0, 3), np.float32)] * 4
+  stack = RowStack(rows)
+  assert stack.nbytes == 0 and [len(b) for b in stack.buffers()] == [0] * 4
+  want = wire.encode_batch(5, [np.stack(rows)]).SerializeToString()
+  assert wire.encode_batch_bytes(5, [stack]) == want
+
+
 @pytest.mark.parametrize("dtype", [np.uint8, np.float32, ">i4", "S7"])
 @pytest.mark.parametrize("step", [0, 12])
 def test_a_row_stack_encodes_as_the_stacked_batch(dtype, step):
