@@ -102,7 +102,8 @@ class RemoteDataset(grain.IterDataset):
       trainer as soon as it arrives, not when its request ends.
     connections_per_target: TCP connections per replica (spread over the
       server's worker processes). Over the bulk transport each carries one
-      request at a time, so this also bounds the requests in flight.
+      request at a time, so this also bounds the requests in flight; about
+      two per server worker keeps every worker busy.
     retry_timeout_s: how long to keep retrying without progress before
       raising ServiceUnavailableError.
     request_timeout_s: deadline of one RPC.
