@@ -14,6 +14,7 @@ import os
 from typing import Any, Sequence
 
 import grain
+import numpy as np
 
 from grain_elevator.proto import tree
 from grain_elevator.proto.spec import DatasetInfo, ElementSpec
@@ -79,6 +80,14 @@ class BatchedArrayRecordSource(grain.sources.ArrayRecordDataSource):
   def __init__(self, paths: Any, reader_options: dict[str, str] | None = None):
     super().__init__(paths, reader_options)
     self._shards: list[Any] = [_UNOPENED] * len(self._read_instructions)
+    self._index_shards()
+
+  def _index_shards(self) -> None:
+    """Where each shard's keys end, and key -> position shift, for `_split`."""
+    counts = np.asarray([i.num_records for i in self._read_instructions], np.int64)
+    starts = np.asarray([i.start for i in self._read_instructions], np.int64)
+    self._key_ends = np.cumsum(counts)
+    self._key_shift = self._key_ends - counts - starts
 
   def _reads_singly(self) -> bool:
     if self._single_reads is None:
@@ -97,6 +106,7 @@ class BatchedArrayRecordSource(grain.sources.ArrayRecordDataSource):
   def __setstate__(self, state):
     super().__setstate__(state)
     self._shards = [_UNOPENED] * len(self._read_instructions)
+    self._index_shards()
 
   def _shard(self, reader_idx: int) -> shard_reader.ShardReader | None:
     """This shard's fast reader, opened on first use; None: use ArrayRecord."""
@@ -113,15 +123,28 @@ class BatchedArrayRecordSource(grain.sources.ArrayRecordDataSource):
           self._shards[reader_idx] = shard
     return shard
 
+  def _split(self, indices: Sequence[int]) -> dict[int, tuple[list[int], list[int]]]:
+    """shard -> (positions in it, places in `indices`): ArrayRecord's
+    `_split_keys_per_reader` with one numpy call for the batch instead of a
+    Python call per key (~1.3 µs a record)."""
+    keys = np.asarray(indices, np.int64)
+    if keys.size and (keys.min() < 0 or keys.max() >= len(self)):
+      raise ValueError(f"record keys must be in [0, {len(self)})")
+    shards = np.searchsorted(self._key_ends, keys, "right")
+    positions = keys - self._key_shift[shards]
+    out: dict[int, tuple[list[int], list[int]]] = {}
+    for i, (shard, position) in enumerate(zip(shards.tolist(), positions.tolist())):
+      group = out.get(shard)
+      if group is None:
+        group = out[shard] = ([], [])
+      group[0].append(position)
+      group[1].append(i)
+    return out
+
   def _getitems(self, indices: Sequence[int]) -> Sequence[bytes]:
-    try:
-      per_reader = self._split_keys_per_reader(indices)
-    except AttributeError:  # another array_record version: use its own path
-      return self.__getitems__(indices)
     out: list[bytes] = [b""] * len(indices)
-    for reader_idx, positions_and_indices in per_reader.items():
-      positions, where = zip(*positions_and_indices)
-      for record, i in zip(self._read(reader_idx, list(positions)), where):
+    for reader_idx, (positions, where) in self._split(indices).items():
+      for record, i in zip(self._read(reader_idx, positions), where):
         out[i] = record
     return out
 

@@ -98,8 +98,7 @@ def decode_images_batch(raw: list[bytes], *, height: int, width: int,
                   else np.ascontiguousarray(pixels))
   else:  # big records: no joined intermediate, no stacking copy
     header = np.frombuffer(b"".join(r[:_HEADER.itemsize] for r in raw), dtype=_HEADER)
-    views = [np.frombuffer(r, dtype=np.uint8, offset=_HEADER.itemsize).reshape(shape)
-             for r in raw]
+    views = [np.ndarray(shape, np.uint8, r, _HEADER.itemsize) for r in raw]
     if normalize:  # same float32 arithmetic as _normalize, straight into place
       image = np.empty((n, *shape), dtype=np.float32)
       for i, v in enumerate(views):

@@ -275,9 +275,9 @@ class ShardReader:
 
   def read(self, indices: Sequence[int]) -> list[bytes]:
     """The records at `indices` (positions in this shard), as bytes."""
-    for i in indices:
-      if not 0 <= i < self.num_records:
-        raise IndexError(f"record {i} of {self.num_records}")
+    if indices and (min(indices) < 0 or max(indices) >= self.num_records):
+      bad = next(i for i in indices if not 0 <= i < self.num_records)
+      raise IndexError(f"record {bad} of {self.num_records}")
     if self._one_per_chunk:
       return self._read_single_record_chunks(indices)
     chunks = np.searchsorted(self._first_record, np.asarray(indices, np.int64), "right") - 1
@@ -297,10 +297,11 @@ class ShardReader:
     frames: list[memoryview] = []
     sizes: list[int] = []
     where: list[int] = []
-    begins, ends = self._begins, self._ends
-    for k, i in enumerate(indices):
-      begin, end = int(begins[i]), int(ends[i])
-      if end - begin > _riegeli.SMALL_EXTENT:
+    at = np.asarray(indices, np.int64)
+    small = _riegeli.SMALL_EXTENT
+    for k, (begin, end) in enumerate(zip(self._begins[at].tolist(),
+                                         self._ends[at].tolist())):
+      if end - begin > small:
         # Big records: straight into place, without a decompression copy, when
         # zstd stored them as raw blocks (incompressible: images, media).
         record = self._read_record(begin, end)
@@ -320,8 +321,9 @@ class ShardReader:
         frames.append(frame)
         sizes.append(size)
         where.append(k)
-    for k, record in zip(where, _decompress_frames(frames, sizes)):
-      out[k] = record
+    if frames:
+      for k, record in zip(where, _decompress_frames(frames, sizes)):
+        out[k] = record
     return out
 
   def close(self) -> None:

@@ -101,6 +101,21 @@ def test_other_encodings_are_left_to_array_record(tmp_path, options):
   assert list(source._getitems([3, 0, 9])) == [records[3], records[0], records[9]]  # pylint: disable=protected-access
 
 
+def test_keys_map_to_the_records_array_record_gives(tmp_path):
+  """A batch's keys split over shards, including shards read in part
+  ("file[a:b]"), as ArrayRecord's own source maps them."""
+  import grain  # pylint: disable=g-import-not-at-top
+  shards = [_write(tmp_path / f"k{i}.array_record", _records([300 + i], copies=9 + i, seed=i),
+                   "group_size:1") for i in range(3)]
+  paths = [f"{shards[0]}[2:7]", shards[1], f"{shards[2]}[4:11]"]
+  source = dataset_lib.BatchedArrayRecordSource(paths)
+  reference = grain.sources.ArrayRecordDataSource(paths)
+  keys = [len(source) - 1, 0, 5, 4, 16, 6, 5, len(source) - 7]
+  assert list(source._getitems(keys)) == [reference[k] for k in keys]  # pylint: disable=protected-access
+  with pytest.raises(ValueError, match=rf"record keys must be in \[0, {len(source)}\)"):
+    source._getitems([0, len(source)])  # pylint: disable=protected-access
+
+
 def test_threads_share_a_reader(tmp_path):
   records = _records([3_088, 70_000], copies=20)
   reader = shard_reader.ShardReader(_write(tmp_path / "s.array_record", records, "group_size:1"))
