@@ -275,7 +275,7 @@ class ShardReader:
 
   def read(self, indices: Sequence[int]) -> list[bytes]:
     """The records at `indices` (positions in this shard), as bytes."""
-    if indices and (min(indices) < 0 or max(indices) >= self.num_records):
+    if len(indices) and (min(indices) < 0 or max(indices) >= self.num_records):
       bad = next(i for i in indices if not 0 <= i < self.num_records)
       raise IndexError(f"record {bad} of {self.num_records}")
     if self._one_per_chunk:
