@@ -173,14 +173,22 @@ def _spread_over_workers(open_one: Callable[[], tuple[Any, pb.ServerInfo] | None
   return list(by_worker.values())
 
 
+def _interleave(groups: list[list[Any]]) -> list[Any]:
+  """Workers' and replicas' connections taken in turn, so consecutive
+  requests spread out."""
+  return [c for layer in itertools.zip_longest(*groups) for c in layer if c]
+
+
 class ConnectionPool:
-  """gRPC channels to every replica; fetches steps with failover.
+  """Connections to every replica; fetches steps with failover.
 
   A replica's worker processes share one port and the kernel assigns each
   TCP connection to one of them by a hash, so a handful of connections can
-  easily all land on one worker. On first contact the pool opens connections
-  until each worker of each replica holds an equal share (Describe says which
-  worker answered), and closes the surplus.
+  easily all land on one worker. On first contact the pool opens the
+  connections that will carry batches until each worker of each replica
+  holds an equal share (the bulk handshake, or Describe over gRPC, says which
+  worker answered), and closes the surplus. Where the bulk transport carries
+  the batches, one gRPC channel per target is kept for Describe.
   """
 
   _OPTIONS = [
@@ -218,19 +226,30 @@ class ConnectionPool:
       return grpc.secure_channel(target, credentials, options=self._OPTIONS)
     return grpc.insecure_channel(target, options=self._OPTIONS)
 
-  def _spread(self, target: str, request: pb.DescribeRequest) -> list[list[grpc.Channel]]:
-    """Channels to `target`, grouped by the worker process that holds them."""
+  def _contact(self, target: str, request: pb.DescribeRequest
+               ) -> tuple[grpc.Channel, pb.ServerInfo] | None:
+    """A new channel to `target` and the worker that answered its Describe
+    (which also says the replica's bulk port); None when down or refusing."""
+    channel = self._new_channel(target)
+    try:
+      response = pb_grpc.ElevatorStub(channel).Describe(
+          request, timeout=5, metadata=self._metadata)
+    except grpc.RpcError:
+      channel.close()
+      return None
+    self._bulk_ports[target] = response.server.bulk_port
+    return channel, response.server
+
+  def _spread(self, target: str, request: pb.DescribeRequest,
+              first: tuple[grpc.Channel, pb.ServerInfo] | None = None
+              ) -> list[list[grpc.Channel]]:
+    """Channels to `target`, grouped by the worker process that holds them
+    (`first`, if given, counts as the first one opened)."""
+    opened = [first] if first else []
 
     def open_one() -> tuple[grpc.Channel, pb.ServerInfo] | None:
-      channel = self._new_channel(target)
-      try:
-        response = pb_grpc.ElevatorStub(channel).Describe(
-            request, timeout=5, metadata=self._metadata)
-      except grpc.RpcError:
-        channel.close()
-        return None  # down or refusing: keep what we have; retries handle the rest
-      self._bulk_ports[target] = response.server.bulk_port
-      return channel, response.server
+      # None: keep what we have; retries handle the rest.
+      return opened.pop() if opened else self._contact(target, request)
 
     groups = _spread_over_workers(open_one, lambda c: c.close(), self._per_target)
     if not groups:  # unreachable now: plain channels that connect later
@@ -241,9 +260,20 @@ class ConnectionPool:
     with self._lock:
       if self._balanced or self._closed:
         return
-      groups = [g for t in self.targets for g in self._spread(t, request)]
-      # Interleave workers and replicas so consecutive requests spread out.
-      channels = [c for layer in itertools.zip_longest(*groups) for c in layer if c]
+      first: dict[str, tuple[grpc.Channel, pb.ServerInfo] | None] = {}
+      slots: list[bulk.Slot] = []
+      if self.transport != "grpc" and not self._security.tls:
+        # Bulk connections will carry the batches wherever a replica offers
+        # them: balance those, and keep one gRPC channel per target (a
+        # balanced set of channels costs ~10 ms each to set up, at every
+        # start and resume, for nothing).
+        first = {t: self._contact(t, request) for t in self.targets}
+        slots = _interleave([g for t in self.targets for g in self._spread_bulk(t)])
+      if slots:
+        channels = [f[0] if f else self._new_channel(t) for t, f in first.items()]
+      else:
+        channels = _interleave(
+            [g for t in self.targets for g in self._spread(t, request, first.get(t))])
       self._channels = channels
       self._stubs = [pb_grpc.ElevatorStub(c) for c in channels]
       # Batches are parsed by hand: tensors become views of the received bytes.
@@ -253,10 +283,7 @@ class ConnectionPool:
           for c in channels]
       self._failures = [0] * len(channels)
       self._shunned_until = [0.0] * len(channels)
-      if self.transport != "grpc" and not self._security.tls:
-        groups = [g for t in self.targets for g in self._spread_bulk(t)]
-        self._bulk = bulk.Slots(
-            [s for layer in itertools.zip_longest(*groups) for s in layer if s])
+      self._bulk = bulk.Slots(slots)
       if self.transport == "bulk" and not self._bulk:
         raise errors.ServiceUnavailableError(
             f"transport='bulk', but no replica of {', '.join(self.targets)} offers a "

@@ -11,30 +11,57 @@ from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.server.launcher import LocalServer
 
 
-def _workers_per_connection(pool: ConnectionPool) -> collections.Counter:
+def _grpc_workers(pool: ConnectionPool) -> collections.Counter:
   return collections.Counter(
       stub.Describe(pb.DescribeRequest(dataset="plain"), timeout=10).server.worker_index
       for stub in pool._stubs)  # pylint: disable=protected-access
 
 
+def _bulk_workers(pool: ConnectionPool) -> collections.Counter:
+  return collections.Counter((s.target, s.conn.server.worker_index)
+                             for s in pool._bulk)  # pylint: disable=protected-access
+
+
 @pytest.mark.parametrize("per_target", [1, 2, 4])
-def test_connections_cover_every_worker_evenly(server, per_target):
-  pool = ConnectionPool([server.target], connections_per_target=per_target)
+def test_grpc_channels_cover_every_worker_evenly(server, per_target):
+  pool = ConnectionPool([server.target], connections_per_target=per_target, transport="grpc")
   try:
     pool.describe("plain")
-    counts = _workers_per_connection(pool)
     share = -(-per_target // 2)
-    assert counts == {0: share, 1: share}, counts
+    assert _grpc_workers(pool) == {0: share, 1: share}
+    assert not pool.uses_bulk
   finally:
     pool.close()
 
 
-def test_every_replica_gets_its_share(server, config_path):
+@pytest.mark.parametrize("per_target", [1, 2, 4])
+def test_bulk_connections_cover_every_worker_evenly(server, per_target):
+  """Where bulk connections carry the batches, they are the ones balanced;
+  one gRPC channel per target is kept for Describe."""
+  pool = ConnectionPool([server.target], connections_per_target=per_target)
+  try:
+    pool.describe("plain")
+    share = -(-per_target // 2)
+    assert _bulk_workers(pool) == {(server.target, 0): share, (server.target, 1): share}
+    assert pool.num_connections == 1
+  finally:
+    pool.close()
+
+
+@pytest.mark.parametrize("transport", ["grpc", "auto"])
+def test_every_replica_gets_its_share(server, config_path, transport):
   with LocalServer(config_path, workers=3) as second:
-    pool = ConnectionPool([server.target, second.target], connections_per_target=3)
+    pool = ConnectionPool([server.target, second.target], connections_per_target=3,
+                          transport=transport)
     try:
       pool.describe("plain")
       # 2 workers x 2 (ceil(3/2)) + 3 workers x 1
-      assert pool.num_connections == 7
+      if transport == "grpc":
+        assert pool.num_connections == 7
+      else:
+        assert pool.num_connections == 2  # one channel per target, for Describe
+        counts = _bulk_workers(pool)
+        assert counts == {**{(server.target, w): 2 for w in range(2)},
+                          **{(second.target, w): 1 for w in range(3)}}, counts
     finally:
       pool.close()
