@@ -106,7 +106,6 @@ class BatchedArrayRecordSource(grain.sources.ArrayRecordDataSource):
   def __setstate__(self, state):
     super().__setstate__(state)
     self._shards = [_UNOPENED] * len(self._read_instructions)
-    self._index_shards()
 
   def _shard(self, reader_idx: int) -> shard_reader.ShardReader | None:
     """This shard's fast reader, opened on first use; None: use ArrayRecord."""

@@ -5,6 +5,7 @@ truncated and unsupported shards."""
 from __future__ import annotations
 
 import os
+import pickle
 import threading
 
 import numpy as np
@@ -112,6 +113,8 @@ def test_keys_map_to_the_records_array_record_gives(tmp_path):
   reference = grain.sources.ArrayRecordDataSource(paths)
   keys = [len(source) - 1, 0, 5, 4, 16, 6, 5, len(source) - 7]
   assert list(source._getitems(keys)) == [reference[k] for k in keys]  # pylint: disable=protected-access
+  copy = pickle.loads(pickle.dumps(source))  # as Grain's worker processes get it
+  assert list(copy._getitems(keys)) == [reference[k] for k in keys]  # pylint: disable=protected-access
   with pytest.raises(ValueError, match=rf"record keys must be in \[0, {len(source)}\)"):
     source._getitems([0, len(source)])  # pylint: disable=protected-access
 
