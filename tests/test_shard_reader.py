@@ -288,6 +288,61 @@ def test_corrupt_big_record(tmp_path, where, message):
     reader.read([2])
 
 
+def _logical(pos: int, n: int) -> list[int]:
+  """The file positions of `n` bytes of chunk data from `pos`, past block headers."""
+  out: list[int] = []
+  while len(out) < n:
+    pos = _advance(pos, 0)
+    step = min(n - len(out), 65_536 - pos % 65_536)
+    out.extend(range(pos, pos + step))
+    pos += step
+  return out
+
+
+def test_big_record_with_uneven_raw_blocks(tmp_path):
+  """read_record reads a record's payloads and zstd block headers with one
+  preadv, assuming the blocks zstd cuts incompressible data into: one size,
+  the last shorter. Here a valid frame cuts them 128 KiB, ~98 KiB, ~68 KiB:
+  the header read at the assumed place disagrees, and the record is read by
+  the headers in the file instead, still straight into place."""
+  from grain_elevator.server import _riegeli
+  records = _big_records()[:3]  # record 2: 300,001 B, raw blocks of 128, 128, 37 KiB
+  path = _write(tmp_path / "big.array_record", records, "group_size:1")
+  data = bytearray(open(path, "rb").read())
+  head = _logical(_chunk_begin(path, 2), 40)
+  header = bytearray(data[i] for i in head)
+  where = _logical(head[-1] + 1, int.from_bytes(header[8:16], "little"))
+  chunk = bytearray(data[i] for i in where)
+  magic = b"\x28\xb5\x2f\xfd"
+  at = chunk.index(magic, chunk.index(magic) + 4) + 6  # the values' first block header
+  words = []
+  while True:
+    word = int.from_bytes(chunk[at:at + 3], "little")
+    assert word & 6 == 0  # raw
+    words.append((at, word >> 3))
+    at += 3 + (word >> 3)
+    if word & 1:
+      break
+  assert [size for _, size in words] == [128 << 10, 128 << 10, 300_001 - (256 << 10)]
+  (_, _), (second, size2), (third, size3) = words
+  moved = 30_000
+  payload = chunk[second + 3:second + 3 + size2] + chunk[third + 3:third + 3 + size3]
+  chunk[second:] = ((size2 - moved) << 3).to_bytes(3, "little") + payload[:size2 - moved] + (
+      ((size3 + moved) << 3) | 1).to_bytes(3, "little") + payload[size2 - moved:]
+  assert len(chunk) == len(where)
+  header[16:24] = _riegeli.hash(bytes(chunk)).to_bytes(8, "little")
+  header[0:8] = _riegeli.hash(bytes(header[8:])).to_bytes(8, "little")
+  for i, b in zip(head + where, header + chunk):
+    data[i] = b
+  open(path, "wb").write(bytes(data))
+
+  reader = shard_reader.ShardReader(path)
+  begin, end = int(reader._begins[2]), int(reader._ends[2])  # pylint: disable=protected-access
+  assert _riegeli.read_record(reader._fd, begin, end) == records[2]  # pylint: disable=protected-access
+  assert reader.read([2, 0, 1]) == [records[2], records[0], records[1]]
+  assert ArrayRecordReader(path).read([2]) == [records[2]]  # still a valid shard
+
+
 def test_big_record_truncated_while_open(tmp_path):
   records = _big_records()[:3]
   path = _write(tmp_path / "big.array_record", records, "group_size:1")
