@@ -11,7 +11,8 @@ big chunks and reads that must wait for the disk), and here its framing is
 undone and zstd, if the shard uses it, decompressed, a shard-batch of small
 records in one call. Big records that zstd stored as raw blocks (what it
 does with incompressible bytes: images, media) or that are uncompressed are
-read by `read_record` straight into the record, without that copy.
+read by `read_record` straight into the record, without that copy, in two
+reads: the chunk header, then one `preadv` for the rest.
 
 It reads what `ArrayRecordWriter` writes by default: simple chunks,
 uncompressed or zstd, any group size. `open_shard` returns None for anything
