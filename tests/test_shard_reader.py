@@ -302,7 +302,7 @@ def _logical(pos: int, n: int) -> list[int]:
 def test_big_record_with_uneven_raw_blocks(tmp_path):
   """read_record reads a record's payloads and zstd block headers with one
   preadv, assuming the blocks zstd cuts incompressible data into: one size,
-  the last shorter. Here a valid frame cuts them 128 KiB, ~98 KiB, ~68 KiB:
+  the last shorter. Here a valid frame cuts them 128 KiB, ~99 KiB, ~66 KiB:
   the header read at the assumed place disagrees, and the record is read by
   the headers in the file instead, still straight into place."""
   from grain_elevator.server import _riegeli
