@@ -549,7 +549,8 @@ static int plan_record(int fd, uint64_t data_begin, uint64_t data_size, uint64_t
 }
 
 /* One preadv's list: the physical pieces of logical ranges of the data, each
- * to its destination, the block headers between them to `skip`. */
+ * to its destination, the block headers between them to `skip`; and where
+ * the zstd block headers read land. */
 #define MAX_IOVECS 1024
 typedef struct {
   struct iovec iov[MAX_IOVECS];
@@ -557,6 +558,7 @@ typedef struct {
   uint64_t start, next; /* physical: where the read begins, where it has got to */
   uint8_t* dst;
   uint8_t skip[BLOCK_HEADER_SIZE];
+  uint8_t headers[MAX_RAW_BLOCKS][3];
 } Gather;
 
 static int gather_piece(void* ctx, uint64_t pos, uint64_t len) {
@@ -586,13 +588,12 @@ static int gather(Gather* g, uint64_t data_begin, uint64_t x, uint64_t n, uint8_
  * was wrong) or the read fell short: the caller then reads piece by piece. */
 static int read_guessed(int fd, uint64_t data_begin, const Layout* lay, uint8_t* dst) {
   Gather* g = (Gather*)malloc(sizeof(Gather));
-  uint8_t (*headers)[3] = (uint8_t (*)[3])malloc(sizeof(uint8_t[MAX_RAW_BLOCKS][3]));
   int result = 1;
-  if (!g || !headers) goto done;
+  if (!g) goto done;
   g->n = 0;
   uint64_t total = 0;
   for (int k = 0; k < lay->num; k++) {
-    if (k > 0 && gather(g, data_begin, lay->payload_at[k] - 3, 3, headers[k])) goto done;
+    if (k > 0 && gather(g, data_begin, lay->payload_at[k] - 3, 3, g->headers[k])) goto done;
     if (gather(g, data_begin, lay->payload_at[k], lay->payload_len[k], dst)) goto done;
     dst += lay->payload_len[k];
   }
@@ -604,11 +605,10 @@ static int read_guessed(int fd, uint64_t data_begin, const Layout* lay, uint8_t*
   if (got != (ssize_t)total) goto done;
   result = 0;
   for (int k = 1; k < lay->num; k++) {
-    if (memcmp(headers[k], lay->block_header[k], 3) != 0) result = 1;
+    if (memcmp(g->headers[k], lay->block_header[k], 3) != 0) result = 1;
   }
 done:
   free(g);
-  free(headers);
   return result;
 }
 
