@@ -2,23 +2,28 @@
 
     from grain_elevator.client import RemoteDataset
     ds = RemoteDataset("localhost:50051", "train", global_batch_size=256)
+
+Importing it loads no server module; a "local:CONFIG" target (embedded mode)
+loads the serving engine when first used. `to_device` needs the `jax` extra.
 """
 
 from grain_elevator.client import checkpoint
 from grain_elevator.client.device import to_device
-from grain_elevator.client.malloc import tune_malloc
+from grain_elevator.client.options import RetryPolicy, Security, TransportOptions
 from grain_elevator.client.remote_dataset import RemoteDataset, describe
+from grain_elevator.proto.errors import (Cancelled, ConfigError, DataLossError, ElevatorError,
+                                         EndOfDataError, InternalError, InvalidRequestError,
+                                         ResourceExhaustedError, ServiceUnavailableError,
+                                         StreamMismatchError, UnauthenticatedError,
+                                         UnknownDatasetError)
+from grain_elevator.proto.malloc import tune_malloc
 from grain_elevator.proto.spec import DatasetInfo
-from grain_elevator.server.errors import (ConfigError, DataLossError, ElevatorError,
-                                          EndOfDataError, InvalidRequestError,
-                                          ServiceUnavailableError,
-                                          StreamMismatchError,
-                                          UnauthenticatedError,
-                                          UnknownDatasetError)
 
 __all__ = [
-    "RemoteDataset", "checkpoint", "describe", "to_device", "tune_malloc",
-    "DatasetInfo", "ElevatorError", "ConfigError", "DataLossError",
-    "EndOfDataError", "InvalidRequestError", "ServiceUnavailableError",
-    "StreamMismatchError", "UnauthenticatedError", "UnknownDatasetError",
+    "RemoteDataset", "describe", "to_device", "checkpoint", "tune_malloc",
+    "TransportOptions", "RetryPolicy", "Security", "DatasetInfo",
+    "ElevatorError", "Cancelled", "ConfigError", "DataLossError", "EndOfDataError",
+    "InternalError", "InvalidRequestError", "ResourceExhaustedError",
+    "ServiceUnavailableError", "StreamMismatchError", "UnauthenticatedError",
+    "UnknownDatasetError",
 ]

@@ -13,7 +13,7 @@ import json
 import pathlib
 from typing import Any
 
-from grain_elevator.server.errors import InvalidRequestError
+from grain_elevator.proto.errors import InvalidRequestError
 
 
 def load_state(directory: str | pathlib.Path) -> dict[str, Any]:

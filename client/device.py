@@ -10,6 +10,9 @@ With several JAX processes each host holds only its rows (h of H); the global
 array is assembled with `jax.make_array_from_process_local_data`, and this
 module checks that the sharding puts exactly those rows on this process's
 devices, so the global array of step k equals global batch k of the contract.
+
+JAX is an optional extra (`pip install 'grain-elevator[jax]'`): nothing here
+imports it until a batch is put on devices.
 """
 
 from __future__ import annotations
@@ -20,7 +23,19 @@ from typing import Any
 import grain
 import numpy as np
 
-from grain_elevator.server.errors import InvalidRequestError
+from grain_elevator.proto import contract
+from grain_elevator.proto.errors import InvalidRequestError
+
+
+def _jax() -> Any:
+  """JAX, or an ImportError saying which extra brings it."""
+  try:
+    import jax  # pylint: disable=g-import-not-at-top
+  except ImportError as e:
+    raise ImportError(
+        "feeding devices (grain_elevator.client.to_device) needs JAX: "
+        "pip install 'grain-elevator[jax]'") from e
+  return jax
 
 
 def jax_process_layout() -> tuple[int, int] | None:
@@ -55,10 +70,9 @@ def _batch_axis_size(sharding: Any, num_rows: int) -> None:
 def _check_process_rows(sharding: Any, global_shape: tuple[int, ...],
                         shard_index: int, shard_count: int) -> None:
   """Raises unless this process's devices hold rows [h*G/H, (h+1)*G/H)."""
-  import jax  # pylint: disable=g-import-not-at-top
+  jax = _jax()
   g = global_shape[0]
-  rows = g // shard_count
-  want = set(range(shard_index * rows, (shard_index + 1) * rows))
+  want = set(contract.host_rows(g, shard_index, shard_count))
   have: set[int] = set()
   for device, index in sharding.devices_indices_map(global_shape).items():
     if device.process_index == jax.process_index():
@@ -82,13 +96,13 @@ class PutOnMesh:
     self._checked: set[tuple[Any, ...]] = set()
 
   def _shardings(self, batch: Any) -> Any:
-    import jax  # pylint: disable=g-import-not-at-top
+    jax = _jax()
     if isinstance(self._sharding, jax.sharding.Sharding):
       return jax.tree.map(lambda _: self._sharding, batch)
     return self._sharding
 
   def __call__(self, batch: Any) -> Any:
-    import jax  # pylint: disable=g-import-not-at-top
+    jax = _jax()
     shardings = self._shardings(batch)
     if self._layout is None:
       for leaf, s in zip(jax.tree.leaves(batch), jax.tree.leaves(shardings)):
@@ -129,9 +143,11 @@ def to_device(ds: grain.IterDataset, sharding: Any, *, cpu_buffer: int = 4,
       processes. Each process's `ds` must yield its rows h of H.
 
   Raises:
+    ImportError: JAX is not installed (the `jax` extra).
     InvalidRequestError: on the first batch, if it does not divide over the
       mesh or the sharding's process layout disagrees with (h, H).
   """
+  _jax()
   layout = process_layout if process_layout is not None else jax_process_layout()
   if layout is not None and layout[1] == 1:
     layout = None

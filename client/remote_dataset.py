@@ -1,9 +1,10 @@
 """`RemoteDataset`: a `grain.IterDataset` of global-batch slices from the service.
 
-Step k of host h of H is rows [h*G/H, (h+1)*G/H) of global batch k
-(DESIGN.md §1). The iterator keeps up to `prefetch` steps in flight over
-several connections and replicas, delivers them in step order, and its state
-is a global cursor that resumes in O(1) on any number of hosts.
+Step k of host h of H is rows [h*G/H, (h+1)*G/H) of global batch k (the
+contract, proto/contract.py). The iterator keeps up to `prefetch` steps in
+flight over several connections and replicas (client/connections.py),
+delivers them in step order, and its state is a global cursor that resumes
+in O(1) on any number of hosts.
 """
 
 from __future__ import annotations
@@ -19,20 +20,21 @@ import grain
 
 from grain_elevator.client import connections, device, state as state_lib
 from grain_elevator.client.embedded import EmbeddedBackend
+from grain_elevator.client.options import RetryPolicy, Security, TransportOptions
+from grain_elevator.client.transport import CancelToken
+from grain_elevator.proto import contract
 from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.proto import tree
+from grain_elevator.proto.errors import Cancelled, ElevatorError, UnknownDatasetError
 from grain_elevator.proto.spec import DatasetInfo
-from grain_elevator.server import contract
-from grain_elevator.server.errors import ElevatorError, UnknownDatasetError
 
 LOCAL_PREFIX = "local:"
 COMPRESSIONS = {"none": pb.COMPRESSION_NONE, "zstd": pb.COMPRESSION_ZSTD}
 
 
-def make_backend(target: str | Sequence[str], *, connections_per_target: int = 4,
-                 retry: connections.RetryPolicy | None = None,
-                 security: connections.Security | None = None,
-                 transport: str = "auto"):
+def make_backend(target: str | Sequence[str], *,
+                 transport: TransportOptions = TransportOptions(),
+                 retry: RetryPolicy = RetryPolicy(), security: Security = Security()):
   """A ConnectionPool for "host:port" targets, or an EmbeddedBackend for
   "local:CONFIG_PATH"."""
   targets = connections.parse_targets(target)
@@ -41,14 +43,16 @@ def make_backend(target: str | Sequence[str], *, connections_per_target: int = 4
     if len(targets) != 1:
       raise ValueError(f"'local:CONFIG' cannot be mixed with other targets: {targets}")
     return EmbeddedBackend(local[0][len(LOCAL_PREFIX):])
-  return connections.ConnectionPool(
-      targets, connections_per_target=connections_per_target, retry=retry,
-      security=security, transport=transport)
+  return connections.ConnectionPool(targets, transport=transport, retry=retry,
+                                    security=security)
 
 
-def describe(target: str | Sequence[str], dataset: str | None = None) -> list[DatasetInfo]:
+def describe(target: str | Sequence[str], dataset: str | None = None, *,
+             retry: RetryPolicy = RetryPolicy(),
+             security: Security = Security()) -> list[DatasetInfo]:
   """What a server (or a local config) offers."""
-  backend = make_backend(target, connections_per_target=1)
+  backend = make_backend(target, transport=TransportOptions(connections_per_target=1),
+                         retry=retry, security=security)
   try:
     return backend.describe(dataset or "")
   finally:
@@ -75,7 +79,7 @@ class _Chunk:
   num_steps: int
   steps: _Arrivals
   future: concurrent.futures.Future
-  token: connections.CancelToken
+  token: CancelToken
 
 
 class RemoteDataset(grain.IterDataset):
@@ -88,8 +92,10 @@ class RemoteDataset(grain.IterDataset):
     for batch in ds: ...  # dict of numpy arrays, G/H rows each
 
   Args:
-    target: "host:port", a list of replicas, or "local:CONFIG_PATH" to run the
-      same pipeline in-process (embedded mode, bit-identical).
+    target: "host:port", a list of replicas, a gRPC URI such as
+      "dns:///name:port" (a headless Service: every address behind it), or
+      "local:CONFIG_PATH" to run the same pipeline in-process (embedded mode,
+      bit-identical).
     dataset: a dataset name registered in the server's config.
     global_batch_size: G, the batch size summed over all hosts.
     shard_index: h, this host's index in [0, shard_count). Default:
@@ -97,63 +103,45 @@ class RemoteDataset(grain.IterDataset):
     shard_count: H, the number of hosts; must divide G. Default:
       `jax.process_count()` when JAX runs as several processes, else 1.
     prefetch: steps kept in flight ahead of the trainer (0: fetch on demand).
-    steps_per_request: consecutive steps asked for in one streaming RPC. The
-      window is topped up a whole request at a time; each step reaches the
-      trainer as soon as it arrives, not when its request ends.
-    connections_per_target: TCP connections per replica (spread over the
-      server's worker processes). Over the bulk transport each carries one
-      request at a time, so this also bounds the requests in flight; about
-      two per server worker keeps every worker busy.
-    retry_timeout_s: how long to keep retrying without progress before
-      raising ServiceUnavailableError.
-    request_timeout_s: deadline of one RPC.
-    root_certificates, private_key, certificate_chain: TLS (bytes, as
-      `grpc.ssl_channel_credentials` takes them); the last two for mutual TLS.
-    auth_token: bearer token for a server run with --auth-token-file.
-    transport: "auto" (default): batches over the server's bulk transport
-      (plain TCP, a fraction of gRPC's CPU cost) when it offers one and it can
-      be reached, else gRPC; "grpc": always gRPC; "bulk": require the bulk
-      transport. Batches are bit-identical either way; TLS means gRPC.
-    compression: "none" (default) or "zstd": the server compresses each
-      tensor of 4 KiB or more. Costs CPU on both ends; pays only on a network
-      slower than the codec (not on loopback or a fast datacenter link).
+    transport: how batches travel (TransportOptions: bulk or gRPC,
+      connections per replica, steps per request, compression).
+    retry: when to try again and when to give up (RetryPolicy).
+    security: TLS and the bearer token (Security).
+
+  Raises:
+    InvalidRequestError: bad geometry (G < 1, G % H != 0, h out of range).
+    ValueError: bad options.
   """
 
   def __init__(self, target: str | Sequence[str], dataset: str,
                global_batch_size: int, *, shard_index: int | None = None,
                shard_count: int | None = None, prefetch: int = 8,
-               steps_per_request: int = 1, connections_per_target: int = 4,
-               retry_timeout_s: float = 60.0, request_timeout_s: float = 120.0,
-               root_certificates: bytes | None = None, private_key: bytes | None = None,
-               certificate_chain: bytes | None = None, auth_token: str | None = None,
-               transport: str = "auto", compression: str = "none"):
+               transport: TransportOptions = TransportOptions(),
+               retry: RetryPolicy = RetryPolicy(), security: Security = Security()):
     super().__init__()
     if shard_index is None and shard_count is None:
       shard_index, shard_count = device.jax_process_layout() or (0, 1)
     elif shard_index is None or shard_count is None:
       raise ValueError("give both shard_index and shard_count, or neither")
     contract.check_geometry(global_batch_size, shard_index, shard_count)
-    if prefetch < 0 or steps_per_request < 1 or connections_per_target < 1:
-      raise ValueError("need prefetch >= 0, steps_per_request >= 1 and "
-                       "connections_per_target >= 1")
+    if prefetch < 0:
+      raise ValueError(f"need prefetch >= 0, got {prefetch}")
+    for name, value, cls in (("transport", transport, TransportOptions),
+                             ("retry", retry, RetryPolicy), ("security", security, Security)):
+      if not isinstance(value, cls):
+        raise TypeError(f"{name} must be a {cls.__name__}, got {type(value).__name__}")
+    if transport.kind == "bulk" and security.tls:
+      raise ValueError("the bulk transport is plaintext: use transport kind 'grpc' "
+                       "(or 'auto') with TLS")
     self.targets = connections.parse_targets(target)
     self.dataset = dataset
     self.global_batch_size = global_batch_size
     self.shard_index = shard_index
     self.shard_count = shard_count
     self.prefetch = prefetch
-    self.steps_per_request = steps_per_request
-    self.connections_per_target = connections_per_target
-    self.retry = connections.RetryPolicy(timeout_s=retry_timeout_s,
-                                         request_timeout_s=request_timeout_s)
-    self.security = connections.Security(root_certificates, private_key,
-                                         certificate_chain, auth_token)
-    connections.check_transport(transport, self.security)
     self.transport = transport
-    if compression not in COMPRESSIONS:
-      raise ValueError(f"compression must be one of {', '.join(COMPRESSIONS)}, "
-                       f"got {compression!r}")
-    self.compression = compression
+    self.retry = retry
+    self.security = security
     self._iterators: weakref.WeakSet[_RemoteIterator] = weakref.WeakSet()
     self._embedded: EmbeddedBackend | None = None
     self._embedded_lock = threading.Lock()
@@ -165,8 +153,8 @@ class RemoteDataset(grain.IterDataset):
         if self._embedded is None:
           self._embedded = make_backend(self.targets)
         return self._embedded
-    return make_backend(self.targets, connections_per_target=self.connections_per_target,
-                        retry=self.retry, security=self.security, transport=self.transport)
+    return make_backend(self.targets, transport=self.transport, retry=self.retry,
+                        security=self.security)
 
   @classmethod
   def embedded(cls, config_path: str, dataset: str, global_batch_size: int,
@@ -229,24 +217,24 @@ class _RemoteIterator(grain.DatasetIterator):
         shard_index=ds.shard_index, shard_count=ds.shard_count,
         start_step=start, num_steps=num_steps,
         config_fingerprint=self._info.config_fingerprint,
-        compression=COMPRESSIONS[ds.compression])
+        compression=COMPRESSIONS[ds.transport.compression])
 
   def _fill(self) -> None:
     """Requests steps until `prefetch` (at least 1) are in flight."""
     limit = self._step + max(1, self._ds.prefetch)
     if self._total is not None:
       limit = min(limit, self._total)
+    per_request = self._ds.transport.steps_per_request
     if self._requested < limit and self._pool is None:
-      workers = max(1, -(-self._ds.prefetch // self._ds.steps_per_request))
+      workers = max(1, -(-self._ds.prefetch // per_request))
       self._pool = concurrent.futures.ThreadPoolExecutor(
           max_workers=workers, thread_name_prefix="grain-elevator-fetch")
-    per_request = self._ds.steps_per_request
     while self._requested < limit:
       n = min(per_request, limit - self._requested)
       if n < per_request and self._requested > self._step and (
           self._total is None or self._requested + n < self._total):
         break  # steps are in flight: wait until a whole request fits the window
-      token = connections.CancelToken()
+      token = CancelToken()
       steps = _Arrivals(self._arrived)
       future = self._pool.submit(self._backend.fetch,
                                  self._request(self._requested, n), token, steps)
@@ -286,8 +274,8 @@ class _RemoteIterator(grain.DatasetIterator):
       chunk = self._chunks[0]
       try:
         leaves = self._take(chunk, self._step - chunk.start)
-      except connections.Cancelled:
-        raise ElevatorError(f"{self._ds} iterator was closed") from None
+      except Cancelled:
+        raise Cancelled(f"{self._ds} iterator was closed") from None
       if self._step == chunk.start + chunk.num_steps - 1:
         self._chunks.popleft()
       self._step += 1

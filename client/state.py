@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from grain_elevator.proto.spec import DatasetInfo
-from grain_elevator.server.errors import InvalidRequestError, StreamMismatchError
+from grain_elevator.proto.errors import InvalidRequestError, StreamMismatchError
 
 # Fields that define the global stream; H and h deliberately are not among them.
 _STREAM_KEYS = ("dataset", "global_batch_size", "seed", "config_fingerprint")

@@ -131,9 +131,11 @@ class BulkRequest(_message.Message):
     def __init__(self, request: _Optional[_Union[BatchRequest, _Mapping]] = ..., auth_token: _Optional[str] = ...) -> None: ...
 
 class BulkStatus(_message.Message):
-    __slots__ = ("code", "message")
+    __slots__ = ("code", "message", "error_type")
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_TYPE_FIELD_NUMBER: _ClassVar[int]
     code: int
     message: str
-    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+    error_type: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., error_type: _Optional[str] = ...) -> None: ...

@@ -14,7 +14,7 @@ import numpy as np
 from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.proto import tree
 from grain_elevator.proto import wire
-from grain_elevator.server import contract
+from grain_elevator.proto import contract
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +70,9 @@ class DatasetInfo:
   def repeats_forever(self) -> bool:
     return self.num_epochs == 0
 
+  def steps_per_epoch(self, global_batch_size: int) -> int:
+    return contract.steps_per_epoch(self.num_records, global_batch_size)
+
   def total_steps(self, global_batch_size: int) -> int | None:
     """Steps in the stream, or None if it repeats forever."""
     if self.repeats_forever:
@@ -84,7 +87,7 @@ class DatasetInfo:
         element_spec=self.element_spec.to_proto(),
         global_batch_size=global_batch_size)
     if global_batch_size > 0:
-      msg.steps_per_epoch = self.num_records // global_batch_size
+      msg.steps_per_epoch = self.steps_per_epoch(global_batch_size)
       total = self.total_steps(global_batch_size)
       msg.total_steps = -1 if total is None else total
     return msg

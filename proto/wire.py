@@ -1,8 +1,13 @@
-"""Encoding between numpy batches and the v1 messages.
+"""Batches on the wire: the one encoder and the one decoder of `Batch`.
 
-Bulk tensor bytes travel as raw little-endian C-order buffers in
-`Tensor.data` and come back out with `np.frombuffer` (no per-element
-protobuf fields), so a message stays valid for any language's stubs.
+Tensor bytes travel as raw little-endian C-order buffers in `Tensor.data`
+and come back out with `np.frombuffer` (no per-element protobuf fields).
+Both functions skip protobuf object construction, which would copy each
+tensor two more times: the server writes a Batch's wire bytes as a list of
+buffers (tensor data not copied; a socket gathers them), and the client reads
+the tensors as views of the received bytes. They produce and accept exactly
+the proto3 encoding of `Batch`, so any language's generated stubs
+interoperate (tests/test_proto.py checks this against protobuf's own).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import numpy as np
 
 from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.proto import tree
+from grain_elevator.proto import varint
 from grain_elevator.proto.rows import RowStack
 
 
@@ -41,70 +47,6 @@ def _little_endian(a: np.ndarray) -> np.ndarray:
   if _big_endian(a.dtype):
     a = a.astype(a.dtype.newbyteorder("<"))
   return np.ascontiguousarray(a)
-
-
-def encode_batch(step: int, leaves: Sequence[np.ndarray]) -> pb.Batch:
-  tensors = []
-  for a in leaves:
-    a = _little_endian(a)
-    tensors.append(pb.Tensor(dtype=dtype_to_str(a.dtype), shape=a.shape, data=a.tobytes()))
-  return pb.Batch(step=step, leaves=tensors)
-
-
-def decode_leaves(batch: pb.Batch) -> list[np.ndarray]:
-  """The batch's leaves as read-only arrays over the message's bytes."""
-  out = []
-  for t in batch.leaves:
-    data = t.data
-    if t.compression == COMPRESSION_ZSTD:
-      data = _zstd().ZstdDecompressor().decompress(data)
-    elif t.compression != COMPRESSION_NONE:
-      raise ValueError(f"Tensor has unknown compression {t.compression}")
-    out.append(np.frombuffer(data, dtype=dtype_from_str(t.dtype)).reshape(t.shape))
-  return out
-
-
-def decode_batch(batch: pb.Batch, structure: tree.Structure) -> Any:
-  return tree.unflatten(structure, decode_leaves(batch))
-
-
-# -- Hand-rolled Batch encoding --------------------------------------------
-# The hot path skips protobuf object construction: the server writes a
-# Batch's wire bytes with one copy of each tensor, and the client reads the
-# tensors as views of the received bytes. Both produce and accept exactly the
-# proto3 encoding of `Batch`, so any language's generated stubs interoperate
-# (tests/test_proto.py checks byte equality with SerializeToString).
-
-_WIRE_VARINT, _WIRE_I64, _WIRE_LEN, _WIRE_I32 = 0, 1, 2, 5
-
-
-def _varint(value: int) -> bytes:
-  if value < 0:
-    value += 1 << 64  # int64 two's complement, as protobuf encodes it
-  out = bytearray()
-  while True:
-    byte = value & 0x7F
-    value >>= 7
-    if value:
-      out.append(byte | 0x80)
-    else:
-      out.append(byte)
-      return bytes(out)
-
-
-def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
-  result = shift = 0
-  while True:
-    if pos >= len(buf):
-      raise ValueError("truncated varint in Batch message")
-    byte = buf[pos]
-    pos += 1
-    result |= (byte & 0x7F) << shift
-    if not byte & 0x80:
-      return result, pos
-    shift += 7
-    if shift > 63:
-      raise ValueError("varint too long in Batch message")
 
 
 COMPRESSION_NONE = pb.COMPRESSION_NONE
@@ -149,19 +91,19 @@ def encode_batch_parts(step: int, leaves: Sequence[np.ndarray | RowStack],
   A RowStack leaf contributes one buffer per row (proto/rows.py)."""
   parts: list[Any] = []
   if step:
-    parts += [b"\x08", _varint(step)]
+    parts += [b"\x08", varint.encode(step)]
   for a in leaves:
     dt, data, size, codec = _tensor_data(a, compression)
     dtype = dtype_to_str(dt).encode()
-    head = [b"\x0a", _varint(len(dtype)), dtype]
+    head = [b"\x0a", varint.encode(len(dtype)), dtype]
     if a.shape:
-      packed = b"".join(_varint(d) for d in a.shape)
-      head += [b"\x12", _varint(len(packed)), packed]
+      packed = b"".join(varint.encode(d) for d in a.shape)
+      head += [b"\x12", varint.encode(len(packed)), packed]
     if size:
-      head += [b"\x1a", _varint(size)]
-    tail = b"\x20" + _varint(codec) if codec else b""
+      head += [b"\x1a", varint.encode(size)]
+    tail = b"\x20" + varint.encode(codec) if codec else b""
     head_bytes = b"".join(head)
-    parts += [b"\x12", _varint(len(head_bytes) + size + len(tail)), head_bytes, *data]
+    parts += [b"\x12", varint.encode(len(head_bytes) + size + len(tail)), head_bytes, *data]
     if tail:
       parts.append(tail)
   return parts
@@ -169,49 +111,36 @@ def encode_batch_parts(step: int, leaves: Sequence[np.ndarray | RowStack],
 
 def encode_batch_bytes(step: int, leaves: Sequence[np.ndarray | RowStack],
                        compression: int = COMPRESSION_NONE) -> bytes:
-  """`encode_batch(step, leaves).SerializeToString()`, with one data copy."""
+  """The serialized Batch in one buffer (one copy of the tensor data)."""
   return b"".join(encode_batch_parts(step, leaves, compression))
-
-
-def _skip(buf: memoryview, pos: int, wire_type: int) -> int:
-  if wire_type == _WIRE_VARINT:
-    return _read_varint(buf, pos)[1]
-  if wire_type == _WIRE_I64:
-    return pos + 8
-  if wire_type == _WIRE_I32:
-    return pos + 4
-  if wire_type == _WIRE_LEN:
-    n, pos = _read_varint(buf, pos)
-    return pos + n
-  raise ValueError(f"unsupported wire type {wire_type} in Batch message")
 
 
 def _decode_tensor(data: Any, buf: memoryview, pos: int, end: int) -> np.ndarray:
   dtype, shape, offset, nbytes, codec = "", [], pos, 0, COMPRESSION_NONE
   while pos < end:
-    key, pos = _read_varint(buf, pos)
+    key, pos = varint.decode(buf, pos)
     field, wire_type = key >> 3, key & 7
-    if field == 1 and wire_type == _WIRE_LEN:
-      n, pos = _read_varint(buf, pos)
+    if field == 1 and wire_type == varint.LEN:
+      n, pos = varint.decode(buf, pos)
       dtype = bytes(buf[pos:pos + n]).decode()
       pos += n
-    elif field == 2 and wire_type == _WIRE_LEN:  # packed
-      n, pos = _read_varint(buf, pos)
+    elif field == 2 and wire_type == varint.LEN:  # packed
+      n, pos = varint.decode(buf, pos)
       stop = pos + n
       while pos < stop:
-        d, pos = _read_varint(buf, pos)
+        d, pos = varint.decode(buf, pos)
         shape.append(d)
-    elif field == 2 and wire_type == _WIRE_VARINT:  # unpacked
-      d, pos = _read_varint(buf, pos)
+    elif field == 2 and wire_type == varint.VARINT:  # unpacked
+      d, pos = varint.decode(buf, pos)
       shape.append(d)
-    elif field == 3 and wire_type == _WIRE_LEN:
-      nbytes, pos = _read_varint(buf, pos)
+    elif field == 3 and wire_type == varint.LEN:
+      nbytes, pos = varint.decode(buf, pos)
       offset = pos
       pos += nbytes
-    elif field == 4 and wire_type == _WIRE_VARINT:
-      codec, pos = _read_varint(buf, pos)
+    elif field == 4 and wire_type == varint.VARINT:
+      codec, pos = varint.decode(buf, pos)
     else:
-      pos = _skip(buf, pos, wire_type)
+      pos = varint.skip(buf, pos, wire_type)
   if pos != end:
     raise ValueError("Tensor overruns its Batch message")
   dt = dtype_from_str(dtype)
@@ -230,18 +159,32 @@ def decode_batch_bytes(data: Any) -> tuple[int, list[np.ndarray]]:
   buf = memoryview(data)
   pos, step, leaves = 0, 0, []
   while pos < len(buf):
-    key, pos = _read_varint(buf, pos)
+    key, pos = varint.decode(buf, pos)
     field, wire_type = key >> 3, key & 7
-    if field == 1 and wire_type == _WIRE_VARINT:
-      step, pos = _read_varint(buf, pos)
+    if field == 1 and wire_type == varint.VARINT:
+      step, pos = varint.decode(buf, pos)
       if step >= 1 << 63:
         step -= 1 << 64
-    elif field == 2 and wire_type == _WIRE_LEN:
-      n, pos = _read_varint(buf, pos)
+    elif field == 2 and wire_type == varint.LEN:
+      n, pos = varint.decode(buf, pos)
       leaves.append(_decode_tensor(data, buf, pos, pos + n))
       pos += n
     else:
-      pos = _skip(buf, pos, wire_type)
+      pos = varint.skip(buf, pos, wire_type)
   if pos != len(buf):
     raise ValueError("truncated Batch message")
   return step, leaves
+
+
+def decode_batch(data: Any, structure: tree.Structure) -> tuple[int, Any]:
+  """(step, element pytree) of a serialized Batch, by the dataset's structure."""
+  step, leaves = decode_batch_bytes(data)
+  return step, tree.unflatten(structure, leaves)
+
+
+def max_batch_bytes(raw_bytes: int, num_leaves: int) -> int:
+  """The most a serialized Batch holding `raw_bytes` of tensor data in
+  `num_leaves` tensors can take: the data (zstd can grow incompressible data
+  by up to 1/256 and a frame header), plus each tensor's dtype, shape and
+  tags. A receiver refuses a longer message before allocating it."""
+  return raw_bytes + raw_bytes // 128 + 512 * (num_leaves + 1)

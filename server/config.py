@@ -24,7 +24,7 @@ import pathlib
 import tomllib
 from typing import Any, Callable
 
-from grain_elevator.server.errors import ConfigError
+from grain_elevator.proto.errors import ConfigError
 
 _KEYS = {"paths", "pipeline", "batch_transform", "seed", "shuffle", "num_epochs",
          "options"}

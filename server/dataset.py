@@ -1,38 +1,30 @@
 """A registered dataset: the contract's record stream and its host batches.
 
-`records` is built exactly as DESIGN.md §1 states, with Grain's own
-`seed().shuffle().repeat()`; a batch is read with one batched ArrayRecord
-call (Grain's `_getitems` path) rather than one ~60 µs call per record.
+`records` is built exactly as the contract states (docs/design.md), with
+Grain's own `seed().shuffle().repeat()`; a batch's records are read in one
+batched call (Grain's `_getitems` path) rather than one ~60 µs call each.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import os
+import threading
 from typing import Any, Sequence
 
 import grain
 import numpy as np
 
+from grain_elevator.proto import contract
 from grain_elevator.proto import tree
+from grain_elevator.proto.errors import ConfigError, DataLossError, UnknownDatasetError
 from grain_elevator.proto.spec import DatasetInfo, ElementSpec
 from grain_elevator.server import collate as collate_lib
-from grain_elevator.server import contract
 from grain_elevator.server import shard_reader
 from grain_elevator.server import shuffle as shuffle_lib
 from grain_elevator.server.config import DatasetConfig, ServerConfig
-from grain_elevator.server.errors import (ConfigError, DataLossError,
-                                          InvalidRequestError,
-                                          StreamMismatchError,
-                                          UnknownDatasetError)
 
 log = logging.getLogger("grain_elevator.server")
-
-# A host's rows for one step are one gRPC message; bounded so that no request
-# (G = 10^9, say) makes a worker allocate without limit. `--max-message-bytes`.
-DEFAULT_MAX_BATCH_BYTES = 256 << 20
 
 # Where ArrayRecord reads a shard (server/shard_reader.py does not decode
 # it): its batched read hands positions to a thread pool, which for small
@@ -197,7 +189,7 @@ def build_raw_records(config: DatasetConfig, source: Any | None = None) -> grain
 
 
 def build_records(config: DatasetConfig, source: Any | None = None) -> grain.MapDataset:
-  """The contract's record stream for one dataset (DESIGN.md §1)."""
+  """The contract's record stream for one dataset (docs/design.md)."""
   return apply_pipeline(config, build_raw_records(config, source))
 
 
@@ -225,8 +217,8 @@ def apply_pipeline(config: DatasetConfig, ds: grain.MapDataset) -> grain.MapData
 
 
 def fingerprint(config: DatasetConfig, num_records: int) -> str:
-  """A short hash of everything that defines the record stream."""
-  payload = {
+  """The stream fingerprint of a dataset: everything that defines its records."""
+  return contract.stream_fingerprint({
       "name": config.name,
       "files": [os.path.basename(f) for f in config.files],
       "num_records": num_records,
@@ -235,19 +227,15 @@ def fingerprint(config: DatasetConfig, num_records: int) -> str:
       "seed": config.seed,
       "shuffle": config.shuffle,
       "num_epochs": config.num_epochs,
-  }
-  text = json.dumps(payload, sort_keys=True, default=repr)
-  return hashlib.sha256(text.encode()).hexdigest()[:16]
+  })
 
 
 class ElevatorDataset:
   """One registered dataset, ready to cut host batches for any step."""
 
-  def __init__(self, config: DatasetConfig,
-               max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES):
+  def __init__(self, config: DatasetConfig):
     mark_absl_flags_parsed()
     self.config = config
-    self.max_batch_bytes = max_batch_bytes
     try:
       shard_reader.check_setup()
     except ValueError as e:
@@ -329,27 +317,6 @@ class ElevatorDataset:
                                    self.info.element_spec.structure, self._leaf_specs,
                                    stack=stack)
 
-  def check_request(self, global_batch_size: int, shard_index: int,
-                    shard_count: int, start_step: int, num_steps: int,
-                    config_fingerprint: str = "") -> None:
-    """Raises a typed error unless every requested step can be served."""
-    if config_fingerprint and config_fingerprint != self.info.config_fingerprint:
-      raise StreamMismatchError(
-          f"dataset {self.info.name!r}: the client expects config fingerprint "
-          f"{config_fingerprint}, this server has {self.info.config_fingerprint}; "
-          "replicas must share one config")
-    contract.check_geometry(global_batch_size, shard_index, shard_count)
-    rows = global_batch_size // shard_count
-    batch_bytes = rows * self.info.element_spec.record_bytes
-    if batch_bytes > self.max_batch_bytes:
-      raise InvalidRequestError(
-          f"dataset {self.info.name!r}: {rows} rows of "
-          f"{self.info.element_spec.record_bytes} bytes is {batch_bytes} bytes "
-          f"per step, over the server's --max-message-bytes of "
-          f"{self.max_batch_bytes}; use a smaller global_batch_size or more shards")
-    contract.check_steps(start_step, num_steps, self.info.stream_length,
-                         global_batch_size)
-
   def host_batch_leaves(self, step: int, global_batch_size: int,
                         shard_index: int, shard_count: int, *,
                         stack: bool = True) -> list[collate_lib.Leaf]:
@@ -361,25 +328,37 @@ class ElevatorDataset:
     """
     positions = list(contract.host_positions(step, global_batch_size, shard_index,
                                              shard_count))
-    try:
-      if self._batch_fn is not None:
-        return self._transform_batch(positions, stack)
-      return self._collate_records(positions, stack)
-    except collate_lib.CollateError as e:
-      raise collate_lib.CollateError(
-          f"dataset {self.info.name!r}, step {step}: {e}") from e
+    if self._batch_fn is not None:
+      return self._transform_batch(positions, stack)
+    return self._collate_records(positions, stack)
 
 
-def load_datasets(config: ServerConfig, max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES
-                  ) -> dict[str, ElevatorDataset]:
-  """Opens every dataset of a config; fails fast with a ConfigError."""
-  return {name: ElevatorDataset(c, max_batch_bytes) for name, c in config.datasets.items()}
+class Datasets:
+  """A config's datasets by name, each opened once: every one at start-up
+  (a server: a bad dataset stops it before it serves), or each on first use
+  (embedded mode opens only what the trainer reads)."""
 
+  def __init__(self, config: ServerConfig, *, open_now: bool = True):
+    self.config = config
+    self._opened: dict[str, ElevatorDataset] = {}
+    self._lock = threading.Lock()
+    if open_now:
+      for name in config.datasets:
+        self.get(name)
 
-def lookup(datasets: dict[str, ElevatorDataset], name: str) -> ElevatorDataset:
-  try:
-    return datasets[name]
-  except KeyError:
-    raise UnknownDatasetError(
-        f"unknown dataset {name!r}; this server offers: "
-        f"{', '.join(sorted(datasets)) or '(none)'}") from None
+  @property
+  def names(self) -> list[str]:
+    return sorted(self.config.datasets)
+
+  def get(self, name: str) -> ElevatorDataset:
+    """The opened dataset; UnknownDatasetError (NOT_FOUND) naming what exists."""
+    with self._lock:
+      ds = self._opened.get(name)
+      if ds is None:
+        dataset_config = self.config.datasets.get(name)
+        if dataset_config is None:
+          raise UnknownDatasetError(
+              f"unknown dataset {name!r}; this server offers: "
+              f"{', '.join(self.names) or '(none)'}")
+        ds = self._opened[name] = ElevatorDataset(dataset_config)
+      return ds

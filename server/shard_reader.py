@@ -35,6 +35,8 @@ from typing import Sequence
 import numpy as np
 import zstandard
 
+from grain_elevator.proto import varint
+
 try:
   from grain_elevator.server import _riegeli  # type: ignore[attr-defined]
 except ImportError:  # built without a C compiler
@@ -98,33 +100,19 @@ def _zstd() -> zstandard.ZstdDecompressor:
 
 
 def _varint(buf: bytes | memoryview, pos: int) -> tuple[int, int]:
-  value = shift = 0
-  while True:
-    if pos >= len(buf) or shift > 63:
-      raise CorruptShard("truncated varint")
-    b = buf[pos]
-    pos += 1
-    value |= (b & 0x7F) << shift
-    if b < 0x80:
-      return value, pos
-    shift += 7
+  try:
+    return varint.decode(buf, pos)
+  except ValueError as e:
+    raise CorruptShard(str(e)) from e
 
 
 def _fields(message: bytes) -> dict[int, int | bytes]:
   """The varint and length-delimited fields of a small protobuf message."""
-  out: dict[int, int | bytes] = {}
-  pos = 0
-  while pos < len(message):
-    key, pos = _varint(message, pos)
-    if key & 7 == 0:
-      out[key >> 3], pos = _varint(message, pos)
-    elif key & 7 == 2:
-      size, pos = _varint(message, pos)
-      out[key >> 3] = message[pos:pos + size]
-      pos += size
-    else:
-      raise UnsupportedShard(f"unexpected protobuf wire type {key & 7} in the footer")
-  return out
+  try:
+    return {number: value if isinstance(value, int) else bytes(value)
+            for number, _, value in varint.fields(message)}
+  except ValueError as e:
+    raise CorruptShard(f"footer message: {e}") from e
 
 
 def _split(chunk_type: int, data: bytes) -> tuple[int, memoryview, memoryview]:

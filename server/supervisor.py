@@ -1,78 +1,159 @@
-"""`elevator serve`: start N worker processes on one port and keep them alive.
+"""A server: N worker processes on one port, kept alive; `elevator serve`.
 
-The supervisor validates the config, starts the workers, restarts any that
-die (logging why), and on SIGINT/SIGTERM stops them all and exits 0.
+`Server` is the Python API (a context manager: tests and programs start a
+real server without a shell); `serve` is the CLI's blocking form, stopped by
+SIGINT/SIGTERM. Either validates the config and options first, starts the
+workers, restarts any that die (logging why) and stops them all on exit.
+
+Workers are started with multiprocessing's "spawn": a program that starts a
+Server at import time must guard it with `if __name__ == "__main__":`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import multiprocessing as mp
 import multiprocessing.connection
 import os
 import queue
+import re
 import signal
-import socket
 import threading
 import time
+from typing import Iterator
 
-from grain_elevator.server import config as config_lib
-from grain_elevator.server import worker as worker_lib
+from grain_elevator.proto import malloc
+from grain_elevator.proto.errors import ElevatorError
 from grain_elevator.server import auth
-from grain_elevator.server.errors import ConfigError, ElevatorError
+from grain_elevator.server import config as config_lib
+from grain_elevator.server import sockets
+from grain_elevator.server import worker as worker_lib
+from grain_elevator.server.options import ServerOptions
 
 log = logging.getLogger("grain_elevator.server")
 
 _START_TIMEOUT_S = 120.0
 
-# glibc returns big buffers to the OS on free and page-faults them back on the
-# next batch; keeping them nearly doubles gRPC throughput and cuts the cost of
-# encoding a 3 MB batch from ~8 ms to ~0.6 ms (DESIGN.md §3, BENCHMARKS.md).
-# numpy madvises arrays of 4 MiB and up as transparent huge pages; each new
-# multi-megabyte batch then faults in and zeroes fresh 2 MiB pages, ~20% of a
-# worker's CPU samples on the large bench workload (perf), ~2% without.
-# Workers inherit these unless the operator set them.
-WORKER_ENV = {
-    "MALLOC_MMAP_THRESHOLD_": "33554432",
-    "MALLOC_TRIM_THRESHOLD_": "1073741824",
-    "NUMPY_MADVISE_HUGEPAGE": "0",
-}
+# Environment of every worker, unless the operator set a variable already:
+# glibc's allocator settings (proto/malloc.py), and numpy's huge-page advice
+# off: numpy madvises arrays of 4 MiB and up as transparent huge pages, and
+# each new multi-megabyte batch then faults in and zeroes fresh 2 MiB pages,
+# ~20% of a worker's CPU samples on the large bench workload (perf), ~2%
+# without.
+WORKER_ENV = {**malloc.ENV, "NUMPY_MADVISE_HUGEPAGE": "0"}
+_env_lock = threading.Lock()
 
 
 class StartError(ElevatorError):
   """The workers could not start (bad dataset, port in use)."""
 
 
-def _reserve_port(host: str, port: int) -> socket.socket:
-  """Binds (not listens) with SO_REUSEPORT, so port 0 becomes a fixed port
-  that the workers can share and nobody else takes meanwhile."""
-  family = socket.AF_INET6 if ":" in host else socket.AF_INET
-  sock = socket.socket(family, socket.SOCK_STREAM)
-  sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-  try:
-    sock.bind((host, port))
-  except OSError as e:
-    sock.close()
-    raise StartError(f"cannot bind {host}:{port}: {e.strerror}") from e
-  return sock
+@contextlib.contextmanager
+def _worker_environment() -> Iterator[None]:
+  """WORKER_ENV's defaults in os.environ while a worker is spawned (it
+  inherits them), and this process's own environment as it was after."""
+  with _env_lock:
+    added = [k for k in WORKER_ENV if k not in os.environ]
+    os.environ.update({k: WORKER_ENV[k] for k in added})
+    try:
+      yield
+    finally:
+      for k in added:
+        os.environ.pop(k, None)
 
 
-class Supervisor:
-  """Owns the worker processes of one `elevator serve`."""
+class Server:
+  """`elevator serve` in this process: worker processes sharing one port.
 
-  def __init__(self, opts: worker_lib.WorkerOptions, num_workers: int):
-    self._opts = dataclasses.replace(opts, num_workers=num_workers)
-    self._num_workers = num_workers
+  Example:
+    with Server("elevator.toml", ServerOptions(port=0, workers=2)) as server:
+      ds = RemoteDataset(server.target, "train", global_batch_size=256)
+
+  Raises (from `start`): ConfigError for a bad config file or options,
+  StartError when a worker cannot start, sockets.BindError for a port in use.
+  """
+
+  def __init__(self, config: str | os.PathLike[str],
+               options: ServerOptions = ServerOptions()):
+    self.config_path = str(config)
+    self.options = options
+    self.config: config_lib.ServerConfig | None = None
     self._ctx = mp.get_context("spawn")
     self._ready = self._ctx.Queue()
     self._procs: dict[int, mp.process.BaseProcess] = {}
     self._stop = threading.Event()
+    self._supervisor: threading.Thread | None = None
+
+  # -- what it serves --------------------------------------------------------
+
+  @property
+  def host(self) -> str:
+    return self.options.host
+
+  @property
+  def port(self) -> int:
+    return self.options.port
+
+  @property
+  def bulk_port(self) -> int | None:
+    return self.options.bulk_port if self.options.serves_bulk else None
+
+  @property
+  def target(self) -> str:
+    host = f"[{self.host}]" if ":" in self.host else self.host
+    return f"{host}:{self.port}"
+
+  @property
+  def num_workers(self) -> int:
+    return self.options.num_workers
+
+  def worker_pids(self) -> list[int]:
+    return [p.pid for p in self._procs.values() if p.is_alive() and p.pid]
+
+  # -- lifecycle -------------------------------------------------------------
+
+  def start(self) -> "Server":
+    """Checks config and options, starts every worker, and supervises them
+    from a background thread; returns once all serve."""
+    self.config = config_lib.load_config(self.config_path)  # fail fast on a bad file
+    opts = self.options
+    if opts.tls:
+      auth.server_credentials(opts.tls_cert, opts.tls_key, opts.tls_client_ca)  # readable?
+    if opts.auth_token_file:
+      auth.read_token(opts.auth_token_file)
+    self._start_workers()
+    self._supervisor = threading.Thread(target=self._supervise, daemon=True,
+                                        name="elevator-supervisor")
+    self._supervisor.start()
+    return self
+
+  def _start_workers(self) -> None:
+    reservations = [sockets.bind_shared(self.options.host, self.options.port)]
+    try:
+      resolved = {"port": reservations[0].getsockname()[1]}
+      if self.options.serves_bulk:
+        reservations.append(sockets.bind_shared(self.options.host, self.options.bulk_port))
+        resolved["bulk_port"] = reservations[1].getsockname()[1]
+      self.options = dataclasses.replace(self.options, **resolved)
+      for i in range(self.num_workers):
+        self._spawn(i)
+      self._await_ready(set(range(self.num_workers)))
+    except BaseException:
+      self.stop()
+      raise
+    finally:
+      for sock in reservations:
+        sock.close()
 
   def _spawn(self, index: int) -> None:
-    p = self._ctx.Process(target=worker_lib.run, args=(self._opts, index, self._ready),
-                          name=f"elevator-worker-{index}", daemon=True)
-    p.start()
+    p = self._ctx.Process(
+        target=worker_lib.run,
+        args=(self.config_path, self.options, index, self.num_workers, self._ready),
+        name=f"elevator-worker-{index}", daemon=True)
+    with _worker_environment():
+      p.start()
     self._procs[index] = p
 
   def _await_ready(self, indices: set[int]) -> None:
@@ -94,34 +175,8 @@ class Supervisor:
         raise StartError(error)
       pending.discard(index)
 
-  def start(self) -> int:
-    """Starts every worker; returns the port they serve on."""
-    reservation = _reserve_port(self._opts.host, self._opts.port)
-    bulk_reservation = None
-    try:
-      self._opts = dataclasses.replace(self._opts, port=reservation.getsockname()[1])
-      if self._opts.bulk_port is not None:
-        bulk_reservation = _reserve_port(self._opts.host, self._opts.bulk_port)
-        self._opts = dataclasses.replace(
-            self._opts, bulk_port=bulk_reservation.getsockname()[1])
-      for i in range(self._num_workers):
-        self._spawn(i)
-      self._await_ready(set(range(self._num_workers)))
-    except BaseException:
-      self.stop()
-      raise
-    finally:
-      reservation.close()
-      if bulk_reservation:
-        bulk_reservation.close()
-    return self._opts.port
-
-  @property
-  def bulk_port(self) -> int | None:
-    return self._opts.bulk_port
-
-  def supervise(self) -> None:
-    """Restarts dead workers until `request_stop`."""
+  def _supervise(self) -> None:
+    """Restarts dead workers until `stop`."""
     while not self._stop.is_set():
       sentinels = {p.sentinel: i for i, p in self._procs.items()}
       for sentinel in mp.connection.wait(list(sentinels), timeout=0.5):
@@ -139,48 +194,61 @@ class Supervisor:
         except StartError as e:
           log.error("worker %d failed to restart: %s", i, e)
 
-  def request_stop(self, *_: object) -> None:
-    self._stop.set()
-
   def stop(self) -> None:
     """SIGTERM every worker, wait out their grace period, then SIGKILL."""
     self._stop.set()
+    if self._supervisor is not None and self._supervisor is not threading.current_thread():
+      self._supervisor.join()
     for p in self._procs.values():
       if p.is_alive():
         p.terminate()
-    deadline = time.monotonic() + self._opts.grace_s + 5.0
+    deadline = time.monotonic() + self.options.grace_s + 5.0
     for p in self._procs.values():
       p.join(max(0.0, deadline - time.monotonic()))
       if p.is_alive():
         p.kill()
         p.join()
 
+  def __enter__(self) -> "Server":
+    return self.start()
 
-def serve(opts: worker_lib.WorkerOptions, num_workers: int | None = None) -> int:
+  def __exit__(self, *exc: object) -> None:
+    self.stop()
+
+
+# The line `serve` prints once every worker is ready; tools/launcher.py reads
+# the address from it.
+_READY = re.compile(r" on (\S+):(\d+) with \d+ worker processes(?:, bulk port (\d+))? ")
+
+
+def ready_line(server: Server) -> str:
+  names = ", ".join(sorted(server.config.datasets)) if server.config else ""
+  bulk = f", bulk port {server.bulk_port}" if server.bulk_port is not None else ""
+  return (f"elevator: serving [{names}] on {server.host}:{server.port} with "
+          f"{server.num_workers} worker processes{bulk} (pid {os.getpid()})")
+
+
+def parse_ready_line(line: str) -> tuple[str, int, int | None] | None:
+  """(host, port, bulk port or None) of a ready line; None for any other line."""
+  match = _READY.search(line)
+  if not match:
+    return None
+  bulk = match.group(3)
+  return match.group(1), int(match.group(2)), int(bulk) if bulk else None
+
+
+def serve(config: str | os.PathLike[str], options: ServerOptions = ServerOptions()) -> int:
   """Runs a server until SIGINT/SIGTERM; returns the process exit code."""
-  num_workers = num_workers or os.cpu_count() or 1
-  config = config_lib.load_config(opts.config_path)  # Fail fast on a bad file.
-  if bool(opts.tls_cert) != bool(opts.tls_key):
-    raise ConfigError("--tls-cert and --tls-key go together")
-  if opts.tls_client_ca and not opts.tls_cert:
-    raise ConfigError("--tls-client-ca needs --tls-cert and --tls-key")
-  if opts.tls_cert:
-    auth.server_credentials(opts.tls_cert, opts.tls_key, opts.tls_client_ca)  # readable?
-  if opts.auth_token_file:
-    auth.read_token(opts.auth_token_file)
-  for key, value in WORKER_ENV.items():
-    os.environ.setdefault(key, value)  # read by each spawned worker's glibc and numpy
-  sup = Supervisor(opts, num_workers)
-  signal.signal(signal.SIGTERM, sup.request_stop)
-  signal.signal(signal.SIGINT, sup.request_stop)
-  port = sup.start()
-  names = ", ".join(sorted(config.datasets))
-  bulk = f", bulk port {sup.bulk_port}" if sup.bulk_port is not None else ""
-  print(f"elevator: serving [{names}] on {opts.host}:{port} with {num_workers} "
-        f"worker processes{bulk} (pid {os.getpid()})", flush=True)
+  server = Server(config, options)
+  stop = threading.Event()
+  signal.signal(signal.SIGTERM, lambda *_: stop.set())
+  signal.signal(signal.SIGINT, lambda *_: stop.set())
+  server.start()
+  print(ready_line(server), flush=True)
   try:
-    sup.supervise()
+    while not stop.wait(1.0):
+      pass
   finally:
-    sup.stop()
+    server.stop()
   print("elevator: stopped", flush=True)
   return 0

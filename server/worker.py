@@ -1,6 +1,6 @@
-"""One worker process: a gRPC server over the datasets of a config.
+"""One worker process: the request path behind a gRPC and a bulk server.
 
-Several workers bind the same port (SO_REUSEPORT); the kernel spreads client
+Several workers bind the same ports (SO_REUSEPORT); the kernel spreads client
 connections across them. Each is stateless, so any of them serves any step.
 """
 
@@ -18,34 +18,16 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from grain_elevator.proto import elevator_pb2 as pb
+from grain_elevator.proto.errors import ElevatorError
 from grain_elevator.server import auth
 from grain_elevator.server import bulk as bulk_lib
 from grain_elevator.server import config as config_lib
 from grain_elevator.server import dataset as dataset_lib
+from grain_elevator.server import grpc_service
 from grain_elevator.server import logs
-from grain_elevator.server.errors import ConfigError
-from grain_elevator.server import servicer as servicer_lib
-
-SERVICE_NAME = servicer_lib.SERVICE_NAME
-
-
-@dataclasses.dataclass(frozen=True)
-class WorkerOptions:
-  config_path: str
-  host: str
-  port: int
-  threads: int = 4  # RPCs one worker runs at once
-  grace_s: float = 5.0  # in-flight RPCs get this long on SIGTERM
-  num_workers: int = 1  # processes sharing the port (reported in Describe)
-  max_concurrent_rpcs: int = 16  # beyond: RESOURCE_EXHAUSTED, clients back off
-  max_message_bytes: int = dataset_lib.DEFAULT_MAX_BATCH_BYTES
-  tls_cert: str | None = None
-  tls_key: str | None = None
-  tls_client_ca: str | None = None  # mutual TLS when set
-  auth_token_file: str | None = None
-  # The bulk transport's port (server/bulk.py); None: not offered. The
-  # supervisor turns 0 into one free port that all workers share.
-  bulk_port: int | None = None
+from grain_elevator.server.options import ServerOptions
+from grain_elevator.server.request_path import MAX_REQUEST_BYTES, RequestPath
 
 
 def _die_with_parent() -> None:
@@ -59,50 +41,70 @@ def _die_with_parent() -> None:
 
 @dataclasses.dataclass
 class Servers:
+  """What one worker serves: its request path and the transports around it."""
+  path: RequestPath
   grpc: grpc.Server
   health: health.HealthServicer
   port: int
   bulk: bulk_lib.BulkServer | None
 
+  def start(self) -> None:
+    self.grpc.start()
+    if self.bulk:
+      self.bulk.start()
+    for service in ("", grpc_service.SERVICE_NAME):
+      self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
 
-def build_server(datasets: dict[str, dataset_lib.ElevatorDataset],
-                 opts: WorkerOptions, index: int = 0) -> Servers:
+  def stop(self, grace_s: float) -> None:
+    """Health NOT_SERVING, new requests refused, those in flight get `grace_s`."""
+    self.health.enter_graceful_shutdown()
+    self.path.admit.close()
+    stopped = self.grpc.stop(grace_s)
+    if self.bulk:
+      self.bulk.stop(grace_s)
+    stopped.wait()
+
+
+def build_servers(datasets: dataset_lib.Datasets, opts: ServerOptions, index: int = 0,
+                  num_workers: int = 1) -> Servers:
   """Start-able gRPC (Elevator, health, reflection) and bulk servers."""
   token = auth.read_token(opts.auth_token_file) if opts.auth_token_file else None
-  interceptors = [auth.BearerTokenInterceptor(token)] if token else []
+  path = RequestPath(datasets, auth_token=token,
+                     max_concurrent=opts.max_concurrent_requests,
+                     max_message_bytes=opts.max_message_bytes,
+                     server_info=pb.ServerInfo(worker_index=index, num_workers=num_workers))
   server = grpc.server(
       futures.ThreadPoolExecutor(max_workers=opts.threads,
                                  thread_name_prefix="elevator-rpc"),
-      interceptors=interceptors,
-      maximum_concurrent_rpcs=opts.max_concurrent_rpcs,
+      interceptors=[grpc_service.AuthInterceptor(path)] if token else [],
+      # A bound on what gRPC itself holds (calls running or queued for a
+      # thread); admission proper is the request path's.
+      maximum_concurrent_rpcs=opts.max_concurrent_requests + opts.threads,
       options=[
           ("grpc.so_reuseport", 1),
           ("grpc.max_send_message_length", -1),
-          ("grpc.max_receive_message_length", 1 << 20),  # requests are tiny
+          ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
       ])
-  servicer = servicer_lib.ElevatorServicer(datasets, index, opts.num_workers)
   bulk_server = None
-  if opts.bulk_port is not None:
-    bulk_server = bulk_lib.BulkServer(
-        servicer, opts.host, opts.bulk_port,
-        auth_token=token,
-        max_concurrent_requests=opts.max_concurrent_rpcs)
-    servicer.set_bulk_port(bulk_server.port)
-  servicer_lib.add_to_server(servicer, server)
+  if opts.serves_bulk:
+    bulk_server = bulk_lib.BulkServer(path, opts.host, opts.bulk_port)
+    path.server_info.bulk_port = bulk_server.port
+  grpc_service.add_to_server(grpc_service.GrpcService(path), server)
   health_servicer = health.HealthServicer()
   health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
   reflection.enable_server_reflection(
-      (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+      (grpc_service.SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
   address = f"{opts.host}:{opts.port}"
-  if opts.tls_cert:
+  if opts.tls:
     port = server.add_secure_port(address, auth.server_credentials(
         opts.tls_cert, opts.tls_key, opts.tls_client_ca))
   else:
     port = server.add_insecure_port(address)
-  return Servers(server, health_servicer, port, bulk_server)
+  return Servers(path, server, health_servicer, port, bulk_server)
 
 
-def run(opts: WorkerOptions, index: int, ready: Any) -> None:
+def run(config_path: str, opts: ServerOptions, index: int, num_workers: int,
+        ready: Any) -> None:
   """Worker process entry point; reports (index, error or None) on `ready`."""
   _die_with_parent()
   signal.signal(signal.SIGINT, signal.SIG_IGN)  # The supervisor handles Ctrl-C.
@@ -110,23 +112,14 @@ def run(opts: WorkerOptions, index: int, ready: Any) -> None:
   stop = threading.Event()
   signal.signal(signal.SIGTERM, lambda *_: stop.set())
   try:
-    datasets = dataset_lib.load_datasets(config_lib.load_config(opts.config_path),
-                                         opts.max_message_bytes)
-    servers = build_server(datasets, opts, index)
+    datasets = dataset_lib.Datasets(config_lib.load_config(config_path))
+    servers = build_servers(datasets, opts, index, num_workers)
     if servers.port == 0:
       raise OSError(f"cannot listen on {opts.host}:{opts.port}")
-  except (ConfigError, OSError) as e:
+  except (ElevatorError, OSError) as e:
     ready.put((index, str(e)))
     return
-  servers.grpc.start()
-  if servers.bulk:
-    servers.bulk.start()
-  for service in ("", SERVICE_NAME):
-    servers.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+  servers.start()
   ready.put((index, None))
   stop.wait()
-  servers.health.enter_graceful_shutdown()
-  stopped = servers.grpc.stop(opts.grace_s)
-  if servers.bulk:
-    servers.bulk.stop(opts.grace_s)
-  stopped.wait()
+  servers.stop(opts.grace_s)

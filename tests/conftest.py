@@ -14,8 +14,8 @@ from typing import Iterator
 
 import pytest
 
-from grain_elevator.server import examples
-from grain_elevator.server.launcher import LocalServer
+from grain_elevator.tools import examples
+from grain_elevator.tools.launcher import LocalServer
 
 IMAGE = {"height": 4, "width": 4, "channels": 3}
 NUM_RECORDS = 1000
@@ -23,7 +23,7 @@ NUM_RECORDS = 1000
 CONFIG = textwrap.dedent("""\
     [datasets.aug2]          # random transform, shuffled, 2 epochs
     paths = ["shards/train-*.array_record"]
-    pipeline = "grain_elevator.server.examples:decode_and_augment"
+    pipeline = "grain_elevator.tools.examples:decode_and_augment"
     seed = 7
     num_epochs = 2
     [datasets.aug2.options]
@@ -33,7 +33,7 @@ CONFIG = textwrap.dedent("""\
 
     [datasets.plain]         # no shuffle, 1 epoch
     paths = ["shards/train-*.array_record"]
-    pipeline = "grain_elevator.server.examples:decode_images"
+    pipeline = "grain_elevator.tools.examples:decode_images"
     shuffle = false
     [datasets.plain.options]
     height = 4
@@ -42,7 +42,7 @@ CONFIG = textwrap.dedent("""\
 
     [datasets.seed3]         # shuffled, 1 epoch, another seed, float images
     paths = ["shards/train-0000[0-1]*.array_record", "shards/train-00002*"]
-    pipeline = "grain_elevator.server.examples:decode_images"
+    pipeline = "grain_elevator.tools.examples:decode_images"
     seed = 3
     [datasets.seed3.options]
     height = 4
@@ -52,8 +52,8 @@ CONFIG = textwrap.dedent("""\
 
     [datasets.seed3fast]     # seed3 with a whole-batch decode: identical rows
     paths = ["shards/train-*.array_record"]
-    pipeline = "grain_elevator.server.examples:decode_images"
-    batch_transform = "grain_elevator.server.examples:decode_images_batch"
+    pipeline = "grain_elevator.tools.examples:decode_images"
+    batch_transform = "grain_elevator.tools.examples:decode_images_batch"
     seed = 3
     [datasets.seed3fast.options]
     height = 4
@@ -63,7 +63,7 @@ CONFIG = textwrap.dedent("""\
 
     [datasets.forever]       # repeats forever
     paths = ["shards/*.array_record"]
-    pipeline = "grain_elevator.server.examples:decode_images"
+    pipeline = "grain_elevator.tools.examples:decode_images"
     seed = 11
     num_epochs = 0
     [datasets.forever.options]

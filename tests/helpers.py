@@ -8,6 +8,7 @@ import numpy as np
 
 from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.proto import tree
+from grain_elevator.proto import wire
 
 
 def assert_trees_equal(a: Any, b: Any, where: str = "") -> None:
@@ -53,4 +54,29 @@ def worker_pids(server) -> list[int]:
         out.append(child.pid)
     except psutil.NoSuchProcess:
       pass
+  return out
+
+
+def proto_batch(step: int, leaves: list[np.ndarray]) -> pb.Batch:
+  """A Batch built with protobuf's own objects: the reference the hand-written
+  encoder (proto/wire.py) must equal byte for byte."""
+  tensors = []
+  for a in leaves:
+    a = np.ascontiguousarray(a.astype(a.dtype.newbyteorder("<")) if a.dtype.byteorder == ">"
+                             else a)
+    tensors.append(pb.Tensor(dtype=wire.dtype_to_str(a.dtype), shape=a.shape,
+                             data=a.tobytes()))
+  return pb.Batch(step=step, leaves=tensors)
+
+
+def proto_leaves(batch: pb.Batch) -> list[np.ndarray]:
+  """A Batch's tensors read through protobuf's own objects (the reference
+  decoder), zstd frames decompressed."""
+  import zstandard  # pylint: disable=g-import-not-at-top
+  out = []
+  for t in batch.leaves:
+    data = t.data
+    if t.compression == pb.COMPRESSION_ZSTD:
+      data = zstandard.ZstdDecompressor().decompress(data)
+    out.append(np.frombuffer(data, dtype=wire.dtype_from_str(t.dtype)).reshape(t.shape))
   return out

@@ -9,9 +9,9 @@ import grpc
 import numpy as np
 import pytest
 
-from grain_elevator.client import DataLossError, ElevatorError, RemoteDataset
-from grain_elevator.server import examples
-from grain_elevator.server.launcher import LocalServer
+from grain_elevator.client import DataLossError, ElevatorError, RemoteDataset, TransportOptions
+from grain_elevator.tools import examples
+from grain_elevator.tools.launcher import LocalServer
 
 RECORD = 16 + 4 * 4 * 3
 
@@ -31,7 +31,7 @@ def bad_server(tmp_path_factory, data_dir):
   path.write_bytes(bytes(data))
   (root / "broken.py").write_text(
       "import numpy as np\n"
-      "from grain_elevator.server.examples import decode_images\n"
+      "from grain_elevator.tools.examples import decode_images\n"
       "def fail_on_id_7(ds, **kw):\n"
       "  def check(r):\n"
       "    if r['id'] == 7:\n"
@@ -41,9 +41,9 @@ def bad_server(tmp_path_factory, data_dir):
   opts = "[datasets.{n}.options]\nheight = 4\nwidth = 4\nchannels = 3\n"
   (root / "elevator.toml").write_text(
       '[datasets.good]\npaths = ["shards/*.array_record"]\nshuffle = false\n'
-      'pipeline = "grain_elevator.server.examples:decode_images"\n' + opts.format(n="good") +
+      'pipeline = "grain_elevator.tools.examples:decode_images"\n' + opts.format(n="good") +
       '[datasets.corrupt]\npaths = ["corrupt/*.array_record"]\nshuffle = false\n'
-      'pipeline = "grain_elevator.server.examples:decode_images"\n' + opts.format(n="corrupt") +
+      'pipeline = "grain_elevator.tools.examples:decode_images"\n' + opts.format(n="corrupt") +
       '[datasets.failing]\npaths = ["shards/*.array_record"]\nshuffle = false\n'
       'pipeline = "broken:fail_on_id_7"\n' + opts.format(n="failing"))
   import os
@@ -85,7 +85,7 @@ def test_steps_received_before_a_failure_in_the_same_request_are_delivered(bad_s
   """Steps reach the trainer as they arrive: a request for steps 0-3 that
   fails at step 1 still delivers step 0, then the error."""
   with RemoteDataset(bad_server.target, "failing", 4, prefetch=4,
-                     steps_per_request=4) as ds:
+                     transport=TransportOptions(steps_per_request=4)) as ds:
     it = iter(ds)
     np.testing.assert_array_equal(next(it)["id"], np.arange(4))
     with pytest.raises(ElevatorError, match="step 1: ValueError: record 7"):

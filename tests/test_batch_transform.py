@@ -7,9 +7,9 @@ import pytest
 
 from grain_elevator.client import RemoteDataset
 from grain_elevator.server import dataset as dataset_lib
-from grain_elevator.server import examples
+from grain_elevator.tools import examples
 from grain_elevator.server.config import load_config
-from grain_elevator.server.errors import ConfigError
+from grain_elevator.proto.errors import ConfigError
 from helpers import assert_streams_equal
 
 
@@ -23,7 +23,7 @@ def test_batch_transform_equals_per_record_pipeline(server, g, n, h):
 
 @pytest.mark.parametrize("pipeline,transform,message", [
     ("decode_and_augment", "decode_images_batch",
-     "batch_transform 'grain_elevator.server.examples:decode_images_batch' fails "
+     "batch_transform 'grain_elevator.tools.examples:decode_images_batch' fails "
      "on positions 0..63: CollateError: batch_transform returned structure"),
     ("decode_images", "encode_record", "fails on positions 0..63: TypeError"),
 ])
@@ -31,17 +31,17 @@ def test_batch_transform_that_differs_is_refused(data_dir, pipeline, transform, 
   path = data_dir / "bad_batch.toml"
   path.write_text(
       "[datasets.d]\npaths = [\"shards/*.array_record\"]\n"
-      f"pipeline = \"grain_elevator.server.examples:{pipeline}\"\n"
-      f"batch_transform = \"grain_elevator.server.examples:{transform}\"\n"
+      f"pipeline = \"grain_elevator.tools.examples:{pipeline}\"\n"
+      f"batch_transform = \"grain_elevator.tools.examples:{transform}\"\n"
       "[datasets.d.options]\nheight = 4\nwidth = 4\nchannels = 3\n")
   with pytest.raises(ConfigError, match="dataset 'd'") as info:
-    dataset_lib.load_datasets(load_config(path))
+    dataset_lib.Datasets(load_config(path))
   assert message in str(info.value)
 
 
 def test_batch_transform_with_other_values_is_refused(data_dir, tmp_path, monkeypatch):
   (tmp_path / "off_by_one.py").write_text(
-      "from grain_elevator.server.examples import decode_images_batch\n"
+      "from grain_elevator.tools.examples import decode_images_batch\n"
       "def decode(raw, **kw):\n"
       "  out = decode_images_batch(raw, **kw)\n"
       "  out['label'] = out['label'] + 1\n"
@@ -50,11 +50,11 @@ def test_batch_transform_with_other_values_is_refused(data_dir, tmp_path, monkey
   path = data_dir / "off_by_one.toml"
   path.write_text(
       "[datasets.d]\npaths = [\"shards/*.array_record\"]\n"
-      "pipeline = \"grain_elevator.server.examples:decode_images\"\n"
+      "pipeline = \"grain_elevator.tools.examples:decode_images\"\n"
       "batch_transform = \"off_by_one:decode\"\n"
       "[datasets.d.options]\nheight = 4\nwidth = 4\nchannels = 3\n")
   with pytest.raises(ConfigError, match=r"does not reproduce pipeline .*: leaf 'label' differs"):
-    dataset_lib.load_datasets(load_config(path))
+    dataset_lib.Datasets(load_config(path))
 
 
 @pytest.mark.parametrize("shape", [(4, 4, 3), (96, 96, 3)])  # joined; copied each

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 
-from grain_elevator.server.launcher import ELEVATOR
+from grain_elevator.tools.launcher import ELEVATOR
 
 
 def test_bench_reports_every_system(tmp_path):

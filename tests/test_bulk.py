@@ -14,11 +14,22 @@ import grpc
 import numpy as np
 import pytest
 
-from grain_elevator.client import RemoteDataset, ServiceUnavailableError
-from grain_elevator.client.bulk import BulkConnection, BulkRpcError
+from grain_elevator.client import (RemoteDataset, RetryPolicy, ServiceUnavailableError,
+                                   TransportOptions)
+from grain_elevator.client.bulk import BulkConnection
+from grain_elevator.client.transport import CancelToken, TransportError
 from grain_elevator.proto import elevator_pb2 as pb
-from grain_elevator.server.launcher import ELEVATOR, LocalServer
+from grain_elevator.tools.launcher import ELEVATOR, LocalServer
 from helpers import assert_streams_equal, assert_trees_equal, oracle_batch, worker_pids
+
+
+def _connect(host: str, port: int) -> BulkConnection:
+  return BulkConnection(f"{host}:{port}", host, port, connect_timeout_s=10)
+
+
+def _stream(conn: BulkConnection, request: pb.BatchRequest, timeout_s: float = 30):
+  return conn.stream(request, timeout_s=timeout_s, token=CancelToken(),
+                     max_frame_bytes=1 << 26)
 
 
 def _request(dataset: str = "plain", g: int = 16, start: int = 0, steps: int = 3,
@@ -41,7 +52,8 @@ def test_transports_and_compression_match_the_oracle(server, config_path, transp
                                                      compression):
   for dataset, g, h, n in (("aug2", 48, 1, 3), ("seed3fast", 64, 0, 2), ("raw", 32, 0, 1)):
     with RemoteDataset(server.target, dataset, g, shard_index=h, shard_count=n,
-                       transport=transport, compression=compression) as remote:
+                       transport=TransportOptions(kind=transport,
+                                                  compression=compression)) as remote:
       with RemoteDataset.embedded(config_path, dataset, g, shard_index=h,
                                   shard_count=n) as local:
         assert assert_streams_equal(remote, local) > 0
@@ -51,7 +63,8 @@ def test_held_batches_are_never_overwritten(server, oracle):
   """Every batch gets its own receive buffer: a trainer may keep batches
   (a replay buffer, a device queue) while the stream goes on."""
   g = 64
-  with RemoteDataset(server.target, "forever", g, transport="bulk", prefetch=4) as ds:
+  with RemoteDataset(server.target, "forever", g, transport=TransportOptions(kind="bulk"),
+                     prefetch=4) as ds:
     it = iter(ds)
     held = [next(it) for _ in range(20)]
     snapshots = [{k: v.copy() for k, v in b.items()} for b in held]
@@ -70,14 +83,14 @@ def test_held_batches_are_never_overwritten(server, oracle):
 ])
 def test_bad_requests_get_grpc_statuses_and_the_connection_lives_on(
     server, oracle, request_kw, code, message):
-  conn = BulkConnection(server.host, server.bulk_port)
+  conn = _connect(server.host, server.bulk_port)
   try:
-    with pytest.raises(BulkRpcError) as info:
-      list(conn.stream(_request(**request_kw), timeout_s=30))
-    assert info.value.code() == code
-    assert message in info.value.details()
+    with pytest.raises(TransportError) as info:
+      list(_stream(conn, _request(**request_kw), 30))
+    assert info.value.code == code
+    assert message in info.value.details
     assert not conn.broken
-    (step, leaves), = list(conn.stream(_request(start=5, steps=1), timeout_s=30))
+    (step, leaves), = list(_stream(conn, _request(start=5, steps=1), 30))
     assert step == 5
     assert leaves[1].tobytes() == oracle_batch(oracle, "plain", 5, 16)["image"].tobytes()
   finally:
@@ -93,9 +106,9 @@ def test_garbage_is_dropped_and_others_are_still_served(server):
         pass
     except ConnectionResetError:
       pass
-  conn = BulkConnection(server.host, server.bulk_port)
+  conn = _connect(server.host, server.bulk_port)
   try:
-    assert len(list(conn.stream(_request(), timeout_s=30))) == 3
+    assert len(list(_stream(conn, _request(), 30))) == 3
   finally:
     conn.close()
 
@@ -110,9 +123,9 @@ def test_a_non_elevator_port_is_a_clear_unavailable(tmp_path):
       time.sleep(1)
       c.close()
     threading.Thread(target=answer, daemon=True).start()
-    with pytest.raises(BulkRpcError, match="not the bulk protocol") as info:
-      BulkConnection("127.0.0.1", port)
-    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    with pytest.raises(TransportError, match="not the bulk protocol") as info:
+      _connect("127.0.0.1", port)
+    assert info.value.code == grpc.StatusCode.UNAVAILABLE
 
 
 def test_no_bulk_server_means_grpc(config_path, oracle):
@@ -123,7 +136,8 @@ def test_no_bulk_server_means_grpc(config_path, oracle):
       assert_trees_equal(next(it), oracle_batch(oracle, "seed3", 0, 50))
       assert not it._backend.uses_bulk  # pylint: disable=protected-access
     with pytest.raises(ServiceUnavailableError, match="no replica .* offers a reachable bulk"):
-      next(iter(RemoteDataset(srv.target, "seed3", 50, transport="bulk")))
+      next(iter(RemoteDataset(srv.target, "seed3", 50,
+                              transport=TransportOptions(kind="bulk"))))
 
 
 def test_bulk_port_with_tls_is_refused(config_path, tmp_path):
@@ -134,7 +148,7 @@ def test_bulk_port_with_tls_is_refused(config_path, tmp_path):
        "--tls-cert", str(tmp_path / "cert.pem"), "--tls-key", str(tmp_path / "key.pem")],
       capture_output=True, text=True, timeout=60)
   assert result.returncode == 2
-  assert "--bulk-port serves plaintext" in result.stderr
+  assert "the bulk transport (--bulk-port) serves plaintext" in result.stderr
 
 
 def test_a_cancelled_bulk_stream_stops_the_server_computing(config_path):
@@ -142,14 +156,14 @@ def test_a_cancelled_bulk_stream_stops_the_server_computing(config_path):
   with LocalServer(config_path, workers=1) as srv:
     (pid,) = worker_pids(srv)
     worker = psutil.Process(pid)
-    conn = BulkConnection(srv.host, srv.bulk_port)
-    stream = conn.stream(_request("forever", 512, steps=1_000_000), timeout_s=60)
+    conn = _connect(srv.host, srv.bulk_port)
+    stream = _stream(conn, _request("forever", 512, steps=1_000_000), 60)
 
     def read_all():
       try:
         for _ in stream:
           pass
-      except BulkRpcError:
+      except TransportError:
         pass
 
     def cpu_over(seconds: float) -> float:
@@ -170,15 +184,15 @@ def test_a_cancelled_bulk_stream_stops_the_server_computing(config_path):
 def test_sigterm_finishes_in_flight_bulk_requests_and_refuses_new_ones(config_path):
   srv = LocalServer(config_path, workers=1, extra_args=("--grace", "20"))
   try:
-    busy = BulkConnection(srv.host, srv.bulk_port)
-    idle = BulkConnection(srv.host, srv.bulk_port)
-    stream = busy.stream(_request(steps=60, g=8), timeout_s=60)
+    busy = _connect(srv.host, srv.bulk_port)
+    idle = _connect(srv.host, srv.bulk_port)
+    stream = _stream(busy, _request(steps=60, g=8), 60)
     first = next(stream)
     srv.proc.send_signal(signal.SIGTERM)
     time.sleep(1.0)
-    with pytest.raises(BulkRpcError) as info:  # idle connections are closed
-      list(idle.stream(_request(steps=1), timeout_s=10))
-    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    with pytest.raises(TransportError) as info:  # idle connections are closed
+      list(_stream(idle, _request(steps=1), 10))
+    assert info.value.code == grpc.StatusCode.UNAVAILABLE
     rest = list(stream)  # the in-flight request still completes
     assert first[0] == 0 and [s for s, _ in rest] == list(range(1, 60))
     assert srv.proc.wait(60) == 0
@@ -193,8 +207,9 @@ def test_a_restarted_server_on_a_new_bulk_port_is_found_again(config_path, oracl
   choice, a restarted server listens somewhere else."""
   first = LocalServer(config_path, workers=1)
   port = first.port
-  with RemoteDataset(first.target, "forever", 32, prefetch=2, transport="bulk",
-                     retry_timeout_s=60) as ds:
+  with RemoteDataset(first.target, "forever", 32, prefetch=2,
+                     transport=TransportOptions(kind="bulk"),
+                     retry=RetryPolicy(timeout_s=60)) as ds:
     it = iter(ds)
     got = [next(it) for _ in range(5)]
     old_bulk = first.bulk_port
@@ -217,17 +232,17 @@ def test_a_restarted_server_on_a_new_bulk_port_is_found_again(config_path, oracl
 def test_a_dns_target_gets_bulk_connections_to_its_addresses(server, oracle):
   """dns:///name:port (a headless Service) resolves to each replica's address."""
   target = f"dns:///localhost:{server.port}"
-  with RemoteDataset(target, "seed3", 50, transport="bulk") as ds:
+  with RemoteDataset(target, "seed3", 50, transport=TransportOptions(kind="bulk")) as ds:
     it = iter(ds)
     assert_trees_equal(next(it), oracle_batch(oracle, "seed3", 0, 50))
-    hosts = {s.host for s in it._backend._bulk}  # pylint: disable=protected-access
+    hosts = {s.conn.host for s in it._backend.data_slots()}  # pylint: disable=protected-access
   assert "127.0.0.1" in hosts
 
 
 def test_a_frame_sent_in_pieces_arrives_whole():
   """Partial sends (a socket with a timeout is non-blocking underneath) resume
   mid-buffer: the frame is the parts' bytes in order, whatever their types."""
-  from grain_elevator.proto import bulk as framing
+  from grain_elevator.proto import framing
   from grain_elevator.proto.rows import RowStack
   rng = np.random.default_rng(3)
   rows = RowStack([rng.integers(0, 255, (300, 400), np.uint8) for _ in range(6)])
@@ -241,8 +256,22 @@ def test_a_frame_sent_in_pieces_arrives_whole():
   sender = threading.Thread(target=framing.send_frame, args=(a, framing.BATCH, parts))
   sender.start()
   time.sleep(0.2)  # let the sender fill the buffer and wait
-  kind, payload = framing.recv_frame(b, (framing.BATCH,))
+  kind, payload = framing.recv_frame(b, (framing.BATCH,), len(want))
   sender.join(10)
   a.close()
   b.close()
   assert kind == framing.BATCH and payload.tobytes() == want
+
+
+def test_a_frame_over_the_limit_is_refused_before_it_is_read():
+  """The length is checked against the receiver's limit before a byte of the
+  payload is allocated or read: a peer promising 2**34 bytes gets nothing."""
+  from grain_elevator.proto import framing
+  a, b = socket.socketpair()
+  with a, b:
+    b.settimeout(10)
+    a.sendall(framing._HEADER.pack(framing.REQUEST, 1 << 34) + b"x" * 100)  # pylint: disable=protected-access
+    with pytest.raises(framing.ProtocolError, match="request frame of 17179869184 bytes "
+                                                     "is over this end's limit of 1048576"):
+      framing.recv_frame(b, (framing.REQUEST,), 1 << 20)
+    assert b.recv(1000) == b"x" * 100  # the payload was never read

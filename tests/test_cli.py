@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from grain_elevator.server.launcher import ELEVATOR
+from grain_elevator.tools.launcher import ELEVATOR
 
 
 @pytest.mark.parametrize("local", [False, True])

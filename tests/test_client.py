@@ -107,9 +107,9 @@ def test_bad_arguments(server):
 
 
 def test_unreachable_server_gives_a_clear_error():
-  from grain_elevator.client import ServiceUnavailableError
+  from grain_elevator.client import RetryPolicy, ServiceUnavailableError
   with pytest.raises(ServiceUnavailableError, match=r"no replica of 127.0.0.1:1 could serve Describe"):
-    iter(RemoteDataset("127.0.0.1:1", "plain", 8, retry_timeout_s=1.0))
+    iter(RemoteDataset("127.0.0.1:1", "plain", 8, retry=RetryPolicy(timeout_s=1.0)))
 
 
 def test_shard_arguments_come_in_pairs(server):
@@ -121,7 +121,7 @@ def test_close_from_another_thread_unblocks_a_waiting_next(config_path):
   """A trainer thread blocked in next() on a frozen server is released by close()."""
   import os
   import signal
-  from grain_elevator.server.launcher import LocalServer
+  from grain_elevator.tools.launcher import LocalServer
   with LocalServer(config_path, workers=1) as server:
     ds = RemoteDataset(server.target, "plain", 8, prefetch=0)
     it = iter(ds)

@@ -7,15 +7,15 @@ import textwrap
 
 import pytest
 
-from grain_elevator.server.launcher import ELEVATOR
+from grain_elevator.tools.launcher import ELEVATOR
 from grain_elevator.server import dataset as dataset_lib
 from grain_elevator.server.config import load_config
-from grain_elevator.server.errors import ConfigError
+from grain_elevator.proto.errors import ConfigError
 
 GOOD = """\
 [datasets.d]
 paths = ["shards/*.array_record"]
-pipeline = "grain_elevator.server.examples:decode_images"
+pipeline = "grain_elevator.tools.examples:decode_images"
 {extra}
 [datasets.d.options]
 height = 4
@@ -36,10 +36,10 @@ def _write(data_dir, text: str, name: str = "bad.toml") -> str:
     (GOOD.replace("shards/*", "missing/*"),
      "dataset 'd': key 'paths': 'missing/*.array_record' matches no files"),
     (GOOD.replace("examples:decode_images", "nosuchmodule:f"),
-     "dataset 'd': key 'pipeline': cannot import module 'grain_elevator.server.nosuchmodule'"),
+     "dataset 'd': key 'pipeline': cannot import module 'grain_elevator.tools.nosuchmodule'"),
     (GOOD.replace("examples:decode_images", "examples:nope"),
-     "dataset 'd': key 'pipeline': module 'grain_elevator.server.examples' has no attribute 'nope'"),
-    (GOOD.replace('"grain_elevator.server.examples:decode_images"', '"no_colon"'),
+     "dataset 'd': key 'pipeline': module 'grain_elevator.tools.examples' has no attribute 'nope'"),
+    (GOOD.replace('"grain_elevator.tools.examples:decode_images"', '"no_colon"'),
      "key 'pipeline' must look like 'package.module:function'"),
     (GOOD.replace("{extra}", 'seed = -1'), "dataset 'd': key 'seed' must be in [0, 2**32)"),
     (GOOD.replace("{extra}", 'seed = "x"'), "dataset 'd': key 'seed' must be an integer"),
@@ -57,21 +57,21 @@ def test_bad_config_names_the_problem(data_dir, text, message):
 
 
 @pytest.mark.parametrize("pipeline,message", [
-    ("grain_elevator.server.examples:encode_record",  # wrong signature
-     "pipeline 'grain_elevator.server.examples:encode_record' failed: TypeError"),
+    ("grain_elevator.tools.examples:encode_record",  # wrong signature
+     "pipeline 'grain_elevator.tools.examples:encode_record' failed: TypeError"),
     ("builtins:list", "returned list, expected a grain.MapDataset"),
 ])
 def test_pipeline_that_cannot_serve_is_refused(data_dir, pipeline, message):
   text = f'[datasets.d]\npaths = ["shards/*.array_record"]\npipeline = "{pipeline}"\n'
   with pytest.raises(ConfigError, match="dataset 'd'") as info:
-    dataset_lib.load_datasets(load_config(_write(data_dir, text)))
+    dataset_lib.Datasets(load_config(_write(data_dir, text)))
   assert message in str(info.value)
 
 
 def test_unknown_pipeline_option_is_named(data_dir):
   text = GOOD.replace("channels = 3", "channels = 3\ncolour = 1")
   with pytest.raises(ConfigError, match=r"dataset 'd': pipeline .* failed: TypeError: .*colour"):
-    dataset_lib.load_datasets(load_config(_write(data_dir, text)))
+    dataset_lib.Datasets(load_config(_write(data_dir, text)))
 
 
 def test_pipeline_must_be_one_to_one(data_dir, tmp_path, monkeypatch):
@@ -80,7 +80,7 @@ def test_pipeline_must_be_one_to_one(data_dir, tmp_path, monkeypatch):
   monkeypatch.syspath_prepend(str(tmp_path))
   text = '[datasets.d]\npaths = ["shards/*.array_record"]\npipeline = "filtering_pipeline:drop_half"\n'
   with pytest.raises(ConfigError, match=r"changed the number of records \(1000 -> 500\); it must be 1:1"):
-    dataset_lib.load_datasets(load_config(_write(data_dir, text)))
+    dataset_lib.Datasets(load_config(_write(data_dir, text)))
 
 
 def test_serve_exits_with_the_message(data_dir):
@@ -105,4 +105,4 @@ def test_truncated_shard_is_refused_at_start_up(data_dir, tmp_path):
   (tmp_path / "shards" / shard.name).write_bytes(shard.read_bytes()[:-100])
   path = _write(tmp_path, GOOD, "truncated.toml")
   with pytest.raises(ConfigError, match="dataset 'd': cannot open its shards"):
-    dataset_lib.load_datasets(load_config(path))
+    dataset_lib.Datasets(load_config(path))

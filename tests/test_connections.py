@@ -6,25 +6,32 @@ import collections
 
 import pytest
 
+from grain_elevator.client import TransportOptions
 from grain_elevator.client.connections import ConnectionPool
 from grain_elevator.proto import elevator_pb2 as pb
-from grain_elevator.server.launcher import LocalServer
+from grain_elevator.tools.launcher import LocalServer
+
+
+def _pool(targets, per_target: int, kind: str = "auto") -> ConnectionPool:
+  return ConnectionPool(targets, transport=TransportOptions(
+      kind=kind, connections_per_target=per_target))
 
 
 def _grpc_workers(pool: ConnectionPool) -> collections.Counter:
+  """Each data channel asked afresh which worker holds it."""
   return collections.Counter(
-      stub.Describe(pb.DescribeRequest(dataset="plain"), timeout=10).server.worker_index
-      for stub in pool._stubs)  # pylint: disable=protected-access
+      s.conn.describe(pb.DescribeRequest(dataset="plain"), timeout_s=10).server.worker_index
+      for s in pool.data_slots())
 
 
 def _bulk_workers(pool: ConnectionPool) -> collections.Counter:
-  return collections.Counter((s.target, s.conn.server.worker_index)
-                             for s in pool._bulk)  # pylint: disable=protected-access
+  return collections.Counter((s.conn.target, s.conn.server.worker_index)
+                             for s in pool.data_slots())
 
 
 @pytest.mark.parametrize("per_target", [1, 2, 4])
 def test_grpc_channels_cover_every_worker_evenly(server, per_target):
-  pool = ConnectionPool([server.target], connections_per_target=per_target, transport="grpc")
+  pool = _pool([server.target], per_target, "grpc")
   try:
     pool.describe("plain")
     share = -(-per_target // 2)
@@ -38,7 +45,7 @@ def test_grpc_channels_cover_every_worker_evenly(server, per_target):
 def test_bulk_connections_cover_every_worker_evenly(server, per_target):
   """Where bulk connections carry the batches, they are the ones balanced;
   one gRPC channel per target is kept for Describe."""
-  pool = ConnectionPool([server.target], connections_per_target=per_target)
+  pool = _pool([server.target], per_target)
   try:
     pool.describe("plain")
     share = -(-per_target // 2)
@@ -51,8 +58,7 @@ def test_bulk_connections_cover_every_worker_evenly(server, per_target):
 @pytest.mark.parametrize("transport", ["grpc", "auto"])
 def test_every_replica_gets_its_share(server, config_path, transport):
   with LocalServer(config_path, workers=3) as second:
-    pool = ConnectionPool([server.target, second.target], connections_per_target=3,
-                          transport=transport)
+    pool = _pool([server.target, second.target], 3, transport)
     try:
       pool.describe("plain")
       # 2 workers x 2 (ceil(3/2)) + 3 workers x 1

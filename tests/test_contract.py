@@ -1,4 +1,4 @@
-"""The contract of DESIGN.md §1, checked against Grain's literal formula."""
+"""The contract (docs/design.md), checked against Grain's literal formula."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import grain
 import pytest
 
 from grain_elevator.server import config as config_lib
-from grain_elevator.server import contract
-from grain_elevator.server.errors import EndOfDataError, InvalidRequestError
+from grain_elevator.proto import contract
+from grain_elevator.proto.errors import EndOfDataError, InvalidRequestError
 from helpers import assert_trees_equal, oracle_batch
 
 import numpy as np
@@ -46,7 +46,7 @@ def test_final_partial_batch_is_dropped():
 
 
 def _literal_records(config: config_lib.DatasetConfig) -> grain.MapDataset:
-  """DESIGN.md §1 written out, reading one record per call."""
+  """The contract written out, reading one record per call."""
   ds = grain.MapDataset.source(grain.sources.ArrayRecordDataSource(list(config.files)))
   ds = ds.seed(config.seed)
   if config.shuffle:
@@ -90,12 +90,13 @@ def test_big_records_equal_literal_formula(tmp_path, monkeypatch, reader):
   ArrayRecord's one-call-per-record path, give the formula's rows."""
   monkeypatch.setenv("ELEVATOR_SHARD_READER", reader)
   from grain_elevator.client.embedded import EmbeddedBackend
-  from grain_elevator.server import dataset as dataset_lib, examples
+  from grain_elevator.server import dataset as dataset_lib
+  from grain_elevator.tools import examples
   examples.write_image_shards(str(tmp_path / "shards"), num_records=60, num_shards=3,
                               height=128, width=192, channels=3)  # 73,744 B records
   (tmp_path / "big.toml").write_text(
       '[datasets.big]\npaths = ["shards/*.array_record"]\n'
-      'pipeline = "grain_elevator.server.examples:decode_images"\nseed = 2\n'
+      'pipeline = "grain_elevator.tools.examples:decode_images"\nseed = 2\n'
       'num_epochs = 2\n[datasets.big.options]\nheight = 128\nwidth = 192\nchannels = 3\n')
   config = config_lib.load_config(tmp_path / "big.toml").datasets["big"]
   source = dataset_lib.BatchedArrayRecordSource(list(config.files))

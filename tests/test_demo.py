@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import subprocess
 
-from grain_elevator.server.launcher import ELEVATOR
+from grain_elevator.tools.launcher import ELEVATOR
 
 
 def test_demo_trains_stops_resumes_and_loses_nothing(tmp_path):

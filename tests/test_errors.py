@@ -54,7 +54,7 @@ def test_bad_request_gets_its_status(stub, oracle, change, code, message):
   # The same worker pool still serves a good request correctly.
   (batch,) = stub.GetBatches(pb.BatchRequest(**OK), timeout=30)
   (info_,) = oracle.describe("plain")
-  got = wire.decode_batch(batch, info_.element_spec.structure)
+  _, got = wire.decode_batch(batch.SerializeToString(), info_.element_spec.structure)
   assert_trees_equal(got, oracle_batch(oracle, "plain", 0, 64))
 
 

@@ -11,8 +11,9 @@ import time
 import numpy as np
 import pytest
 
-from grain_elevator.client import RemoteDataset, ServiceUnavailableError
-from grain_elevator.server.launcher import LocalServer
+from grain_elevator.client import (RemoteDataset, RetryPolicy, ServiceUnavailableError,
+                                   TransportOptions)
+from grain_elevator.tools.launcher import LocalServer
 from helpers import oracle_batch, worker_pids
 
 G = 8  # aug2: 2 epochs x 1000 records -> 250 steps
@@ -52,7 +53,8 @@ def test_sigkill_one_of_two_replicas(config_path, expected_ids, seed, transport)
   a, b = LocalServer(config_path, workers=1), LocalServer(config_path, workers=1)
   try:
     with RemoteDataset([a.target, b.target], "aug2", G, prefetch=6,
-                       retry_timeout_s=30, transport=transport) as ds:
+                       retry=RetryPolicy(timeout_s=30),
+                       transport=TransportOptions(kind=transport)) as ds:
       _consume(ds, expected_ids, at, lambda: _kill_replica(a))
   finally:
     a.stop()
@@ -63,7 +65,8 @@ def test_sigkill_one_worker_of_a_replica(config_path, expected_ids):
   at = random.Random(3).randrange(20, 200)
   with LocalServer(config_path, workers=2) as server:
     victim = worker_pids(server)[0]
-    with RemoteDataset(server.target, "aug2", G, prefetch=6, retry_timeout_s=30) as ds:
+    with RemoteDataset(server.target, "aug2", G, prefetch=6,
+                       retry=RetryPolicy(timeout_s=30)) as ds:
       _consume(ds, expected_ids, at, lambda: os.kill(victim, signal.SIGKILL))
     assert "killed by signal SIGKILL" in server.stderr()
 
@@ -76,8 +79,8 @@ def test_sigstop_replica_is_treated_as_failed_after_the_deadline(config_path, ex
     def freeze():
       for pid in frozen:
         os.kill(pid, signal.SIGSTOP)
-    with RemoteDataset([a.target, b.target], "aug2", G, prefetch=6, request_timeout_s=1.5,
-                       retry_timeout_s=60) as ds:
+    with RemoteDataset([a.target, b.target], "aug2", G, prefetch=6,
+                       retry=RetryPolicy(timeout_s=60, request_timeout_s=1.5)) as ds:
       _consume(ds, expected_ids, at, freeze)
   finally:
     for pid in frozen:
@@ -99,7 +102,8 @@ def test_all_replicas_down_then_one_returns_within_the_retry_window(config_path,
     replacement.append(LocalServer(config_path, workers=1, port=port))
 
   try:
-    with RemoteDataset(first.target, "aug2", G, prefetch=4, retry_timeout_s=60) as ds:
+    with RemoteDataset(first.target, "aug2", G, prefetch=4,
+                       retry=RetryPolicy(timeout_s=60)) as ds:
       _consume(ds, expected_ids, at, outage)
   finally:
     for s in replacement:
@@ -108,7 +112,7 @@ def test_all_replicas_down_then_one_returns_within_the_retry_window(config_path,
 
 def test_all_replicas_down_for_good_gives_one_clear_error(config_path):
   server = LocalServer(config_path, workers=1)
-  ds = RemoteDataset(server.target, "aug2", G, prefetch=2, retry_timeout_s=2)
+  ds = RemoteDataset(server.target, "aug2", G, prefetch=2, retry=RetryPolicy(timeout_s=2))
   it = iter(ds)
   next(it)
   _kill_replica(server)

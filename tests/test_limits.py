@@ -8,10 +8,10 @@ import time
 import grpc
 import pytest
 
-from grain_elevator.client import InvalidRequestError, RemoteDataset
+from grain_elevator.client import InvalidRequestError, RemoteDataset, RetryPolicy
 from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.proto import elevator_pb2_grpc as pb_grpc
-from grain_elevator.server.launcher import LocalServer
+from grain_elevator.tools.launcher import LocalServer
 from helpers import assert_streams_equal, worker_pids
 
 
@@ -37,7 +37,8 @@ def test_over_the_concurrency_limit_is_resource_exhausted_and_clients_back_off(
           pb_grpc.ElevatorStub(other).Describe(pb.DescribeRequest(), timeout=10)
       assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
       # A client arriving now backs off and retries until the slot frees.
-      ds = RemoteDataset(server.target, "plain", 64, prefetch=2, retry_timeout_s=30)
+      ds = RemoteDataset(server.target, "plain", 64, prefetch=2,
+                         retry=RetryPolicy(timeout_s=30))
       import threading
       threading.Timer(1.0, held.cancel).start()
       with ds:

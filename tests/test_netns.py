@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from grain_elevator.server.launcher import LocalServer
+from grain_elevator.tools.launcher import LocalServer
 
 SCRIPT = pathlib.Path(__file__).parent / "scripts" / "stream_check.py"
 SERVER_IP, CLIENT_IP = "192.0.2.1", "192.0.2.2"

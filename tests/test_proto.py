@@ -5,7 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.proto import generate, tree, wire
+from helpers import proto_batch, proto_leaves
 
 
 def test_committed_stubs_match_the_proto():
@@ -21,10 +23,10 @@ def test_committed_stubs_match_the_proto():
     np.zeros((0, 5), dtype=np.int64),
 ])
 def test_tensor_round_trip(array):
-  batch = wire.encode_batch(3, [array])
-  parsed = type(batch).FromString(batch.SerializeToString())
-  (out,) = wire.decode_leaves(parsed)
-  assert parsed.step == 3
+  data = wire.encode_batch_bytes(3, [array])
+  parsed = pb.Batch.FromString(data)  # valid for protobuf's own parser
+  step, (out,) = wire.decode_batch_bytes(data)
+  assert parsed.step == step == 3
   assert out.shape == array.shape
   assert out.dtype.newbyteorder("=") == array.dtype.newbyteorder("=")
   np.testing.assert_array_equal(out, array)
@@ -57,16 +59,15 @@ LEAF_CASES = [
 @pytest.mark.parametrize("step", [0, 1, 300, 10**12])
 def test_fast_encoding_is_the_proto_encoding(step, leaves):
   fast = wire.encode_batch_bytes(step, leaves)
-  assert fast == wire.encode_batch(step, leaves).SerializeToString()
+  assert fast == proto_batch(step, leaves).SerializeToString()
 
 
 @pytest.mark.parametrize("leaves", LEAF_CASES)
 def test_fast_decoding_reads_what_protobuf_writes(leaves):
-  from grain_elevator.proto import elevator_pb2 as pb
-  msg = wire.encode_batch(7, leaves)
+  msg = proto_batch(7, leaves)
   step, out = wire.decode_batch_bytes(msg.SerializeToString())
   assert step == 7
-  for got, want in zip(out, wire.decode_leaves(msg), strict=True):
+  for got, want in zip(out, proto_leaves(msg), strict=True):
     assert got.dtype == want.dtype and got.shape == want.shape
     assert got.tobytes() == want.tobytes()
   # Unknown fields (a newer server) are skipped, and unpacked shapes read.
@@ -90,7 +91,6 @@ def test_zstd_batches_are_valid_protobuf_and_round_trip(leaves):
   """Compressed tensors stay readable by any language's stubs (zstd frame in
   Tensor.data, Tensor.compression set); small ones go raw."""
   import zstandard
-  from grain_elevator.proto import elevator_pb2 as pb
   data = wire.encode_batch_bytes(3, leaves, wire.COMPRESSION_ZSTD)
   msg = pb.Batch.FromString(data)  # protobuf's own parser accepts it
   for t, a in zip(msg.leaves, leaves, strict=True):
@@ -100,7 +100,7 @@ def test_zstd_batches_are_valid_protobuf_and_round_trip(leaves):
     assert raw == np.ascontiguousarray(a.astype(a.dtype.newbyteorder("<"))).tobytes()
   step, out = wire.decode_batch_bytes(data)
   assert step == 3
-  for got, want in zip(out, wire.decode_leaves(msg), strict=True):
+  for got, want in zip(out, proto_leaves(msg), strict=True):
     assert got.dtype == want.dtype and got.shape == want.shape
     assert got.tobytes() == want.tobytes() == np.asarray(
         want, dtype=got.dtype).tobytes()

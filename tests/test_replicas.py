@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from grain_elevator.client import RemoteDataset
-from grain_elevator.server.launcher import LocalServer
+from grain_elevator.tools.launcher import LocalServer
 from helpers import assert_streams_equal
 
 

@@ -6,13 +6,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from grain_elevator.client import RemoteDataset
+from grain_elevator.client import RemoteDataset, TransportOptions
 from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.proto import tree, wire
 from grain_elevator.proto.rows import MIN_ROW_BYTES, RowStack
-from grain_elevator.server import collate, examples
-from grain_elevator.server.launcher import LocalServer
-from helpers import assert_streams_equal
+from grain_elevator.server import collate
+from grain_elevator.tools import examples
+from grain_elevator.tools.launcher import LocalServer
+from helpers import assert_streams_equal, proto_batch
 
 BIG = {"height": 96, "width": 96, "channels": 3}  # 27,648 B of pixels a record
 assert BIG["height"] * BIG["width"] * BIG["channels"] >= MIN_ROW_BYTES
@@ -51,7 +52,7 @@ def test_a_row_stack_of_empty_rows_is_the_empty_stack():
   rows = [np.zeros((0, 3), np.float32)] * 4
   stack = RowStack(rows)
   assert stack.nbytes == 0 and [len(b) for b in stack.buffers()] == [0] * 4
-  want = wire.encode_batch(5, [np.stack(rows)]).SerializeToString()
+  want = proto_batch(5, [np.stack(rows)]).SerializeToString()
   assert wire.encode_batch_bytes(5, [stack]) == want
 
 
@@ -61,7 +62,7 @@ def test_a_row_stack_encodes_as_the_stacked_batch(dtype, step):
   rows = [r.astype(dtype) for r in _rows(3, (9, 11))]
   leaves = [np.arange(3), RowStack(rows)]
   stacked = [np.arange(3), np.stack(rows)]
-  want = wire.encode_batch(step, stacked).SerializeToString()
+  want = proto_batch(step, stacked).SerializeToString()
   assert wire.encode_batch_bytes(step, leaves) == want
   got_step, got = wire.decode_batch_bytes(want)
   assert got_step == step and got[1].tobytes() == np.stack(rows).astype(
@@ -108,9 +109,9 @@ def test_collate_stacks_a_leaf_once_a_row_is_strided():
 def _dataset(name: str, *, batch_transform: bool, **extra: object) -> str:
   """A config section over the big-record shards, 96x96x3 images."""
   lines = [f"[datasets.{name}]", 'paths = ["big/*.array_record"]',
-           'pipeline = "grain_elevator.server.examples:decode_images"', "seed = 2"]
+           'pipeline = "grain_elevator.tools.examples:decode_images"', "seed = 2"]
   if batch_transform:
-    lines.append('batch_transform = "grain_elevator.server.examples:decode_images_batch"')
+    lines.append('batch_transform = "grain_elevator.tools.examples:decode_images_batch"')
   lines += [f"{k} = {v}" for k, v in extra.items() if k != "normalize"]
   lines += [f"[datasets.{name}.options]", "height = 96", "width = 96", "channels = 3"]
   if extra.get("normalize"):
@@ -147,8 +148,8 @@ def big_server(big_config):
 def test_big_rows_are_served_bit_identical_to_embedded(big_server, big_config, dataset,
                                                        transport, compression):
   kwargs = dict(shard_index=1, shard_count=2)
-  with RemoteDataset(big_server.target, dataset, 16, transport=transport,
-                     compression=compression, **kwargs) as remote:
+  with RemoteDataset(big_server.target, dataset, 16, transport=TransportOptions(
+      kind=transport, compression=compression), **kwargs) as remote:
     with RemoteDataset.embedded(big_config, dataset, 16, prefetch=0, **kwargs) as local:
       steps = assert_streams_equal(remote, local)
   assert steps == (240 if dataset == "batch_float" else 120) // 16

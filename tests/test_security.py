@@ -7,12 +7,13 @@ import subprocess
 
 import pytest
 
-from grain_elevator.client import (RemoteDataset, ServiceUnavailableError,
-                                   UnauthenticatedError)
-from grain_elevator.server.launcher import ELEVATOR, LocalServer
+from grain_elevator.client import (RemoteDataset, RetryPolicy, Security,
+                                   ServiceUnavailableError, UnauthenticatedError)
+from grain_elevator.tools.launcher import ELEVATOR, LocalServer
 from helpers import assert_trees_equal, oracle_batch
 
 TOKEN = "s3cret-token-for-tests"
+QUICK = RetryPolicy(timeout_s=1.5)
 
 
 def _openssl(*args: str, cwd: pathlib.Path) -> None:
@@ -56,7 +57,8 @@ def token_server(config_path, pki):
 
 
 def test_right_token_serves(token_server, oracle):
-  with RemoteDataset(token_server.target, "plain", 16, auth_token=TOKEN) as ds:
+  with RemoteDataset(token_server.target, "plain", 16,
+                     security=Security(auth_token=TOKEN)) as ds:
     assert_trees_equal(next(iter(ds)), oracle_batch(oracle, "plain", 0, 16))
 
 
@@ -64,7 +66,8 @@ def test_right_token_serves(token_server, oracle):
     (None, "missing bearer token"), ("guess", "wrong bearer token")])
 def test_missing_or_wrong_token_is_unauthenticated(token_server, token, message):
   with pytest.raises(UnauthenticatedError, match=message) as info:
-    iter(RemoteDataset(token_server.target, "plain", 16, auth_token=token))
+    iter(RemoteDataset(token_server.target, "plain", 16,
+                       security=Security(auth_token=token)))
   assert TOKEN not in str(info.value)
   assert TOKEN not in token_server.stderr()
 
@@ -92,31 +95,31 @@ def mtls_server(config_path, pki):
 
 def test_tls_with_the_right_ca(tls_server, pki, oracle):
   with RemoteDataset(tls_server.target, "plain", 16,
-                     root_certificates=_read(pki, "ca.pem")) as ds:
+                     security=Security(root_certificates=_read(pki, "ca.pem"))) as ds:
     assert_trees_equal(next(iter(ds)), oracle_batch(oracle, "plain", 0, 16))
 
 
 def test_tls_with_a_wrong_ca_is_refused(tls_server, pki):
   with pytest.raises(ServiceUnavailableError, match="UNAVAILABLE"):
-    iter(RemoteDataset(tls_server.target, "plain", 16, retry_timeout_s=1.5,
-                       root_certificates=_read(pki, "other-ca.pem")))
+    iter(RemoteDataset(tls_server.target, "plain", 16, retry=QUICK,
+                       security=Security(root_certificates=_read(pki, "other-ca.pem"))))
 
 
 def test_plaintext_client_cannot_talk_to_tls(tls_server):
   with pytest.raises(ServiceUnavailableError, match="UNAVAILABLE"):
-    iter(RemoteDataset(tls_server.target, "plain", 16, retry_timeout_s=1.5))
+    iter(RemoteDataset(tls_server.target, "plain", 16, retry=QUICK))
 
 
 def test_mtls_without_a_client_certificate_is_refused(mtls_server, pki):
   with pytest.raises(ServiceUnavailableError, match="UNAVAILABLE"):
-    iter(RemoteDataset(mtls_server.target, "plain", 16, retry_timeout_s=1.5,
-                       root_certificates=_read(pki, "ca.pem")))
+    iter(RemoteDataset(mtls_server.target, "plain", 16, retry=QUICK,
+                       security=Security(root_certificates=_read(pki, "ca.pem"))))
 
 
 def test_mtls_with_a_client_certificate(mtls_server, pki, oracle):
-  with RemoteDataset(mtls_server.target, "plain", 16, root_certificates=_read(pki, "ca.pem"),
-                     private_key=_read(pki, "client.key"),
-                     certificate_chain=_read(pki, "client.pem")) as ds:
+  with RemoteDataset(mtls_server.target, "plain", 16, security=Security.from_files(
+      root_certificates=str(pki / "ca.pem"), private_key=str(pki / "client.key"),
+      certificate_chain=str(pki / "client.pem"))) as ds:
     assert_trees_equal(next(iter(ds)), oracle_batch(oracle, "plain", 0, 16))
 
 

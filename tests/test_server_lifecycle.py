@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from grain_elevator.server.launcher import ELEVATOR, LocalServer
+from grain_elevator.tools.launcher import ELEVATOR, LocalServer
 from grain_elevator.client import RemoteDataset
 from helpers import assert_trees_equal, oracle_batch, worker_pids
 

@@ -7,7 +7,7 @@ import itertools
 import numpy as np
 import pytest
 
-from grain_elevator.client import RemoteDataset
+from grain_elevator.client import RemoteDataset, TransportOptions
 from helpers import assert_streams_equal, assert_trees_equal, oracle_batch
 
 # (dataset, G, H, h): seeds 7/3/11/5, shuffle on/off, 1 and 2 epochs, forever.
@@ -54,8 +54,9 @@ def test_in_flight_settings_do_not_change_the_stream(server, config_path, prefet
                                                      steps_per_request, connections):
   kwargs = dict(shard_index=1, shard_count=2)
   with RemoteDataset(server.target, "aug2", 48, prefetch=prefetch,
-                     steps_per_request=steps_per_request,
-                     connections_per_target=connections, **kwargs) as remote:
+                     transport=TransportOptions(steps_per_request=steps_per_request,
+                                                connections_per_target=connections),
+                     **kwargs) as remote:
     with RemoteDataset.embedded(config_path, "aug2", 48, **kwargs) as local:
       assert assert_streams_equal(remote, local) == 41
 
@@ -64,7 +65,7 @@ def test_in_flight_settings_do_not_change_the_stream(server, config_path, prefet
 def test_server_reading_through_array_record_matches_oracle(config_path, dataset, g, n, h):
   """The same stream whichever reader a server uses: ArrayRecord's here,
   server/shard_reader.py in embedded mode (and in the `server` fixture)."""
-  from grain_elevator.server.launcher import LocalServer
+  from grain_elevator.tools.launcher import LocalServer
   with LocalServer(config_path, workers=1, env={"ELEVATOR_SHARD_READER": "arrayrecord"}) as srv:
     with RemoteDataset(srv.target, dataset, g, shard_index=h, shard_count=n) as remote:
       with RemoteDataset.embedded(config_path, dataset, g, shard_index=h,

@@ -14,7 +14,7 @@ from array_record.python.array_record_module import ArrayRecordReader, ArrayReco
 
 from grain_elevator.server import dataset as dataset_lib
 from grain_elevator.server import shard_reader
-from grain_elevator.server.errors import ConfigError, DataLossError
+from grain_elevator.proto.errors import ConfigError, DataLossError
 
 pytestmark = pytest.mark.skipif(not shard_reader.available(),
                                 reason="grain_elevator.server._riegeli was not built")

@@ -13,8 +13,8 @@ import time
 import numpy as np
 import psutil
 
-from grain_elevator.client import RemoteDataset
-from grain_elevator.server.launcher import LocalServer
+from grain_elevator.client import RemoteDataset, RetryPolicy
+from grain_elevator.tools.launcher import LocalServer
 from helpers import oracle_batch, worker_pids
 
 CLIENTS = [  # dataset, G, h, H, steps
@@ -34,7 +34,7 @@ def test_four_clients_while_workers_die(config_path, oracle):
     def consume(dataset, g, h, n, steps):
       try:
         with RemoteDataset(server.target, dataset, g, shard_index=h, shard_count=n,
-                           prefetch=4, retry_timeout_s=60) as ds:
+                           prefetch=4, retry=RetryPolicy(timeout_s=60)) as ds:
           results[dataset] = [b["id"] for b in itertools.islice(iter(ds), steps)]
       except BaseException as e:  # pylint: disable=broad-except
         errors.append(e)

@@ -10,7 +10,7 @@ import sys
 
 import numpy as np
 
-from grain_elevator.client import RemoteDataset
+from grain_elevator.client import RemoteDataset, RetryPolicy
 
 
 def main() -> int:
@@ -20,8 +20,8 @@ def main() -> int:
   p.add_argument("--dataset", default="aug2")
   p.add_argument("-G", type=int, default=8)
   a = p.parse_args()
-  with RemoteDataset(a.target, a.dataset, a.G, prefetch=8, retry_timeout_s=60,
-                     request_timeout_s=20) as remote, \
+  with RemoteDataset(a.target, a.dataset, a.G, prefetch=8,
+                     retry=RetryPolicy(timeout_s=60, request_timeout_s=20)) as remote, \
        RemoteDataset.embedded(a.config, a.dataset, a.G, prefetch=0) as local:
     steps = 0
     for k, (x, y) in enumerate(zip(remote, local, strict=True)):

@@ -39,7 +39,7 @@ def _nbytes(batch: Any) -> int:
 
 def _grain_local(spec: dict[str, Any]) -> Callable[[], Any]:
   import grain  # pylint: disable=g-import-not-at-top
-  from grain_elevator.server import examples  # pylint: disable=g-import-not-at-top
+  from grain_elevator.tools import examples  # pylint: disable=g-import-not-at-top
   from absl import flags  # pylint: disable=g-import-not-at-top
   flags.FLAGS.mark_as_parsed()
 
@@ -58,17 +58,19 @@ def _grain_local(spec: dict[str, Any]) -> Callable[[], Any]:
 
 
 def _elevator(spec: dict[str, Any]) -> Callable[[], Any]:
-  from grain_elevator.client import RemoteDataset  # pylint: disable=g-import-not-at-top
+  from grain_elevator.client import RemoteDataset, TransportOptions  # pylint: disable=g-import-not-at-top
+  client = dict(spec.get("client", {}))
+  client["transport"] = TransportOptions(**client.get("transport", {}))
 
   def make():
     return iter(RemoteDataset(spec["target"], spec["dataset"], spec["global_batch_size"],
-                              **spec.get("client", {})))
+                              **client))
   return make
 
 
 def _tfdata(spec: dict[str, Any]) -> Callable[[], Any]:
   """tf.data service (system e): TFRecord files through `distribute`."""
-  from grain_elevator.server.bench import tfdata  # pylint: disable=g-import-not-at-top
+  from grain_elevator.tools.bench import tfdata  # pylint: disable=g-import-not-at-top
   tfdata.import_tf()  # outside `make`, as Grain's import is: not part of first batch
 
   def make():
@@ -93,7 +95,7 @@ class _Received:
 
 
 def _receiver(spec: dict[str, Any]) -> _Received:
-  from grain_elevator.server.bench import floor, tcp  # pylint: disable=g-import-not-at-top
+  from grain_elevator.tools.bench import floor, tcp  # pylint: disable=g-import-not-at-top
   if spec["system"] == "floor":
     return _Received(floor.Receiver(spec["ports"], spec["batch_bytes"]))
   return _Received(tcp.Receiver(spec["tcp_port"], spec["batch_bytes"]))

@@ -1,4 +1,8 @@
-"""The `elevator` command: serve, describe, demo."""
+"""The `elevator` command: a front end over the server and client APIs.
+
+serve, describe and health need only the base install; demo, bench and
+bench-feed need extras (demo, bench), imported when those commands run.
+"""
 
 from __future__ import annotations
 
@@ -9,39 +13,26 @@ import pathlib
 import sys
 
 from grain_elevator.proto import wire
+from grain_elevator.proto.errors import ElevatorError
 from grain_elevator.server import logs
-from grain_elevator.server.errors import ElevatorError
 
 
 def _serve(args: argparse.Namespace) -> int:
-  from grain_elevator.server import supervisor, worker  # pylint: disable=g-import-not-at-top
-  opts = worker.WorkerOptions(config_path=args.config, host=args.host,
-                              port=args.port, threads=args.threads,
-                              grace_s=args.grace, tls_cert=args.tls_cert,
-                              tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
-                              auth_token_file=args.auth_token_file,
-                              max_concurrent_rpcs=args.max_concurrent_rpcs,
-                              max_message_bytes=args.max_message_bytes,
-                              bulk_port=_bulk_port(args))
-  return supervisor.serve(opts, args.workers)
-
-
-def _bulk_port(args: argparse.Namespace) -> int | None:
-  """On by default (a free port, advertised in Describe); plaintext, so off
-  under TLS, and an error if asked for explicitly with TLS."""
-  if args.no_bulk:
-    return None
-  if args.tls_cert:
-    if args.bulk_port is not None:
-      raise ElevatorError("--bulk-port serves plaintext and cannot be combined with "
-                          "--tls-cert; TLS clients use gRPC (drop --bulk-port)")
-    return None
-  return 0 if args.bulk_port is None else args.bulk_port
+  from grain_elevator import server  # pylint: disable=g-import-not-at-top
+  bulk = False if args.no_bulk else (True if args.bulk_port is not None else None)
+  options = server.ServerOptions(
+      host=args.host, port=args.port, workers=args.workers, threads=args.threads,
+      grace_s=args.grace, max_concurrent_requests=args.max_concurrent_rpcs,
+      max_message_bytes=args.max_message_bytes, tls_cert=args.tls_cert,
+      tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
+      auth_token_file=args.auth_token_file, bulk=bulk, bulk_port=args.bulk_port or 0)
+  return server.serve(args.config, options)
 
 
 def _describe(args: argparse.Namespace) -> int:
-  from grain_elevator.client import describe  # pylint: disable=g-import-not-at-top
-  infos = describe(args.target, args.dataset or None)
+  from grain_elevator.client import Security, describe  # pylint: disable=g-import-not-at-top
+  security = Security.from_files(auth_token_file=args.auth_token_file)
+  infos = describe(args.target, args.dataset or None, security=security)
   out = []
   for info in infos:
     row = {
@@ -54,7 +45,7 @@ def _describe(args: argparse.Namespace) -> int:
     }
     if args.global_batch_size:
       total = info.total_steps(args.global_batch_size)
-      row["steps_per_epoch"] = info.num_records // args.global_batch_size
+      row["steps_per_epoch"] = info.steps_per_epoch(args.global_batch_size)
       row["total_steps"] = "forever" if total is None else total
     out.append(row)
   print(json.dumps(out, indent=2))
@@ -77,14 +68,14 @@ def _health(args: argparse.Namespace) -> int:
 
 
 def _make_dataset(args: argparse.Namespace) -> int:
-  from grain_elevator.server import demo  # pylint: disable=g-import-not-at-top
+  from grain_elevator.tools import demo  # pylint: disable=g-import-not-at-top
   config, _ = demo.write_dataset(pathlib.Path(args.dir), args.source)
   print(f"wrote {config}")
   return 0
 
 
 def _bench(args: argparse.Namespace) -> int:
-  from grain_elevator.server.bench import run  # pylint: disable=g-import-not-at-top
+  from grain_elevator.tools.bench import run  # pylint: disable=g-import-not-at-top
   report = run.run(
       data_dir=args.data, workload_names=args.workloads.split(","),
       workers=[int(w) for w in args.workers.split(",")], repeats=args.repeats,
@@ -108,8 +99,8 @@ def _bench_feed(args: argparse.Namespace) -> int:
   os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
   import tempfile  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
-  from grain_elevator.server.bench import feed, workloads  # pylint: disable=g-import-not-at-top
-  from grain_elevator.server.launcher import LocalServer  # pylint: disable=g-import-not-at-top
+  from grain_elevator.tools.bench import feed, workloads  # pylint: disable=g-import-not-at-top
+  from grain_elevator.tools.launcher import LocalServer  # pylint: disable=g-import-not-at-top
   w = workloads.WORKLOADS["small"]
   root = pathlib.Path(args.data or os.path.join(tempfile.gettempdir(), "grain-elevator-bench"))
   config = workloads.prepare(root, w, args.records or w.default_records)
@@ -138,7 +129,7 @@ def _bench_feed(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-  from grain_elevator.server import demo  # pylint: disable=g-import-not-at-top
+  from grain_elevator.tools import demo  # pylint: disable=g-import-not-at-top
   return demo.run(steps=args.steps, workers=args.workers, data_dir=args.data_dir,
                   source=args.source)
 
@@ -161,9 +152,11 @@ def build_parser() -> argparse.ArgumentParser:
                  help="concurrent RPCs per worker process (default 4)")
   p.add_argument("--grace", type=float, default=5.0,
                  help="seconds in-flight requests get on shutdown (default 5)")
-  p.add_argument("--max-concurrent-rpcs", type=int, default=16,
-                 help="RPCs one worker accepts at once; more get RESOURCE_EXHAUSTED "
-                      "and clients back off (default 16)")
+  p.add_argument("--max-concurrent-requests", "--max-concurrent-rpcs",
+                 dest="max_concurrent_rpcs", type=int, default=16,
+                 help="requests (both transports) one worker accepts at once; more get "
+                      "RESOURCE_EXHAUSTED and clients back off; health checks are not "
+                      "counted (default 16)")
   p.add_argument("--max-message-bytes", type=int, default=256 << 20,
                  help="largest batch message (one host's rows of one step); "
                       "checked before building it (default 256 MiB)")
@@ -187,6 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--dataset", default="", help="only this dataset")
   p.add_argument("-G", "--global-batch-size", type=int, default=0,
                  help="also show steps per epoch and in total for this G")
+  p.add_argument("--auth-token-file", default=None,
+                 help="file holding the bearer token of a server run with one")
   p.set_defaults(fn=_describe)
 
   p = sub.add_parser("health", help="exit 0 if a server answers SERVING (for probes)")

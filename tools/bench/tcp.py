@@ -11,7 +11,7 @@ import os
 import socket
 import sys
 
-from grain_elevator.server.bench import portfile
+from grain_elevator.tools.bench import portfile
 
 
 def serve(port_file: str, batch_bytes: int) -> None:

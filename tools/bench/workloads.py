@@ -15,7 +15,7 @@ import textwrap
 
 import numpy as np
 
-from grain_elevator.server import examples
+from grain_elevator.tools import examples
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +53,6 @@ WORKLOADS = {
 def prepare(root: pathlib.Path, w: Workload, num_records: int, num_shards: int = 8,
             progress=None) -> str:
   """Writes shards (unless present) and a config; returns the config path."""
-  from array_record.python.array_record_module import ArrayRecordWriter  # pylint: disable=g-import-not-at-top
   shards = root / w.name
   marker = shards / f".complete-{num_records}"
   if not marker.exists():
@@ -61,17 +60,12 @@ def prepare(root: pathlib.Path, w: Workload, num_records: int, num_shards: int =
     for old in shards.glob("*.array_record"):
       old.unlink()
     rng = np.random.default_rng(0)
-    per = -(-num_records // num_shards)
-    for s in range(num_shards):
-      writer = ArrayRecordWriter(
-          str(shards / f"{w.name}-{s:05d}-of-{num_shards:05d}.array_record"), "group_size:1")
-      ids = range(s * per, min((s + 1) * per, num_records))
-      for i in ids:
-        image = rng.integers(0, 256, size=(w.height, w.width, w.channels), dtype=np.uint8)
-        writer.write(examples.encode_record(i, i % 10, image))
-      writer.close()
-      if progress:
-        progress(s + 1, num_shards)
+    examples.write_shards(
+        str(shards), num_records,
+        lambda i: examples.encode_record(
+            i, i % 10, rng.integers(0, 256, size=(w.height, w.width, w.channels),
+                                    dtype=np.uint8)),
+        num_shards=num_shards, prefix=w.name, progress=progress)
     marker.touch()
   config = root / f"{w.name}.toml"
   opts = "\n".join(f"{k} = {str(v).lower() if isinstance(v, bool) else v}"
@@ -79,8 +73,8 @@ def prepare(root: pathlib.Path, w: Workload, num_records: int, num_shards: int =
   body = textwrap.dedent(f"""\
       [datasets.{w.name}]
       paths = ["{w.name}/*.array_record"]
-      pipeline = "grain_elevator.server.examples:decode_images"
-      batch_transform = "grain_elevator.server.examples:decode_images_batch"
+      pipeline = "grain_elevator.tools.examples:decode_images"
+      batch_transform = "grain_elevator.tools.examples:decode_images_batch"
       seed = 1
       num_epochs = 0
       [datasets.{w.name}.options]
@@ -88,7 +82,7 @@ def prepare(root: pathlib.Path, w: Workload, num_records: int, num_shards: int =
   body += textwrap.dedent(f"""
       [datasets.{w.name}_per_record]
       paths = ["{w.name}/*.array_record"]
-      pipeline = "grain_elevator.server.examples:decode_images"
+      pipeline = "grain_elevator.tools.examples:decode_images"
       seed = 1
       num_epochs = 0
       [datasets.{w.name}_per_record.options]

@@ -22,9 +22,9 @@ from typing import Sequence
 
 import numpy as np
 
-from grain_elevator.proto import bulk
-from grain_elevator.server.bench import portfile
+from grain_elevator.proto import framing
 from grain_elevator.server.dataset import BatchedArrayRecordSource, mark_absl_flags_parsed
+from grain_elevator.tools.bench import portfile
 
 
 def _send_batches(conn: socket.socket, files: Sequence[str], global_batch_size: int,
@@ -34,7 +34,7 @@ def _send_batches(conn: socket.socket, files: Sequence[str], global_batch_size: 
   try:
     while True:
       positions = [rng.randrange(len(source)) for _ in range(global_batch_size)]
-      bulk.send_parts(conn, source._getitems(positions))  # pylint: disable=protected-access
+      framing.send_parts(conn, source._getitems(positions))  # pylint: disable=protected-access
   except OSError:
     pass  # the receiver is done
   finally:
@@ -67,7 +67,7 @@ class Receiver:
     try:
       while not self._stop.is_set():
         batch = np.empty(self._batch_bytes, dtype=np.uint8)
-        bulk.recv_into(sock, memoryview(batch))
+        framing.recv_into(sock, memoryview(batch))
         self._queue.put(batch)
     except OSError as e:
       if not self._stop.is_set():

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from grain_elevator.server import examples
+from grain_elevator.tools import examples
 
 DATASET = "digits"
 IMAGE_SIDE = 8
@@ -36,18 +36,13 @@ def write_dataset(root: pathlib.Path, source: str) -> tuple[str, int]:
       source = "generated"
   if source == "digits":
     from sklearn.datasets import load_digits  # pylint: disable=g-import-not-at-top
-    from array_record.python.array_record_module import ArrayRecordWriter  # pylint: disable=g-import-not-at-top
     digits = load_digits()  # bundled with scikit-learn: no download
     images = (digits.images * (255 / 16)).round().astype(np.uint8)[..., None]
-    shards.mkdir(parents=True, exist_ok=True)
-    num_shards = 4
-    for s in range(num_shards):
-      writer = ArrayRecordWriter(
-          str(shards / f"digits-{s:05d}-of-{num_shards:05d}.array_record"), "group_size:1")
-      for i in range(s, len(images), num_shards):
-        writer.write(examples.encode_record(i, int(digits.target[i]), images[i]))
-      writer.close()
     num_records = len(images)
+    examples.write_shards(
+        str(shards), num_records,
+        lambda i: examples.encode_record(i, int(digits.target[i]), images[i]),
+        num_shards=4, prefix="digits")
     what = f"scikit-learn's {num_records} bundled 8x8 digit images"
   else:
     num_records = 10_000
@@ -58,7 +53,7 @@ def write_dataset(root: pathlib.Path, source: str) -> tuple[str, int]:
   config.write_text(textwrap.dedent(f"""\
       [datasets.{DATASET}]
       paths = ["shards/digits-*.array_record"]
-      pipeline = "grain_elevator.server.examples:decode_images"
+      pipeline = "grain_elevator.tools.examples:decode_images"
       seed = 42
       shuffle = true
       num_epochs = 0            # repeat forever; the demo stops after --steps
@@ -150,7 +145,7 @@ def run(steps: int = 200, workers: int = 2, data_dir: str | None = None,
   import jax  # pylint: disable=g-import-not-at-top
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
   from grain_elevator.client import RemoteDataset, to_device  # pylint: disable=g-import-not-at-top
-  from grain_elevator.server.launcher import LocalServer  # pylint: disable=g-import-not-at-top
+  from grain_elevator.tools.launcher import LocalServer  # pylint: disable=g-import-not-at-top
 
   tmp = None
   if data_dir is None:

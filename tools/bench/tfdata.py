@@ -4,9 +4,9 @@ The same records, stored as TFRecord, served by one dispatcher and W worker
 processes, read by a trainer in a third process through the `distribute` op.
 TensorFlow is an optional extra, so nothing here imports it at module level.
 
-    python -m grain_elevator.server.bench.tfdata dispatcher --port-file F
-    python -m grain_elevator.server.bench.tfdata worker --dispatcher-port P --port-file F
-    python -m grain_elevator.server.bench.tfdata smoke --data-dir D --workload small
+    python -m grain_elevator.tools.bench.tfdata dispatcher --port-file F
+    python -m grain_elevator.tools.bench.tfdata worker --dispatcher-port P --port-file F
+    python -m grain_elevator.tools.bench.tfdata smoke --data-dir D --workload small
 
 TensorFlow's data servers listen on 0.0.0.0 (hard-coded in its server_lib);
 everything here only ever connects to localhost.
@@ -27,13 +27,13 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Sequence
 
-from grain_elevator.server.bench import portfile
+from grain_elevator.tools.bench import portfile
 
 if TYPE_CHECKING:
   import tensorflow as tf
-  from grain_elevator.server.bench.workloads import Workload
+  from grain_elevator.tools.bench.workloads import Workload
 
-TFDATA = (sys.executable, "-m", "grain_elevator.server.bench.tfdata")
+TFDATA = (sys.executable, "-m", "grain_elevator.tools.bench.tfdata")
 READY_TIMEOUT_S = 60.0
 SHUFFLE_BUFFER = 10_000
 SHUFFLE_BUFFER_BYTES = 256 << 20
@@ -57,7 +57,7 @@ def prepare_tfrecords(root: pathlib.Path, w: Workload) -> list[str]:
   with a different count rewrites them, as `workloads.prepare` does.
   """
   from array_record.python.array_record_module import ArrayRecordReader  # pylint: disable=g-import-not-at-top
-  from grain_elevator.server.bench import workloads  # pylint: disable=g-import-not-at-top
+  from grain_elevator.tools.bench import workloads  # pylint: disable=g-import-not-at-top
   sources = workloads.shard_files(root, w)
   if not sources:
     raise FileNotFoundError(f"no ArrayRecord shards for {w.name!r} in {root / w.name}: "
@@ -287,7 +287,7 @@ def serve_worker(dispatcher_port: int, port_file: str, parent_pid: int = 0) -> N
 def smoke(data_dir: str, workload: str, workers: int, seconds: float, warmup_s: float,
           records: int | None) -> dict[str, Any]:
   """Prepares data, starts a service, runs consume.py once in a fresh process."""
-  from grain_elevator.server.bench import workloads  # pylint: disable=g-import-not-at-top
+  from grain_elevator.tools.bench import workloads  # pylint: disable=g-import-not-at-top
   w = workloads.WORKLOADS[workload]
   root = pathlib.Path(data_dir)
   workloads.prepare(root, w, records or w.default_records)
@@ -295,7 +295,7 @@ def smoke(data_dir: str, workload: str, workers: int, seconds: float, warmup_s: 
   workloads.warm_page_cache(files)
   with TfDataService(workers) as svc:
     spec = {**consume_spec(w, svc.target, files), "seconds": seconds, "warmup_s": warmup_s}
-    out = subprocess.run([sys.executable, "-m", "grain_elevator.server.bench.consume",
+    out = subprocess.run([sys.executable, "-m", "grain_elevator.tools.bench.consume",
                           json.dumps(spec)], capture_output=True, text=True, timeout=300)
     if out.returncode != 0:
       raise RuntimeError(f"consume failed:\n{out.stderr[-3000:]}")
@@ -304,7 +304,7 @@ def smoke(data_dir: str, workload: str, workers: int, seconds: float, warmup_s: 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-  p = argparse.ArgumentParser(prog="python -m grain_elevator.server.bench.tfdata",
+  p = argparse.ArgumentParser(prog="python -m grain_elevator.tools.bench.tfdata",
                               description=__doc__.split("\n\n")[0])
   sub = p.add_subparsers(dest="cmd", required=True)
   disp = sub.add_parser("dispatcher", help="run a tf.data service dispatcher")

@@ -1,19 +1,24 @@
-"""The contract of DESIGN.md §1: which record positions a host gets for a step.
+"""The contract: which records a host receives for a step (docs/design.md).
 
-This module is the one home of that mapping. The server and embedded mode
-both call it, so they cannot disagree:
+The one home of that mapping; the server, embedded mode and the client's
+device feeding all call it, so they cannot disagree:
 
-    global batch k = records[k*G : (k+1)*G]
+    global batch k = records[k*G : (k+1)*G]          (the final partial batch is dropped)
     host h of H    = rows [h*G/H, (h+1)*G/H) of global batch k
 
-Nothing else (replicas, worker processes, timing, retries) enters.
+Nothing else (replicas, worker processes, timing, retries) enters. What
+defines `records` itself is written down once too: `stream_fingerprint`
+hashes it, and a cursor or request for another stream is refused.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import sys
+from typing import Any, Mapping
 
-from grain_elevator.server.errors import EndOfDataError, InvalidRequestError
+from grain_elevator.proto.errors import EndOfDataError, InvalidRequestError
 
 MAX_SHARD_COUNT = 1 << 20
 # Length Grain gives a stream that repeats forever (`repeat(None)`).
@@ -37,6 +42,25 @@ def check_geometry(global_batch_size: int, shard_index: int, shard_count: int) -
         f"shard_index must be in [0, {n}) for shard_count {n}, got {h}")
 
 
+def host_rows(global_batch_size: int, shard_index: int, shard_count: int) -> range:
+  """Rows of each global batch that host h of H receives."""
+  rows = global_batch_size // shard_count
+  return range(shard_index * rows, (shard_index + 1) * rows)
+
+
+def host_positions(step: int, global_batch_size: int, shard_index: int,
+                   shard_count: int) -> range:
+  """Record positions of host h's rows of global batch `step`."""
+  rows = host_rows(global_batch_size, shard_index, shard_count)
+  first = step * global_batch_size
+  return range(first + rows.start, first + rows.stop)
+
+
+def steps_per_epoch(num_records: int, global_batch_size: int) -> int:
+  """Whole global batches in one epoch of `num_records`."""
+  return num_records // global_batch_size
+
+
 def total_steps(stream_length: int, global_batch_size: int) -> int:
   """Whole global batches in a stream; the final partial batch is dropped."""
   return stream_length // global_batch_size
@@ -57,9 +81,9 @@ def check_steps(start_step: int, num_steps: int, stream_length: int,
         f"(the final partial batch is dropped)")
 
 
-def host_positions(step: int, global_batch_size: int, shard_index: int,
-                   shard_count: int) -> range:
-  """Record positions of host h's rows of global batch `step`."""
-  rows = global_batch_size // shard_count
-  start = step * global_batch_size + shard_index * rows
-  return range(start, start + rows)
+def stream_fingerprint(definition: Mapping[str, Any]) -> str:
+  """A short, stable hash of everything that defines a record stream (files,
+  pipeline and its options, seed, shuffle, epochs): equal only for streams
+  that yield the same records."""
+  text = json.dumps(definition, sort_keys=True, default=repr)
+  return hashlib.sha256(text.encode()).hexdigest()[:16]

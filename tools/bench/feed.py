@@ -87,9 +87,9 @@ def run(*, server_target: str, dataset: str, files: list[str],
   import grain  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
   from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
-  from grain_elevator.client import RemoteDataset  # pylint: disable=g-import-not-at-top
+  from grain_elevator.client import RemoteDataset, TransportOptions  # pylint: disable=g-import-not-at-top
   from grain_elevator.client import device  # pylint: disable=g-import-not-at-top
-  from grain_elevator.server import examples  # pylint: disable=g-import-not-at-top
+  from grain_elevator.tools import examples  # pylint: disable=g-import-not-at-top
 
   mesh = jax.make_mesh((jax.device_count(),), ("data",))
   sharding = NamedSharding(mesh, P("data"))
@@ -110,7 +110,7 @@ def run(*, server_target: str, dataset: str, files: list[str],
   # (b) The service through to_device's stages, its put timed.
   clock = _TransferClock()
   remote = RemoteDataset(server_target, dataset, global_batch_size, prefetch=16,
-                         steps_per_request=4)
+                         transport=TransportOptions(steps_per_request=4))
   it = iter(device.buffered_put(
       remote, clock.timed_put(device.PutOnMesh(sharding, None)), 4, 2))
   r = _loop(it, steps, step_ms / 1e3)

@@ -1,15 +1,16 @@
 """A small image dataset format and its pipelines, for the demo, tests and bench.
 
 A record is fixed-size bytes: ``id:int64 | label:int64 | image:uint8[h*w*c]``.
-`write_image_shards` writes such records as ArrayRecord shards; the pipelines
-below are what a config's ``pipeline = "..."`` names.
+`write_shards` writes any records as ArrayRecord shards (`write_image_shards`
+a generated, learnable dataset of this format); the pipelines below are what
+a config's ``pipeline = "..."`` names.
 """
 
 from __future__ import annotations
 
 import functools
 import os
-from typing import Any
+from typing import Any, Callable
 
 import grain
 import numpy as np
@@ -38,6 +39,29 @@ def decode_record(raw: bytes, height: int, width: int, channels: int) -> dict[st
   }
 
 
+def write_shards(out_dir: str, num_records: int, record: Callable[[int], bytes], *,
+                 num_shards: int, prefix: str = "train",
+                 progress: Callable[[int, int], None] | None = None) -> list[str]:
+  """Writes records 0..num_records-1 (`record(i)`, called in order) as
+  ArrayRecord shards `PREFIX-SSSSS-of-NNNNN.array_record` with ArrayRecord's
+  default options, consecutive records to each shard; returns their paths.
+  `progress(shards_done, num_shards)` is called after each shard."""
+  from array_record.python.array_record_module import ArrayRecordWriter  # pylint: disable=g-import-not-at-top
+  os.makedirs(out_dir, exist_ok=True)
+  paths = []
+  per_shard = -(-num_records // num_shards)
+  for s in range(num_shards):
+    path = os.path.join(out_dir, f"{prefix}-{s:05d}-of-{num_shards:05d}.array_record")
+    writer = ArrayRecordWriter(path, "group_size:1")
+    for i in range(s * per_shard, min((s + 1) * per_shard, num_records)):
+      writer.write(record(i))
+    writer.close()
+    paths.append(path)
+    if progress:
+      progress(s + 1, num_shards)
+  return paths
+
+
 def write_image_shards(out_dir: str, *, num_records: int, num_shards: int,
                        height: int = 8, width: int = 8, channels: int = 1,
                        num_classes: int = 10, seed: int = 0,
@@ -47,23 +71,16 @@ def write_image_shards(out_dir: str, *, num_records: int, num_shards: int,
   Each class has a fixed random template; an image is its template plus noise,
   so a small model can learn it. Record ids run 0..num_records-1.
   """
-  from array_record.python.array_record_module import ArrayRecordWriter  # pylint: disable=g-import-not-at-top
-  os.makedirs(out_dir, exist_ok=True)
   rng = np.random.default_rng(seed)
   templates = rng.integers(64, 192, size=(num_classes, height, width, channels))
-  paths = []
-  per_shard = -(-num_records // num_shards)
-  for s in range(num_shards):
-    path = os.path.join(out_dir, f"{prefix}-{s:05d}-of-{num_shards:05d}.array_record")
-    writer = ArrayRecordWriter(path, "group_size:1")
-    for i in range(s * per_shard, min((s + 1) * per_shard, num_records)):
-      label = int(rng.integers(num_classes))
-      noise = rng.integers(-128, 129, size=templates[label].shape)
-      image = np.clip(templates[label] + noise, 0, 255).astype(np.uint8)
-      writer.write(encode_record(i, label, image))
-    writer.close()
-    paths.append(path)
-  return paths
+
+  def record(i: int) -> bytes:
+    label = int(rng.integers(num_classes))
+    noise = rng.integers(-128, 129, size=templates[label].shape)
+    image = np.clip(templates[label] + noise, 0, 255).astype(np.uint8)
+    return encode_record(i, label, image)
+
+  return write_shards(out_dir, num_records, record, num_shards=num_shards, prefix=prefix)
 
 
 def decode_images(ds: grain.MapDataset, *, height: int, width: int,

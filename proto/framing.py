@@ -1,7 +1,9 @@
 """Framing of the bulk transport (see the end of elevator.proto).
 
 Both ends send MAGIC, then frames: a 1-byte kind, an 8-byte little-endian
-payload length, the payload. Batch payloads are received into a fresh
+payload length, the payload. A frame's length is checked against the
+receiver's limit before anything is allocated for it: this is the one place
+where that happens, for both ends. Batch payloads are received into a fresh
 buffer each (never reused), so the arrays decoded from one stay valid for as
 long as the trainer holds them.
 """
@@ -19,9 +21,6 @@ HELLO, REQUEST, BATCH, STATUS = 1, 2, 3, 4
 KINDS = {HELLO: "hello", REQUEST: "request", BATCH: "batch", STATUS: "status"}
 _HEADER = struct.Struct("<BQ")
 _IOV_MAX = 512
-# A frame bigger than this is a protocol error, not a batch (the server caps
-# batches at --max-message-bytes, 256 MiB by default).
-MAX_FRAME_BYTES = 1 << 34
 
 
 class ProtocolError(ConnectionError):
@@ -58,17 +57,21 @@ def recv_into(sock: socket.socket, view: memoryview) -> None:
     got += r
 
 
-def recv_frame(sock: socket.socket, expect: Sequence[int]) -> tuple[int, np.ndarray]:
+def recv_frame(sock: socket.socket, expect: Sequence[int],
+               limit: int) -> tuple[int, np.ndarray]:
   """The next frame's (kind, payload); the payload is a new uint8 array
-  (uninitialised before the read, so no memset is paid)."""
+  (uninitialised before the read, so no memset is paid). A frame of another
+  kind, or longer than `limit` bytes, is a ProtocolError raised before its
+  payload is read or allocated."""
   header = bytearray(_HEADER.size)
   recv_into(sock, memoryview(header))
   kind, size = _HEADER.unpack(header)
   if kind not in expect:
     raise ProtocolError(f"expected a {'/'.join(KINDS.get(k, str(k)) for k in expect)} "
                         f"frame, got kind {kind}")
-  if size > MAX_FRAME_BYTES:
-    raise ProtocolError(f"frame of {size} bytes is beyond the protocol's limit")
+  if size > limit:
+    raise ProtocolError(f"{KINDS[kind]} frame of {size} bytes is over this end's "
+                        f"limit of {limit}")
   payload = np.empty(size, dtype=np.uint8)
   if size:
     recv_into(sock, memoryview(payload))

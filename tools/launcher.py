@@ -1,22 +1,22 @@
 """Start an `elevator serve` child process and learn its address.
 
-Used by the demo and the tests; a real process, so what they exercise is
-exactly what an operator runs.
+Used by the demo, the benchmarks and the tests; a real process, so what they
+exercise is exactly what an operator runs. (In-process, use
+`grain_elevator.server.Server`.)
 """
 
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
 import sys
 import threading
 from typing import Mapping, Sequence
 
-ELEVATOR = (sys.executable, "-m", "grain_elevator.server.cli")
-_READY = re.compile(r" on (\S+):(\d+) with ")
-_BULK = re.compile(r", bulk port (\d+) ")
+from grain_elevator.server.supervisor import parse_ready_line
+
+ELEVATOR = (sys.executable, "-m", "grain_elevator.tools.cli")
 
 
 class LocalServer:
@@ -36,16 +36,14 @@ class LocalServer:
     self._drain = threading.Thread(target=self._read_stderr, daemon=True)
     self._drain.start()
     line = self.proc.stdout.readline()  # the ready line, or EOF on failure
-    match = _READY.search(line)
-    if not match:
+    ready = parse_ready_line(line)
+    if ready is None:
       self.proc.wait(30)
       self._drain.join(5)
       raise RuntimeError(
           f"elevator serve did not start (exit {self.proc.returncode}):\n{self.stderr()}")
-    self.host, self.port = match.group(1), int(match.group(2))
+    self.host, self.port, self.bulk_port = ready
     self.target = f"{self.host}:{self.port}"
-    bulk = _BULK.search(line)
-    self.bulk_port: int | None = int(bulk.group(1)) if bulk else None
 
   def _read_stderr(self) -> None:
     for line in self.proc.stderr:

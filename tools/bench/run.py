@@ -13,15 +13,15 @@ import tempfile
 import time
 from typing import Any
 
-from grain_elevator.server.bench import portfile
-from grain_elevator.server.bench import workloads as workloads_lib
 from grain_elevator.server import shard_reader
-from grain_elevator.server.launcher import LocalServer
 from grain_elevator.server.supervisor import WORKER_ENV
+from grain_elevator.tools.bench import portfile
+from grain_elevator.tools.bench import workloads as workloads_lib
+from grain_elevator.tools.launcher import LocalServer
 
-CONSUME = [sys.executable, "-m", "grain_elevator.server.bench.consume"]
-TCP = [sys.executable, "-m", "grain_elevator.server.bench.tcp"]
-FLOOR = [sys.executable, "-m", "grain_elevator.server.bench.floor"]
+CONSUME = [sys.executable, "-m", "grain_elevator.tools.bench.consume"]
+TCP = [sys.executable, "-m", "grain_elevator.tools.bench.tcp"]
+FLOOR = [sys.executable, "-m", "grain_elevator.tools.bench.floor"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,15 +36,19 @@ def _log(msg: str) -> None:
   print(msg, file=sys.stderr, flush=True)
 
 
-def _client_settings(w: workloads_lib.Workload, workers: int, **extra: Any) -> dict[str, Any]:
-  """About two requests in flight per server worker (one reading while the
+def _client_settings(w: workloads_lib.Workload, workers: int, **transport: Any
+                     ) -> dict[str, Any]:
+  """RemoteDataset's arguments (consume.py builds its TransportOptions).
+
+  About two requests in flight per server worker (one reading while the
   other sends), never fewer than 4 connections: 4 beat 2 by 11-17% on large
   records in interleaved A/B runs on 2 cores. Several steps per request
   amortise its overhead; prefetch keeps every connection busy."""
   connections = max(4, 2 * workers)
   steps = 4 if w.name == "small" else 3
-  return {"prefetch": connections * steps, "steps_per_request": steps,
-          "connections_per_target": connections, **extra}
+  return {"prefetch": connections * steps,
+          "transport": {"steps_per_request": steps, "connections_per_target": connections,
+                        **transport}}
 
 
 def _systems(w: workloads_lib.Workload, files: list[str], config: str,
@@ -69,7 +73,7 @@ def _systems(w: workloads_lib.Workload, files: list[str], config: str,
   top = max(servers)
   service = {**base, "system": "service", "target": servers[top].target, "dataset": w.name}
   out.append(System(f"service_w{top}_grpc", f"(c) service, W={top}, gRPC transport", {
-      **service, "client": _client_settings(w, top, transport="grpc")}, "service"))
+      **service, "client": _client_settings(w, top, kind="grpc")}, "service"))
   out.append(System(f"service_w{top}_zstd", f"(c) service, W={top}, zstd compression", {
       **service, "client": _client_settings(w, top, compression="zstd")}, "service"))
   out.append(System(f"service_w{top}_per_record",
@@ -88,7 +92,7 @@ def _systems(w: workloads_lib.Workload, files: list[str], config: str,
                       "raw records", {
         **base, "system": "floor", "ports": floor_ports,
         "batch_bytes": w.global_batch_size * w.record_bytes}, "floor"))
-  from grain_elevator.server.bench import tfdata  # pylint: disable=g-import-not-at-top
+  from grain_elevator.tools.bench import tfdata  # pylint: disable=g-import-not-at-top
   for workers, svc in tf_services.items():
     out.append(System(f"tfdata_w{workers}", f"(e) tf.data service, W={workers}", {
         **base, **tfdata.consume_spec(w, svc.target, tf_files)}, "tfdata"))
@@ -168,7 +172,7 @@ def run(*, data_dir: str | None, workload_names: list[str], workers: list[int],
                                 env={shard_reader.READER_ENV: "arrayrecord"})
         _log(f"[{name}] server W={max(workers)}, ArrayRecord's reader, on {ar_server.target}")
       if run_tf:
-        from grain_elevator.server.bench import tfdata as tfdata_lib  # pylint: disable=g-import-not-at-top
+        from grain_elevator.tools.bench import tfdata as tfdata_lib  # pylint: disable=g-import-not-at-top
         _log(f"[{name}] writing the records as TFRecord for tf.data ...")
         tf_files = tfdata_lib.prepare_tfrecords(root, w)
         workloads_lib.warm_page_cache(tf_files)

@@ -1,0 +1,141 @@
+"""The client's options, grouped as Grain groups its own: frozen dataclasses.
+
+    RemoteDataset(target, "train", 1024)                                  # defaults
+    RemoteDataset(target, "train", 1024, security=Security(auth_token=t))
+    RemoteDataset(target, "train", 1024,
+                  transport=TransportOptions(kind="grpc"),
+                  retry=RetryPolicy(timeout_s=300))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+
+import grpc
+
+TRANSPORT_KINDS = ("auto", "grpc", "bulk")
+COMPRESSIONS = ("none", "zstd")
+
+# Statuses after which a request is sent again (for its remaining steps) to
+# another connection or replica. CANCELLED here is a server's (one shutting
+# down); the client's own cancellations never reach the retry loop.
+RETRIABLE = frozenset({
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.ABORTED,
+    grpc.StatusCode.CANCELLED,
+})
+
+
+@dataclasses.dataclass(frozen=True)
+class TransportOptions:
+  """How batches travel.
+
+  Attributes:
+    kind: "auto": the server's bulk transport (plain TCP, a fraction of
+      gRPC's CPU cost per byte) where it offers one that can be reached,
+      else gRPC; "grpc": always gRPC; "bulk": require the bulk transport.
+      Batches are bit-identical either way; TLS means gRPC.
+    connections_per_target: TCP connections per replica, spread over its
+      worker processes. A bulk connection carries one request at a time, so
+      this also bounds the requests in flight; about two per server worker
+      keeps every worker busy.
+    steps_per_request: consecutive steps asked for in one request. The
+      window is topped up a whole request at a time; each step reaches the
+      trainer as soon as it arrives.
+    compression: "none", or "zstd": the server compresses each tensor of
+      4 KiB or more. Costs CPU on both ends; pays only on a network slower
+      than the codec (not on loopback or a fast datacenter link).
+  """
+
+  kind: str = "auto"
+  connections_per_target: int = 4
+  steps_per_request: int = 1
+  compression: str = "none"
+
+  def __post_init__(self) -> None:
+    if self.kind not in TRANSPORT_KINDS:
+      raise ValueError(f"transport kind must be one of {', '.join(TRANSPORT_KINDS)}, "
+                       f"got {self.kind!r}")
+    if self.compression not in COMPRESSIONS:
+      raise ValueError(f"compression must be one of {', '.join(COMPRESSIONS)}, "
+                       f"got {self.compression!r}")
+    if self.connections_per_target < 1 or self.steps_per_request < 1:
+      raise ValueError("need connections_per_target >= 1 and steps_per_request >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class RetryPolicy:
+  """When to try again, and when to give up.
+
+  A request that fails with a retriable status (UNAVAILABLE,
+  DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, ABORTED, a server's CANCELLED) is
+  sent again for its remaining steps to another connection or replica,
+  after a capped, jittered exponential backoff. A connection that failed is
+  shunned (its replica is tried last) for `shun_initial_s`, doubling per
+  consecutive failure up to `shun_max_s`, so a dead or frozen replica costs
+  one deadline, not one per request.
+
+  Attributes:
+    timeout_s: give up with ServiceUnavailableError after this long without
+      a step arriving.
+    request_timeout_s: deadline of one request; over the bulk transport the
+      longest wait for data.
+    connect_timeout_s: opening a connection and asking a replica what it
+      offers (a frozen host accepts, then hangs).
+    initial_backoff_s, max_backoff_s: the backoff between attempts.
+    shun_initial_s, shun_max_s: how long a failing replica is avoided.
+  """
+
+  timeout_s: float = 60.0
+  request_timeout_s: float = 120.0
+  connect_timeout_s: float = 5.0
+  initial_backoff_s: float = 0.05
+  max_backoff_s: float = 2.0
+  shun_initial_s: float = 0.5
+  shun_max_s: float = 30.0
+
+  def __post_init__(self) -> None:
+    for field in dataclasses.fields(self):
+      if getattr(self, field.name) <= 0:
+        raise ValueError(f"RetryPolicy.{field.name} must be > 0, "
+                         f"got {getattr(self, field.name)}")
+
+  def backoff_cap(self, attempt: int) -> float:
+    """The most to wait before attempt `attempt + 1` (jitter takes half to all)."""
+    return min(self.max_backoff_s, self.initial_backoff_s * 2**attempt)
+
+  def shun_s(self, failures: int) -> float:
+    """How long a replica is avoided after `failures` consecutive failures."""
+    return min(self.shun_max_s, self.shun_initial_s * 2**(failures - 1))
+
+
+@dataclasses.dataclass(frozen=True)
+class Security:
+  """TLS material (bytes, as `grpc.ssl_channel_credentials` takes them) and a
+  bearer token. Any TLS field turns TLS on (and with it, gRPC only)."""
+
+  root_certificates: bytes | None = None
+  private_key: bytes | None = None
+  certificate_chain: bytes | None = None
+  auth_token: str | None = dataclasses.field(default=None, repr=False)
+
+  @classmethod
+  def from_files(cls, *, root_certificates: str | None = None,
+                 private_key: str | None = None, certificate_chain: str | None = None,
+                 auth_token_file: str | None = None) -> "Security":
+    """The same, read from PEM files and a token file (as the server takes them)."""
+    def read(path: str | None) -> bytes | None:
+      return pathlib.Path(path).read_bytes() if path else None
+    token = pathlib.Path(auth_token_file).read_text().strip() if auth_token_file else None
+    return cls(read(root_certificates), read(private_key), read(certificate_chain), token)
+
+  @property
+  def tls(self) -> bool:
+    return any((self.root_certificates, self.private_key, self.certificate_chain))
+
+  @property
+  def metadata(self) -> tuple[tuple[str, str], ...] | None:
+    return (("authorization", f"Bearer {self.auth_token}"),) if self.auth_token else None

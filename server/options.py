@@ -1,0 +1,89 @@
+"""How a server runs: every knob of `elevator serve`, in one frozen dataclass.
+
+The CLI's flags and the Python API (`grain_elevator.server.Server`) both
+build a `ServerOptions`, and its checks run on construction, so a server
+started either way refuses the same mistakes with the same message.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from grain_elevator.proto.errors import ConfigError
+
+# A host's rows for one step are one message; bounded so that no request
+# (G = 10^9, say) makes a worker allocate without limit.
+DEFAULT_MAX_MESSAGE_BYTES = 256 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerOptions:
+  """Options of one server (all its worker processes).
+
+  Attributes:
+    host: address to listen on; "0.0.0.0" for every interface.
+    port: the gRPC port; 0 picks a free one (`Server.port` says which).
+    workers: worker processes sharing the port; None: one per core.
+    threads: gRPC requests one worker runs at once.
+    grace_s: seconds requests in flight get to finish on shutdown.
+    max_concurrent_requests: requests (Describe, GetBatches; both transports)
+      one worker accepts at once; more are answered RESOURCE_EXHAUSTED and
+      clients back off. Health checks are not counted.
+    max_message_bytes: largest batch message (one host's rows of one step),
+      checked before any record is read.
+    tls_cert, tls_key: PEM files: serve TLS (gRPC only).
+    tls_client_ca: PEM CA bundle: require client certificates it signed.
+    auth_token_file: file holding the bearer token every request must carry.
+    bulk: the bulk transport (plain TCP, a fraction of gRPC's CPU cost per
+      byte). None: offered unless TLS is on; True: required (an error with
+      TLS, since it is plaintext); False: off.
+    bulk_port: its port; 0 picks a free one, advertised in Describe.
+  """
+
+  host: str = "127.0.0.1"
+  port: int = 50051
+  workers: int | None = None
+  threads: int = 4
+  grace_s: float = 5.0
+  max_concurrent_requests: int = 16
+  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+  tls_cert: str | None = None
+  tls_key: str | None = None
+  tls_client_ca: str | None = None
+  auth_token_file: str | None = None
+  bulk: bool | None = None
+  bulk_port: int = 0
+
+  def __post_init__(self) -> None:
+    for name in ("port", "bulk_port"):
+      value = getattr(self, name)
+      if not 0 <= value < 65536:
+        raise ConfigError(f"{name} must be in [0, 65536), got {value}")
+    for name in ("threads", "max_concurrent_requests", "max_message_bytes"):
+      if getattr(self, name) < 1:
+        raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+    if self.workers is not None and self.workers < 1:
+      raise ConfigError(f"workers must be >= 1, got {self.workers}")
+    if self.grace_s < 0:
+      raise ConfigError(f"grace_s must be >= 0, got {self.grace_s}")
+    if bool(self.tls_cert) != bool(self.tls_key):
+      raise ConfigError("--tls-cert and --tls-key go together")
+    if self.tls_client_ca and not self.tls_cert:
+      raise ConfigError("--tls-client-ca needs --tls-cert and --tls-key")
+    if self.bulk and self.tls:
+      raise ConfigError(
+          "the bulk transport (--bulk-port) serves plaintext and cannot be combined "
+          "with TLS (--tls-cert); TLS clients use gRPC")
+
+  @property
+  def tls(self) -> bool:
+    return bool(self.tls_cert)
+
+  @property
+  def serves_bulk(self) -> bool:
+    return self.bulk is not False and not self.tls
+
+  @property
+  def num_workers(self) -> int:
+    return self.workers or os.cpu_count() or 1

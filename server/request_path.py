@@ -1,0 +1,189 @@
+"""The request path: every request, whichever way it came, goes through here.
+
+gRPC (server/grpc_service.py), the bulk transport (server/bulk.py) and
+embedded mode (client/embedded.py) are thin adapters around one
+`RequestPath`, so the rules live once:
+
+  1. authenticate: the bearer token, checked before any per-request work;
+  2. admit: at most `max_concurrent` requests at once over every transport
+     (RESOURCE_EXHAUSTED beyond; UNAVAILABLE once the server is stopping);
+  3. validate: dataset, fingerprint, geometry, steps, compression, and the
+     batch size limit, all before a record is read;
+  4. produce each step's rows (errors name the dataset and step);
+  5. map errors to statuses: every failure leaves as an `ElevatorError`,
+     whose class and code the transports send (proto/errors.py).
+
+Requests themselves are bounded before they are parsed: MAX_REQUEST_BYTES is
+gRPC's receive limit and the bulk transport's request frame limit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import logging
+import threading
+from typing import Any, Callable, Iterator
+
+from grain_elevator.proto import contract
+from grain_elevator.proto import elevator_pb2 as pb
+from grain_elevator.proto import wire
+from grain_elevator.proto.errors import (ElevatorError, InternalError, InvalidRequestError,
+                                         ResourceExhaustedError, ServiceUnavailableError,
+                                         StreamMismatchError, UnauthenticatedError)
+from grain_elevator.proto.spec import DatasetInfo
+from grain_elevator.server import collate as collate_lib
+from grain_elevator.server.dataset import Datasets, ElevatorDataset
+from grain_elevator.server.options import DEFAULT_MAX_MESSAGE_BYTES
+
+log = logging.getLogger("grain_elevator.server")
+
+# A request (BatchRequest, DescribeRequest, BulkRequest) is a few dozen
+# bytes; anything longer than this is refused before it is parsed, and
+# before authentication, so an unauthenticated peer costs at most this.
+MAX_REQUEST_BYTES = 1 << 20
+
+
+class Admission:
+  """Counts requests in flight; refuses beyond the limit or once closed."""
+
+  def __init__(self, limit: int | None):
+    self._limit = limit
+    self._lock = threading.Condition()
+    self._in_flight = 0
+    self._closed = False
+
+  @contextlib.contextmanager
+  def __call__(self) -> Iterator[None]:
+    with self._lock:
+      if self._closed:
+        raise ServiceUnavailableError("server is shutting down")
+      if self._limit is not None and self._in_flight >= self._limit:
+        raise ResourceExhaustedError(
+            f"worker is serving its maximum of {self._limit} concurrent requests")
+      self._in_flight += 1
+    try:
+      yield
+    finally:
+      with self._lock:
+        self._in_flight -= 1
+        self._lock.notify_all()
+
+  @property
+  def in_flight(self) -> int:
+    return self._in_flight
+
+  def close(self) -> None:
+    """Refuses every later request (UNAVAILABLE); those in flight go on."""
+    with self._lock:
+      self._closed = True
+
+  def wait_idle(self, timeout_s: float) -> bool:
+    """Waits until no request is in flight; False if `timeout_s` passed first."""
+    with self._lock:
+      return self._lock.wait_for(lambda: self._in_flight == 0, timeout_s)
+
+
+class RequestPath:
+  """One worker's (or one embedded backend's) way from a request to batches."""
+
+  def __init__(self, datasets: Datasets, *, auth_token: str | None = None,
+               max_concurrent: int | None = None,
+               max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+               server_info: pb.ServerInfo | None = None):
+    self.datasets = datasets
+    self.server_info = server_info or pb.ServerInfo(num_workers=1)
+    self.admit = Admission(max_concurrent)
+    self._expected_token = auth_token.encode() if auth_token else None
+    self._max_message_bytes = max_message_bytes
+
+  # 1. authentication -------------------------------------------------------
+
+  @property
+  def needs_token(self) -> bool:
+    return self._expected_token is not None
+
+  def authenticate(self, token: str | None) -> None:
+    """Raises UnauthenticatedError unless `token` is the server's (compared
+    in constant time; never logged)."""
+    if self._expected_token is None:
+      return
+    if not token:
+      raise UnauthenticatedError(
+          "missing bearer token: this server requires one (authorization metadata "
+          "'Bearer <token>' over gRPC, auth_token over the bulk transport)")
+    if not hmac.compare_digest(token.encode(), self._expected_token):
+      raise UnauthenticatedError("wrong bearer token")
+
+  # 3. validation -------------------------------------------------------------
+
+  def validate(self, r: pb.BatchRequest) -> ElevatorDataset:
+    """The dataset that serves `r`; a typed error unless every step can be
+    served within the limits."""
+    ds = self.datasets.get(r.dataset)
+    info = ds.info
+    if r.config_fingerprint and r.config_fingerprint != info.config_fingerprint:
+      raise StreamMismatchError(
+          f"dataset {info.name!r}: the client expects config fingerprint "
+          f"{r.config_fingerprint}, this server has {info.config_fingerprint}; "
+          "replicas must share one config")
+    contract.check_geometry(r.global_batch_size, r.shard_index, r.shard_count)
+    rows = r.global_batch_size // r.shard_count
+    batch_bytes = rows * info.element_spec.record_bytes
+    if batch_bytes > self._max_message_bytes:
+      raise InvalidRequestError(
+          f"dataset {info.name!r}: {rows} rows of {info.element_spec.record_bytes} "
+          f"bytes is {batch_bytes} bytes per step, over the server's "
+          f"--max-message-bytes of {self._max_message_bytes}; use a smaller "
+          "global_batch_size or more shards")
+    contract.check_steps(r.start_step, r.num_steps, info.stream_length,
+                         r.global_batch_size)
+    if r.compression not in (wire.COMPRESSION_NONE, wire.COMPRESSION_ZSTD):
+      raise InvalidRequestError(f"unknown compression {r.compression}")
+    return ds
+
+  # 4. answers ----------------------------------------------------------------
+
+  def describe(self, request: pb.DescribeRequest) -> list[DatasetInfo]:
+    if request.global_batch_size < 0:
+      raise InvalidRequestError(
+          f"global_batch_size must be >= 0, got {request.global_batch_size}")
+    names = [request.dataset] if request.dataset else self.datasets.names
+    return [self.datasets.get(n).info for n in names]
+
+  def describe_response(self, request: pb.DescribeRequest) -> pb.DescribeResponse:
+    return pb.DescribeResponse(
+        datasets=[i.to_proto(request.global_batch_size) for i in self.describe(request)],
+        server=self.server_info)
+
+  def steps(self, r: pb.BatchRequest, is_active: Callable[[], bool] = lambda: True, *,
+            stack: bool = True) -> Iterator[tuple[int, list[collate_lib.Leaf]]]:
+    """(step, leaves) for each step of `r`, in order, until `is_active()` is
+    False. `stack=False` (the servers' send path) may leave big rows as
+    RowStacks for the socket to gather."""
+    ds = self.validate(r)
+    for step in range(r.start_step, r.start_step + r.num_steps):
+      if not is_active():  # the client went away: stop computing
+        return
+      yield step, _named(ds.info.name, step, ds.host_batch_leaves, step,
+                         r.global_batch_size, r.shard_index, r.shard_count, stack=stack)
+
+  def encoded_steps(self, r: pb.BatchRequest,
+                    is_active: Callable[[], bool] = lambda: True) -> Iterator[list[Any]]:
+    """Each step of `r` as the buffers of one serialized Batch."""
+    for step, leaves in self.steps(r, is_active, stack=False):
+      yield wire.encode_batch_parts(step, leaves, r.compression)
+
+
+def _named(dataset: str, step: int, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+  """`fn(...)`, its failure re-raised as an ElevatorError of the same class
+  (INTERNAL for anything else) whose message names the dataset and step."""
+  try:
+    return fn(*args, **kwargs)
+  except ElevatorError as e:  # e.g. DATA_LOSS naming the shard and record
+    log.error("dataset %r step %d: %s", dataset, step, e)
+    raise type(e)(f"dataset {dataset!r}, step {step}: {e}") from e
+  except Exception as e:  # pylint: disable=broad-except
+    log.exception("dataset %r step %d failed", dataset, step)
+    raise InternalError(f"dataset {dataset!r}, step {step}: "
+                        f"{type(e).__name__}: {e}") from e
