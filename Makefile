@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test proto clean host-tools
+.PHONY: demo test test-fast proto clean host-tools
 
 # System tools the tests use beyond Python: iptables (random loss on the
 # netns test's link). Installed with apt where we are root and it is missing;
@@ -22,8 +22,16 @@ $(STAMP): $(PY) pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/elevator demo
 
+# Everything: real servers on 127.0.0.1, the slow end-to-end runs, and the
+# network-namespace test where it can run.
 test: $(STAMP) host-tools
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The edit loop (under two minutes here): what `make test` runs but the tests
+# marked slow (bench, demo, soak, failover, crash-resume, multi-host, a fresh
+# install) or netns.
+test-fast: $(STAMP)
+	$(PY) -m pytest -m "not slow and not netns" $(PYTEST_ARGS)
 
 host-tools:
 	@missing=$$(for t in $(HOST_TOOLS); do command -v $$t >/dev/null || echo $$t; done); \

@@ -9,7 +9,8 @@ import grpc
 import numpy as np
 import pytest
 
-from grain_elevator.client import DataLossError, ElevatorError, RemoteDataset, TransportOptions
+from grain_elevator.client import (ConfigError, DataLossError, ElevatorError, InternalError,
+                                   RemoteDataset, StreamMismatchError, TransportOptions)
 from grain_elevator.tools import examples
 from grain_elevator.tools.launcher import LocalServer
 
@@ -32,12 +33,15 @@ def bad_server(tmp_path_factory, data_dir):
   (root / "broken.py").write_text(
       "import numpy as np\n"
       "from grain_elevator.tools.examples import decode_images\n"
-      "def fail_on_id_7(ds, **kw):\n"
+      "from grain_elevator.server import ConfigError\n"
+      "def fail_on_id_7(ds, error=ValueError, **kw):\n"
       "  def check(r):\n"
       "    if r['id'] == 7:\n"
-      "      raise ValueError('record 7 is not an image')\n"
+      "      raise error('record 7 is not an image')\n"
       "    return r\n"
-      "  return decode_images(ds, **kw).map(check)\n")
+      "  return decode_images(ds, **kw).map(check)\n"
+      "def config_error_on_id_7(ds, **kw):\n"
+      "  return fail_on_id_7(ds, error=ConfigError, **kw)\n")
   opts = "[datasets.{n}.options]\nheight = 4\nwidth = 4\nchannels = 3\n"
   (root / "elevator.toml").write_text(
       '[datasets.good]\npaths = ["shards/*.array_record"]\nshuffle = false\n'
@@ -45,15 +49,20 @@ def bad_server(tmp_path_factory, data_dir):
       '[datasets.corrupt]\npaths = ["corrupt/*.array_record"]\nshuffle = false\n'
       'pipeline = "grain_elevator.tools.examples:decode_images"\n' + opts.format(n="corrupt") +
       '[datasets.failing]\npaths = ["shards/*.array_record"]\nshuffle = false\n'
-      'pipeline = "broken:fail_on_id_7"\n' + opts.format(n="failing"))
+      'pipeline = "broken:fail_on_id_7"\n' + opts.format(n="failing") +
+      '[datasets.config_error]\npaths = ["shards/*.array_record"]\nshuffle = false\n'
+      'pipeline = "broken:config_error_on_id_7"\n' + opts.format(n="config_error"))
   import os
+  import sys
   env_path = os.environ.get("PYTHONPATH", "")
-  os.environ["PYTHONPATH"] = f"{root}:{env_path}"
+  os.environ["PYTHONPATH"] = f"{root}:{env_path}"  # the server's processes
+  sys.path.insert(0, str(root))  # embedded mode, in this one
   try:
     with LocalServer(str(root / "elevator.toml"), workers=1) as server:
       yield server
   finally:
     os.environ["PYTHONPATH"] = env_path
+    sys.path.remove(str(root))
 
 
 def test_corrupt_shard_gives_data_loss_naming_file_and_record(bad_server):
@@ -71,7 +80,7 @@ def test_failing_pipeline_gives_internal_naming_dataset_step_and_error(bad_serve
   with RemoteDataset(bad_server.target, "failing", 4, prefetch=0) as ds:
     it = iter(ds)
     np.testing.assert_array_equal(next(it)["id"], np.arange(4))  # step 0 is fine
-    with pytest.raises(ElevatorError) as info:
+    with pytest.raises(InternalError) as info:
       next(it)  # step 1 holds record 7
   assert info.value.code == grpc.StatusCode.INTERNAL
   assert "dataset 'failing', step 1: ValueError: record 7 is not an image" in str(info.value)
@@ -90,3 +99,22 @@ def test_steps_received_before_a_failure_in_the_same_request_are_delivered(bad_s
     np.testing.assert_array_equal(next(it)["id"], np.arange(4))
     with pytest.raises(ElevatorError, match="step 1: ValueError: record 7"):
       next(it)
+
+
+@pytest.mark.parametrize("kind", ["bulk", "grpc", "embedded"])
+def test_an_error_arrives_as_the_class_the_server_raised(bad_server, kind):
+  """ConfigError and StreamMismatchError share FAILED_PRECONDITION; the type
+  travels with the status, so the trainer sees the server's own class."""
+  if kind == "embedded":
+    ds = RemoteDataset(f"local:{bad_server.config}", "config_error", 4, prefetch=0)
+  else:
+    ds = RemoteDataset(bad_server.target, "config_error", 4, prefetch=0,
+                       transport=TransportOptions(kind=kind))
+  with ds:
+    it = iter(ds)
+    next(it)
+    with pytest.raises(ConfigError) as info:
+      next(it)
+  assert not isinstance(info.value, StreamMismatchError)
+  assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
+  assert "dataset 'config_error', step 1: record 7 is not an image" in str(info.value)

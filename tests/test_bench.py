@@ -1,11 +1,29 @@
-"""`elevator bench` and `bench-feed` run end to end (tiny sizes; no timing asserted)."""
+"""`elevator bench` and `bench-feed` run end to end on tiny sizes. No timing
+is asserted; what is checked is that every figure measures what its row
+says: the bytes each system delivered, rates that agree with each other,
+and ratios that are the printed figures' ratios."""
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 
+import pytest
+
+from grain_elevator.tools.bench import workloads
 from grain_elevator.tools.launcher import ELEVATOR
+
+pytestmark = pytest.mark.slow
+
+SYSTEMS = {"grain_t0_mp0", "grain_t0_mp2", "grain_t16_mp0", "grain_t16_mp2", "embedded",
+           "service_w1", "service_w1_grpc", "service_w1_zstd", "service_w1_per_record",
+           "service_w1_arrayrecord", "tcp", "floor"}
+
+
+def _cell(table: str, label: str, column: int) -> str:
+  row = next(line for line in table.splitlines() if line.startswith(f"| {label} |"))
+  return row.split(" | ")[column].strip()
 
 
 def test_bench_reports_every_system(tmp_path):
@@ -17,15 +35,34 @@ def test_bench_reports_every_system(tmp_path):
       capture_output=True, text=True, timeout=600)
   assert result.returncode == 0, result.stderr[-3000:]
   report = json.loads(out.read_text())
-  for workload in ("small", "large"):
-    systems = report["workloads"][workload]["systems"]
-    assert set(systems) == {"grain_t0_mp0", "grain_t0_mp2", "grain_t16_mp0", "grain_t16_mp2",
-                            "embedded", "service_w1", "service_w1_grpc", "service_w1_zstd",
-                            "service_w1_per_record", "service_w1_arrayrecord", "tcp",
-                            "floor"}
+  for name in ("small", "large"):
+    w = workloads.WORKLOADS[name]
+    systems = report["workloads"][name]["systems"]
+    assert set(systems) == SYSTEMS
     for key, row in systems.items():
-      assert row["records_per_s"]["median"] > 0, key
-    assert systems["service_w1"]["resume_first_batch_s"]["median"] > 0
+      (run,) = row["runs"]  # --repeats 1
+      # The floor moves raw records; everything else the decoded batch.
+      per_record = w.record_bytes if key == "floor" else w.delivered_bytes_per_record
+      assert run["batch_bytes"] == w.global_batch_size * per_record, key
+      assert run["records_per_s"] > 0, key
+      # GB/s is records/s times the bytes of a record, in the same run.
+      assert run["gb_per_s"] == pytest.approx(run["records_per_s"] * per_record / 1e9,
+                                              rel=1e-6), key
+      assert row["records_per_s"]["median"] == run["records_per_s"], key
+    for key in ("embedded", "service_w1", "grain_t0_mp0"):
+      assert systems[key]["resume_first_batch_s"]["median"] > 0, key
+    for key in ("grain_t0_mp2", "tcp", "floor"):  # no single cursor, or no iterator
+      assert systems[key]["resume_first_batch_s"] is None, key
+    # The table's ratios are the ratios of its own medians.
+    best = max(r["records_per_s"]["median"] for k, r in systems.items()
+               if k.startswith("grain_"))
+    service = systems["service_w1"]
+    table = result.stdout.split(f"### {name}:")[1]
+    label = service["label"]
+    assert float(_cell(table, label, 3)) == pytest.approx(
+        service["records_per_s"]["median"] / best, abs=0.006)
+    assert float(_cell(table, label, 4)) == pytest.approx(
+        service["gb_per_s"]["median"] / systems["tcp"]["gb_per_s"]["median"], abs=0.006)
   assert "| (c) grain-elevator service, W=1 |" in result.stdout
   assert "tf.data service: skipped" in result.stdout
   assert "| (f) floor: shard reads + TCP, W=1, raw records |" in result.stdout
@@ -33,10 +70,15 @@ def test_bench_reports_every_system(tmp_path):
 
 
 def test_bench_feed_reports_stall_and_h2d(tmp_path):
+  out = tmp_path / "feed.json"
   result = subprocess.run(
       [*ELEVATOR, "bench-feed", "--steps", "10", "--step-ms", "1", "--records", "3000",
-       "--workers", "1", "--data", str(tmp_path / "data")],
+       "--workers", "1", "--data", str(tmp_path / "data"), "--json", str(out)],
       capture_output=True, text=True, timeout=600)
   assert result.returncode == 0, result.stderr[-3000:]
-  assert "| 1 | grain-elevator service + to_device |" in result.stdout
-  assert "| 1 | local Grain + device_put recipe |" in result.stdout
+  (run,) = json.loads(out.read_text())
+  for system in ("local Grain + device_put recipe", "grain-elevator service + to_device"):
+    m = run["systems"][system]
+    assert 0 <= m["stall_fraction"] <= 1 and m["steps_per_s"] > 0 and m["h2d_gb_per_s"] > 0
+    stall = re.search(rf"\| 1 \| {re.escape(system)} \| ([\d.]+)% \|", result.stdout)
+    assert stall and float(stall.group(1)) == pytest.approx(100 * m["stall_fraction"], abs=0.06)

@@ -151,6 +151,7 @@ def test_bulk_port_with_tls_is_refused(config_path, tmp_path):
   assert "the bulk transport (--bulk-port) serves plaintext" in result.stderr
 
 
+@pytest.mark.slow  # measures worker CPU for seconds
 def test_a_cancelled_bulk_stream_stops_the_server_computing(config_path):
   import psutil
   with LocalServer(config_path, workers=1) as srv:
@@ -202,6 +203,7 @@ def test_sigterm_finishes_in_flight_bulk_requests_and_refuses_new_ones(config_pa
     srv.stop()
 
 
+@pytest.mark.slow  # stops and restarts a server
 def test_a_restarted_server_on_a_new_bulk_port_is_found_again(config_path, oracle):
   """Failover re-asks a replica for its bulk port: with the default free-port
   choice, a restarted server listens somewhere else."""

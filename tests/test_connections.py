@@ -55,6 +55,7 @@ def test_bulk_connections_cover_every_worker_evenly(server, per_target):
     pool.close()
 
 
+@pytest.mark.slow  # a second, 3-worker server
 @pytest.mark.parametrize("transport", ["grpc", "auto"])
 def test_every_replica_gets_its_share(server, config_path, transport):
   with LocalServer(config_path, workers=3) as second:

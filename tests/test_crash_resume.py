@@ -10,7 +10,11 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from helpers import oracle_batch
+
+pytestmark = pytest.mark.slow
 
 SCRIPT = pathlib.Path(__file__).parent / "scripts" / "train.py"
 G, EVERY, TOTAL = 40, 5, 50  # aug2: 2 epochs of 1000 records

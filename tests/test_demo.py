@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import subprocess
 
+import pytest
+
 from grain_elevator.tools.launcher import ELEVATOR
+
+pytestmark = pytest.mark.slow
 
 
 def test_demo_trains_stops_resumes_and_loses_nothing(tmp_path):

@@ -9,7 +9,7 @@ from grain_elevator.client import (InvalidRequestError, RemoteDataset,
                                    UnknownDatasetError)
 from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.proto import elevator_pb2_grpc as pb_grpc
-from grain_elevator.proto import wire
+from grain_elevator.proto import errors, wire
 from helpers import assert_trees_equal, oracle_batch
 
 OK = dict(dataset="plain", global_batch_size=64, shard_index=0, shard_count=1,
@@ -96,3 +96,30 @@ def test_health_and_reflection(server):
         iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10)
     names = {s.name for s in response.list_services_response.service}
     assert "grain_elevator.v1.Elevator" in names
+
+
+@pytest.mark.parametrize("cls", errors.ERRORS, ids=lambda c: c.__name__)
+def test_each_error_travels_as_its_own_class(cls):
+  code, message, type_name = errors.status_of(cls("why"))
+  back = errors.from_status(code, message, type_name)
+  assert type(back) is cls and str(back) == "why" and back.code == code == cls.code
+
+
+def test_a_status_without_a_class_name_gets_the_tables_class():
+  """What another language's server sends: a code and a message."""
+  assert type(errors.from_status(grpc.StatusCode.FAILED_PRECONDITION, "x")) is (
+      errors.StreamMismatchError)
+  assert type(errors.from_status(grpc.StatusCode.NOT_FOUND, "x", "NoSuchError")) is (
+      errors.UnknownDatasetError)
+  # A name that does not fit its code is not trusted.
+  assert type(errors.from_status(grpc.StatusCode.NOT_FOUND, "x", "DataLossError")) is (
+      errors.UnknownDatasetError)
+  other = errors.from_status(grpc.StatusCode.PERMISSION_DENIED, "no")
+  assert type(other) is errors.ElevatorError and other.code == grpc.StatusCode.PERMISSION_DENIED
+
+
+def test_every_client_error_is_an_exported_elevator_error():
+  import grain_elevator.client as client
+  for cls in errors.ERRORS:
+    assert issubclass(cls, errors.ElevatorError)
+    assert getattr(client, cls.__name__) is cls and cls.__name__ in client.__all__

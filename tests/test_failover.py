@@ -16,6 +16,8 @@ from grain_elevator.client import (RemoteDataset, RetryPolicy, ServiceUnavailabl
 from grain_elevator.tools.launcher import LocalServer
 from helpers import oracle_batch, worker_pids
 
+pytestmark = pytest.mark.slow
+
 G = 8  # aug2: 2 epochs x 1000 records -> 250 steps
 
 

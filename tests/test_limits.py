@@ -7,12 +7,19 @@ import time
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from grain_elevator.client import InvalidRequestError, RemoteDataset, RetryPolicy
 from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.proto import elevator_pb2_grpc as pb_grpc
+from grain_elevator.proto import wire
 from grain_elevator.tools.launcher import LocalServer
-from helpers import assert_streams_equal, worker_pids
+from helpers import assert_streams_equal, assert_trees_equal, oracle_batch, worker_pids
+
+
+def _own_channel(server) -> grpc.Channel:
+  """A channel with a TCP connection of its own."""
+  return grpc.insecure_channel(server.target, options=[("grpc.use_local_subchannel_pool", 1)])
 
 
 def _endless(stub, g: int = 256):
@@ -31,11 +38,14 @@ def test_over_the_concurrency_limit_is_resource_exhausted_and_clients_back_off(
     with grpc.insecure_channel(server.target) as channel:
       stub = pb_grpc.ElevatorStub(channel)
       held = _endless(stub)
-      with grpc.insecure_channel(server.target,
-                                 options=[("grpc.use_local_subchannel_pool", 1)]) as other:
+      with _own_channel(server) as other:
         with pytest.raises(grpc.RpcError) as info:
           pb_grpc.ElevatorStub(other).Describe(pb.DescribeRequest(), timeout=10)
-      assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        # The health check is not a request: it answers whatever the load.
+        health = health_pb2_grpc.HealthStub(other).Check(health_pb2.HealthCheckRequest(),
+                                                         timeout=10)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
       # A client arriving now backs off and retries until the slot frees.
       ds = RemoteDataset(server.target, "plain", 64, prefetch=2,
                          retry=RetryPolicy(timeout_s=30))
@@ -57,7 +67,7 @@ def test_message_size_limit_is_checked_before_building(config_path):
       assert next(iter(ds))["image"].shape == (128, 4, 4, 3)
 
 
-def test_sigterm_refuses_new_requests_and_finishes_in_flight_ones(config_path):
+def test_sigterm_refuses_new_requests_and_finishes_in_flight_ones(config_path, oracle):
   server = LocalServer(config_path, workers=1, extra_args=("--grace", "20"))
   try:
     channel = grpc.insecure_channel(server.target)
@@ -68,19 +78,23 @@ def test_sigterm_refuses_new_requests_and_finishes_in_flight_ones(config_path):
     first = next(call)
     server.proc.send_signal(signal.SIGTERM)
     time.sleep(1.0)
-    with grpc.insecure_channel(server.target,
-                               options=[("grpc.use_local_subchannel_pool", 1)]) as fresh:
+    with _own_channel(server) as fresh:
       with pytest.raises(grpc.RpcError) as info:
         pb_grpc.ElevatorStub(fresh).Describe(pb.DescribeRequest(), timeout=5)
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE
-    rest = list(call)  # the in-flight stream still completes
-    assert [first, *rest][-1] is not None and len(rest) == 119
+    batches = [first, *call]  # the in-flight stream still completes, exactly
+    (spec,) = oracle.describe("plain")
+    assert [b.step for b in batches] == list(range(120))
+    for b in batches:
+      _, got = wire.decode_batch(b.SerializeToString(), spec.element_spec.structure)
+      assert_trees_equal(got, oracle_batch(oracle, "plain", b.step, 8), f"step {b.step}")
     assert server.proc.wait(60) == 0
     channel.close()
   finally:
     server.stop()
 
 
+@pytest.mark.slow  # measures worker CPU for seconds
 def test_a_cancelled_stream_stops_the_server_computing(config_path):
   import psutil
   with LocalServer(config_path, workers=1) as server:

@@ -9,6 +9,10 @@ import socket
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.slow
+
 SCRIPT = pathlib.Path(__file__).parent / "scripts" / "multihost.py"
 
 

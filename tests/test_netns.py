@@ -18,6 +18,7 @@ import pytest
 
 from grain_elevator.tools.launcher import LocalServer
 
+pytestmark = pytest.mark.netns
 SCRIPT = pathlib.Path(__file__).parent / "scripts" / "stream_check.py"
 SERVER_IP, CLIENT_IP = "192.0.2.1", "192.0.2.2"
 

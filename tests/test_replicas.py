@@ -1,17 +1,29 @@
-"""Several replicas behind one client give the same stream as one."""
+"""Several replicas behind one client give the oracle's stream, and share it."""
 
 from __future__ import annotations
 
-from grain_elevator.client import RemoteDataset
+import collections
+
+import pytest
+
+from grain_elevator.client import RemoteDataset, TransportOptions
 from grain_elevator.tools.launcher import LocalServer
 from helpers import assert_streams_equal
 
 
-def test_two_replicas_give_the_same_stream_as_one(server, config_path):
+@pytest.mark.parametrize("kind", ["bulk", "grpc"])
+def test_two_replicas_give_the_oracle_stream_and_both_serve(server, config_path, kind):
   with LocalServer(config_path, workers=1) as second:
-    with RemoteDataset([server.target, second.target], "aug2", 40,
-                       shard_index=1, shard_count=2, prefetch=6) as both:
-      with RemoteDataset(server.target, "aug2", 40, shard_index=1,
-                         shard_count=2) as one:
-        assert assert_streams_equal(both, one) == 50
+    with RemoteDataset([server.target, second.target], "aug2", 40, shard_index=1,
+                       shard_count=2, prefetch=6,
+                       transport=TransportOptions(kind=kind)) as both:
+      it = iter(both)
+      with RemoteDataset.embedded(config_path, "aug2", 40, shard_index=1,
+                                  shard_count=2) as oracle:
+        assert assert_streams_equal(it, oracle) == 50
+      served = collections.Counter()
+      for slot in it._backend.data_slots():  # pylint: disable=protected-access
+        served[slot.conn.target] += slot.served
+  assert sum(served.values()) == 50
+  assert served[server.target] > 0 and served[second.target] > 0, served
   assert second.proc.returncode == 0, second.stderr()

@@ -24,7 +24,8 @@ def _wait_for(predicate, timeout: float = 60.0) -> bool:
   return False
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("sig", [signal.SIGTERM,
+                                 pytest.param(signal.SIGINT, marks=pytest.mark.slow)])
 def test_signal_stops_every_worker_and_exits_zero(config_path, sig):
   server = LocalServer(config_path, workers=2)
   workers = worker_pids(server)

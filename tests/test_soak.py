@@ -12,10 +12,13 @@ import time
 
 import numpy as np
 import psutil
+import pytest
 
 from grain_elevator.client import RemoteDataset, RetryPolicy
 from grain_elevator.tools.launcher import LocalServer
 from helpers import oracle_batch, worker_pids
+
+pytestmark = pytest.mark.slow
 
 CLIENTS = [  # dataset, G, h, H, steps
     ("aug2", 4, 0, 1, 500),

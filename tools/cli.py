@@ -22,7 +22,7 @@ def _serve(args: argparse.Namespace) -> int:
   bulk = False if args.no_bulk else (True if args.bulk_port is not None else None)
   options = server.ServerOptions(
       host=args.host, port=args.port, workers=args.workers, threads=args.threads,
-      grace_s=args.grace, max_concurrent_requests=args.max_concurrent_rpcs,
+      grace_s=args.grace, max_concurrent_requests=args.max_concurrent_requests,
       max_message_bytes=args.max_message_bytes, tls_cert=args.tls_cert,
       tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
       auth_token_file=args.auth_token_file, bulk=bulk, bulk_port=args.bulk_port or 0)
@@ -153,7 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--grace", type=float, default=5.0,
                  help="seconds in-flight requests get on shutdown (default 5)")
   p.add_argument("--max-concurrent-requests", "--max-concurrent-rpcs",
-                 dest="max_concurrent_rpcs", type=int, default=16,
+                 dest="max_concurrent_requests", type=int, default=16,
                  help="requests (both transports) one worker accepts at once; more get "
                       "RESOURCE_EXHAUSTED and clients back off; health checks are not "
                       "counted (default 16)")

@@ -27,6 +27,7 @@ class LocalServer:
                prefix: Sequence[str] = (), env: Mapping[str, str] | None = None):
     """`prefix` runs the server under another command (`ip netns exec NS`);
     `env` adds to this process's environment."""
+    self.config = str(config)
     self.proc = subprocess.Popen(
         [*prefix, *ELEVATOR, "serve", "--config", str(config), "--host", host,
          "--port", str(port), "--workers", str(workers), *extra_args],
