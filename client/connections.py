@@ -193,9 +193,7 @@ class ConnectionPool:
   def __init__(self, targets: Sequence[str], *,
                transport: TransportOptions = TransportOptions(),
                retry: RetryPolicy = RetryPolicy(), security: Security = Security()):
-    if transport.kind == "bulk" and security.tls:
-      raise ValueError("the bulk transport is plaintext: use transport kind 'grpc' "
-                       "(or 'auto') with TLS")
+    transport.check_security(security)
     self.targets = list(targets)
     self.transport = transport
     self.retry = retry
@@ -278,12 +276,11 @@ class ConnectionPool:
             f"transport kind 'bulk', but no replica of {', '.join(self.targets)} offers "
             "a reachable bulk port (is it started with --no-bulk or TLS?)")
       self.uses_bulk = bool(data)
-      control = [first[t] or GrpcConnection(t, self._security) for t in self.targets]
-      if not data:
-        data = _interleave([g for t, c in zip(self.targets, control)
-                            for g in self._spread_grpc(t, c if first[t] else None)])
-        control = [next((c for c in data if c.target == t), c)
-                   for t, c in zip(self.targets, control)]
+      if data:
+        control = [first[t] or GrpcConnection(t, self._security) for t in self.targets]
+      else:  # gRPC carries the batches: balance its channels; any one answers Describe
+        data = _interleave([g for t in self.targets for g in self._spread_grpc(t, first[t])])
+        control = [next(c for c in data if c.target == t) for t in self.targets]
       self._control = Slots([Slot(c) for c in control], self.retry)
       self._data = Slots([Slot(c) for c in data], self.retry)
       self._balanced = True

@@ -65,6 +65,12 @@ class TransportOptions:
     if self.connections_per_target < 1 or self.steps_per_request < 1:
       raise ValueError("need connections_per_target >= 1 and steps_per_request >= 1")
 
+  def check_security(self, security: "Security") -> None:
+    """Raises unless these options can run with `security`."""
+    if self.kind == "bulk" and security.tls:
+      raise ValueError("the bulk transport is plaintext: use transport kind 'grpc' "
+                       "(or 'auto') with TLS")
+
 
 @dataclasses.dataclass(frozen=True)
 class RetryPolicy:

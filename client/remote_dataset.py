@@ -130,9 +130,7 @@ class RemoteDataset(grain.IterDataset):
                              ("retry", retry, RetryPolicy), ("security", security, Security)):
       if not isinstance(value, cls):
         raise TypeError(f"{name} must be a {cls.__name__}, got {type(value).__name__}")
-    if transport.kind == "bulk" and security.tls:
-      raise ValueError("the bulk transport is plaintext: use transport kind 'grpc' "
-                       "(or 'auto') with TLS")
+    transport.check_security(security)
     self.targets = connections.parse_targets(target)
     self.dataset = dataset
     self.global_batch_size = global_batch_size

@@ -9,7 +9,8 @@ import grain
 import numpy as np
 import pytest
 
-from grain_elevator.client import ElevatorError, RemoteDataset
+from grain_elevator.client import (ElevatorError, RemoteDataset, RetryPolicy, Security,
+                                   TransportOptions)
 from helpers import assert_trees_equal, oracle_batch, worker_pids
 
 
@@ -106,8 +107,26 @@ def test_bad_arguments(server):
     iter(RemoteDataset(["local:x.toml", server.target], "plain", 8))
 
 
+@pytest.mark.parametrize("make,error,message", [
+    (lambda: TransportOptions(kind="udp"), ValueError,
+     "transport kind must be one of auto, grpc, bulk, got 'udp'"),
+    (lambda: TransportOptions(compression="lz4"), ValueError, "compression must be one of"),
+    (lambda: TransportOptions(connections_per_target=0), ValueError,
+     "connections_per_target >= 1"),
+    (lambda: RetryPolicy(timeout_s=0), ValueError, r"RetryPolicy.timeout_s must be > 0"),
+    (lambda: RemoteDataset("h:1", "plain", 8, transport="grpc"), TypeError,
+     "transport must be a TransportOptions, got str"),
+    (lambda: RemoteDataset("h:1", "plain", 8, transport=TransportOptions(kind="bulk"),
+                           security=Security(root_certificates=b"pem")), ValueError,
+     "the bulk transport is plaintext"),
+])
+def test_bad_options(make, error, message):
+  with pytest.raises(error, match=message):
+    make()
+
+
 def test_unreachable_server_gives_a_clear_error():
-  from grain_elevator.client import RetryPolicy, ServiceUnavailableError
+  from grain_elevator.client import ServiceUnavailableError
   with pytest.raises(ServiceUnavailableError, match=r"no replica of 127.0.0.1:1 could serve Describe"):
     iter(RemoteDataset("127.0.0.1:1", "plain", 8, retry=RetryPolicy(timeout_s=1.0)))
 

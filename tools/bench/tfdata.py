@@ -112,7 +112,7 @@ def dataset(files: Sequence[str], options: dict[str, Any], global_batch_size: in
   them all send the same records. parallel_epochs ("off" sharding): each
   worker runs its own endless stream and the trainer takes from all of them.
   Compression defaults to off (None); "AUTO" (Snappy) halved large-record
-  GB/s here and cost small records ~20% (DESIGN.md §4 says the same).
+  GB/s here and cost small records ~20% (BENCHMARKS.md).
   """
   tf = import_tf()
   height, width, channels = options["height"], options["width"], options["channels"]
