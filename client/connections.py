@@ -38,6 +38,7 @@ from grain_elevator.client.transport import (CancelToken, Connection, GrpcConnec
                                              TransportError)
 from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.proto import errors
+from grain_elevator.proto.errors import InvalidRequestError
 from grain_elevator.proto import wire
 from grain_elevator.proto.spec import DatasetInfo
 
@@ -51,15 +52,15 @@ def parse_targets(target: str | Sequence[str]) -> list[str]:
   """Validates "host:port" targets (or gRPC URIs such as dns:///name:port)."""
   targets = [target] if isinstance(target, str) else list(target)
   if not targets:
-    raise ValueError(f"target must be 'host:port' or a list of them, got {target!r}")
+    raise InvalidRequestError(f"target must be 'host:port' or a list of them, got {target!r}")
   for t in targets:
     if not isinstance(t, str):
-      raise ValueError(f"target must be 'host:port' or a list of them, got {target!r}")
+      raise InvalidRequestError(f"target must be 'host:port' or a list of them, got {target!r}")
     if t.startswith(_URI_SCHEMES):
       continue
     host, sep, port = t.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-      raise ValueError(f"target {t!r} is not 'host:port' (e.g. 'localhost:50051')")
+      raise InvalidRequestError(f"target {t!r} is not 'host:port' (e.g. 'localhost:50051')")
   return targets
 
 
@@ -86,7 +87,7 @@ class Slot:
   """A connection's place in the pool: reopened after it broke, shunned
   (with the rest of its replica) after failures."""
 
-  conn: Any  # a transport.Connection
+  conn: Connection
   in_use: int = 0
   failures: int = 0
   shunned_until: float = 0.0

@@ -14,6 +14,8 @@ import pathlib
 
 import grpc
 
+from grain_elevator.proto.errors import InvalidRequestError
+
 TRANSPORT_KINDS = ("auto", "grpc", "bulk")
 COMPRESSIONS = ("none", "zstd")
 
@@ -57,18 +59,18 @@ class TransportOptions:
 
   def __post_init__(self) -> None:
     if self.kind not in TRANSPORT_KINDS:
-      raise ValueError(f"transport kind must be one of {', '.join(TRANSPORT_KINDS)}, "
+      raise InvalidRequestError(f"transport kind must be one of {', '.join(TRANSPORT_KINDS)}, "
                        f"got {self.kind!r}")
     if self.compression not in COMPRESSIONS:
-      raise ValueError(f"compression must be one of {', '.join(COMPRESSIONS)}, "
+      raise InvalidRequestError(f"compression must be one of {', '.join(COMPRESSIONS)}, "
                        f"got {self.compression!r}")
     if self.connections_per_target < 1 or self.steps_per_request < 1:
-      raise ValueError("need connections_per_target >= 1 and steps_per_request >= 1")
+      raise InvalidRequestError("need connections_per_target >= 1 and steps_per_request >= 1")
 
   def check_security(self, security: "Security") -> None:
     """Raises unless these options can run with `security`."""
     if self.kind == "bulk" and security.tls:
-      raise ValueError("the bulk transport is plaintext: use transport kind 'grpc' "
+      raise InvalidRequestError("the bulk transport is plaintext: use transport kind 'grpc' "
                        "(or 'auto') with TLS")
 
 
@@ -106,7 +108,7 @@ class RetryPolicy:
   def __post_init__(self) -> None:
     for field in dataclasses.fields(self):
       if getattr(self, field.name) <= 0:
-        raise ValueError(f"RetryPolicy.{field.name} must be > 0, "
+        raise InvalidRequestError(f"RetryPolicy.{field.name} must be > 0, "
                          f"got {getattr(self, field.name)}")
 
   def backoff_cap(self, attempt: int) -> float:

@@ -25,7 +25,8 @@ from grain_elevator.client.transport import CancelToken
 from grain_elevator.proto import contract
 from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.proto import tree
-from grain_elevator.proto.errors import Cancelled, ElevatorError, UnknownDatasetError
+from grain_elevator.proto.errors import (Cancelled, ElevatorError, InvalidRequestError,
+                                         UnknownDatasetError)
 from grain_elevator.proto.spec import DatasetInfo
 
 LOCAL_PREFIX = "local:"
@@ -41,7 +42,7 @@ def make_backend(target: str | Sequence[str], *,
   local = [t for t in targets if t.startswith(LOCAL_PREFIX)]
   if local:
     if len(targets) != 1:
-      raise ValueError(f"'local:CONFIG' cannot be mixed with other targets: {targets}")
+      raise InvalidRequestError(f"'local:CONFIG' cannot be mixed with other targets: {targets}")
     return EmbeddedBackend(local[0][len(LOCAL_PREFIX):])
   return connections.ConnectionPool(targets, transport=transport, retry=retry,
                                     security=security)
@@ -109,8 +110,9 @@ class RemoteDataset(grain.IterDataset):
     security: TLS and the bearer token (Security).
 
   Raises:
-    InvalidRequestError: bad geometry (G < 1, G % H != 0, h out of range).
-    ValueError: bad options.
+    InvalidRequestError (a ValueError too): bad geometry (G < 1, G % H != 0,
+      h out of range), targets or options.
+    TypeError: an options argument of the wrong class.
   """
 
   def __init__(self, target: str | Sequence[str], dataset: str,
@@ -122,10 +124,10 @@ class RemoteDataset(grain.IterDataset):
     if shard_index is None and shard_count is None:
       shard_index, shard_count = device.jax_process_layout() or (0, 1)
     elif shard_index is None or shard_count is None:
-      raise ValueError("give both shard_index and shard_count, or neither")
+      raise InvalidRequestError("give both shard_index and shard_count, or neither")
     contract.check_geometry(global_batch_size, shard_index, shard_count)
     if prefetch < 0:
-      raise ValueError(f"need prefetch >= 0, got {prefetch}")
+      raise InvalidRequestError(f"need prefetch >= 0, got {prefetch}")
     for name, value, cls in (("transport", transport, TransportOptions),
                              ("retry", retry, RetryPolicy), ("security", security, Security)):
       if not isinstance(value, cls):

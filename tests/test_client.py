@@ -9,8 +9,8 @@ import grain
 import numpy as np
 import pytest
 
-from grain_elevator.client import (ElevatorError, RemoteDataset, RetryPolicy, Security,
-                                   TransportOptions)
+from grain_elevator.client import (ElevatorError, InvalidRequestError, RemoteDataset,
+                                   RetryPolicy, Security, TransportOptions)
 from helpers import assert_trees_equal, oracle_batch, worker_pids
 
 
@@ -108,19 +108,22 @@ def test_bad_arguments(server):
 
 
 @pytest.mark.parametrize("make,error,message", [
-    (lambda: TransportOptions(kind="udp"), ValueError,
+    (lambda: TransportOptions(kind="udp"), InvalidRequestError,
      "transport kind must be one of auto, grpc, bulk, got 'udp'"),
-    (lambda: TransportOptions(compression="lz4"), ValueError, "compression must be one of"),
-    (lambda: TransportOptions(connections_per_target=0), ValueError,
+    (lambda: TransportOptions(compression="lz4"), InvalidRequestError,
+     "compression must be one of"),
+    (lambda: TransportOptions(connections_per_target=0), InvalidRequestError,
      "connections_per_target >= 1"),
-    (lambda: RetryPolicy(timeout_s=0), ValueError, r"RetryPolicy.timeout_s must be > 0"),
+    (lambda: RetryPolicy(timeout_s=0), InvalidRequestError,
+     r"RetryPolicy.timeout_s must be > 0"),
     (lambda: RemoteDataset("h:1", "plain", 8, transport="grpc"), TypeError,
      "transport must be a TransportOptions, got str"),
     (lambda: RemoteDataset("h:1", "plain", 8, transport=TransportOptions(kind="bulk"),
-                           security=Security(root_certificates=b"pem")), ValueError,
+                           security=Security(root_certificates=b"pem")), InvalidRequestError,
      "the bulk transport is plaintext"),
 ])
 def test_bad_options(make, error, message):
+  """Bad arguments are InvalidRequestError: an ElevatorError and a ValueError."""
   with pytest.raises(error, match=message):
     make()
 
