@@ -277,3 +277,63 @@ def test_a_frame_over_the_limit_is_refused_before_it_is_read():
                                                      "is over this end's limit of 1048576"):
       framing.recv_frame(b, (framing.REQUEST,), 1 << 20)
     assert b.recv(1000) == b"x" * 100  # the payload was never read
+
+
+def _greeted(server) -> socket.socket:
+  """A raw connection to the bulk port, past the magic and the server's hello."""
+  from grain_elevator.proto import framing
+  s = socket.create_connection((server.host, server.bulk_port), timeout=10)
+  framing.exchange_magic(s)
+  framing.recv_frame(s, (framing.HELLO,), 1 << 20)
+  return s
+
+
+def _logged_since(server, start: int, text: str, timeout_s: float = 10) -> str:
+  """The server's log from `start` on, once it holds `text` (the log is read
+  by another thread, a moment after the server wrote it)."""
+  deadline = time.monotonic() + timeout_s
+  while text not in server.stderr()[start:] and time.monotonic() < deadline:
+    time.sleep(0.05)
+  return server.stderr()[start:]
+
+
+def _closed_by_peer(s: socket.socket) -> bool:
+  try:
+    while s.recv(65536):
+      pass
+  except ConnectionResetError:
+    pass
+  return True
+
+
+def test_a_frame_promising_2_34_bytes_is_refused_unread(server):
+  """Before authentication and before allocating: the server reads the
+  header, refuses the length, and hangs up."""
+  from grain_elevator.proto import framing
+  logged = len(server.stderr())
+  with _greeted(server) as s:
+    s.sendall(framing._HEADER.pack(framing.REQUEST, 1 << 34))  # pylint: disable=protected-access
+    try:
+      s.sendall(b"\0" * (1 << 20))
+    except OSError:
+      pass  # already closed: as good
+    assert _closed_by_peer(s)
+  refused = "request frame of 17179869184 bytes is over this end's limit of 1048576"
+  assert refused in _logged_since(server, logged, refused)
+  conn = _connect(server.host, server.bulk_port)  # and everyone else is still served
+  try:
+    assert len(list(_stream(conn, _request()))) == 3
+  finally:
+    conn.close()
+
+
+def test_a_request_that_is_not_protobuf_is_dropped_without_a_traceback(server):
+  from grain_elevator.proto import framing
+  logged = len(server.stderr())
+  with _greeted(server) as s:
+    framing.send_frame(s, framing.REQUEST, [b"\xff\xff\xff\xff not protobuf"])
+    assert _closed_by_peer(s)
+  dropped = "bulk connection dropped: request frame is not a BulkRequest"
+  log = _logged_since(server, logged, dropped)
+  assert dropped in log
+  assert "Traceback" not in log

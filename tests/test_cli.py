@@ -38,6 +38,7 @@ def test_health(server):
   assert result.returncode == 1 and "UNAVAILABLE" in result.stderr
 
 
+@pytest.mark.slow  # writes 10,000 records in a subprocess
 def test_make_dataset_writes_a_servable_config(tmp_path):
   result = subprocess.run([*ELEVATOR, "make-dataset", str(tmp_path), "--source", "generated"],
                           capture_output=True, text=True, timeout=120)

@@ -11,7 +11,7 @@ from grain_elevator.tools.launcher import LocalServer
 from helpers import assert_streams_equal
 
 
-@pytest.mark.parametrize("kind", ["bulk", "grpc"])
+@pytest.mark.parametrize("kind", ["bulk", pytest.param("grpc", marks=pytest.mark.slow)])
 def test_two_replicas_give_the_oracle_stream_and_both_serve(server, config_path, kind):
   with LocalServer(config_path, workers=1) as second:
     with RemoteDataset([server.target, second.target], "aug2", 40, shard_index=1,

@@ -13,7 +13,7 @@ from grain_elevator.tools.launcher import ELEVATOR, LocalServer
 from helpers import assert_trees_equal, oracle_batch
 
 TOKEN = "s3cret-token-for-tests"
-QUICK = RetryPolicy(timeout_s=1.5)
+QUICK = RetryPolicy(timeout_s=0.5)  # these fail at the handshake: no need to wait
 
 
 def _openssl(*args: str, cwd: pathlib.Path) -> None:
@@ -123,6 +123,7 @@ def test_mtls_with_a_client_certificate(mtls_server, pki, oracle):
     assert_trees_equal(next(iter(ds)), oracle_batch(oracle, "plain", 0, 16))
 
 
+@pytest.mark.slow  # three `elevator serve` processes (ServerOptions' own checks are fast tests)
 @pytest.mark.parametrize("args,message", [
     (("--tls-cert", "x.pem"), "--tls-cert and --tls-key go together"),
     (("--tls-client-ca", "ca.pem"), "--tls-client-ca needs --tls-cert"),

@@ -15,7 +15,7 @@ from grain_elevator.server import (BindError, ConfigError, Server, ServerOptions
 from helpers import assert_streams_equal
 
 
-@pytest.mark.parametrize("kind", ["bulk", "grpc"])
+@pytest.mark.parametrize("kind", ["bulk", pytest.param("grpc", marks=pytest.mark.slow)])
 def test_a_server_started_from_python_serves_the_oracle_stream(config_path, kind):
   with Server(config_path, ServerOptions(port=0, workers=2)) as server:
     assert server.port and server.bulk_port and server.target == f"127.0.0.1:{server.port}"

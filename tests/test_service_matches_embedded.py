@@ -61,7 +61,8 @@ def test_in_flight_settings_do_not_change_the_stream(server, config_path, prefet
       assert assert_streams_equal(remote, local) == 41
 
 
-@pytest.mark.parametrize("dataset,g,n,h", [("aug2", 96, 2, 1), ("raw", 32, 1, 0)])
+@pytest.mark.parametrize("dataset,g,n,h", [
+    ("aug2", 96, 2, 1), pytest.param("raw", 32, 1, 0, marks=pytest.mark.slow)])
 def test_server_reading_through_array_record_matches_oracle(config_path, dataset, g, n, h):
   """The same stream whichever reader a server uses: ArrayRecord's here,
   server/shard_reader.py in embedded mode (and in the `server` fixture)."""
