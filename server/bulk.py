@@ -90,7 +90,7 @@ class BulkServer:
           raise framing.ProtocolError(f"request frame is not a BulkRequest: {e}") from e
         try:
           self._path.authenticate(request.auth_token or None)
-          with self._path.admit():
+          with self._path.admission():
             conn.busy = True
             try:
               for parts in self._path.encoded_steps(request.request):
@@ -118,7 +118,7 @@ class BulkServer:
     self._listener.close()
     for conn in idle:
       _shutdown(conn.sock)
-    self._path.admit.wait_idle(grace_s)
+    self._path.admission.wait_idle(grace_s)
     with self._lock:
       remaining = list(self._conns)
     for conn in remaining:

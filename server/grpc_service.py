@@ -41,13 +41,13 @@ class GrpcService:
 
   def Describe(self, request: pb.DescribeRequest,
                context: grpc.ServicerContext) -> pb.DescribeResponse:
-    with _answering(context), self._path.admit():
+    with _answering(context), self._path.admission():
       return self._path.describe_response(request)
 
   def GetBatches(self, request: pb.BatchRequest,
                  context: grpc.ServicerContext) -> Iterator[bytes]:
     """Yields serialized `Batch` messages (see `add_to_server`)."""
-    with _answering(context), self._path.admit():
+    with _answering(context), self._path.admission():
       for parts in self._path.encoded_steps(request, context.is_active):
         yield b"".join(parts)
 

@@ -69,10 +69,6 @@ class Admission:
         self._in_flight -= 1
         self._lock.notify_all()
 
-  @property
-  def in_flight(self) -> int:
-    return self._in_flight
-
   def close(self) -> None:
     """Refuses every later request (UNAVAILABLE); those in flight go on."""
     with self._lock:
@@ -93,15 +89,11 @@ class RequestPath:
                server_info: pb.ServerInfo | None = None):
     self.datasets = datasets
     self.server_info = server_info or pb.ServerInfo(num_workers=1)
-    self.admit = Admission(max_concurrent)
+    self.admission = Admission(max_concurrent)
     self._expected_token = auth_token.encode() if auth_token else None
     self._max_message_bytes = max_message_bytes
 
   # 1. authentication -------------------------------------------------------
-
-  @property
-  def needs_token(self) -> bool:
-    return self._expected_token is not None
 
   def authenticate(self, token: str | None) -> None:
     """Raises UnauthenticatedError unless `token` is the server's (compared

@@ -58,7 +58,7 @@ class Servers:
   def stop(self, grace_s: float) -> None:
     """Health NOT_SERVING, new requests refused, those in flight get `grace_s`."""
     self.health.enter_graceful_shutdown()
-    self.path.admit.close()
+    self.path.admission.close()
     stopped = self.grpc.stop(grace_s)
     if self.bulk:
       self.bulk.stop(grace_s)
