@@ -22,15 +22,20 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Elevator"].full_name
 OPEN_PREFIXES = ("/grpc.health.v1.Health/",)
 
 
+def _abort(context: grpc.ServicerContext, error: errors.ElevatorError) -> None:
+  """Ends the call with the error's status code, message and class."""
+  code, message, type_name = errors.status_of(error)
+  context.set_trailing_metadata(((errors.ERROR_TYPE_KEY, type_name),))
+  context.abort(code, message)
+
+
 @contextlib.contextmanager
 def _answering(context: grpc.ServicerContext) -> Iterator[None]:
-  """Turns an ElevatorError into the call's status, code and class."""
+  """Turns an ElevatorError raised inside into the call's status."""
   try:
     yield
   except errors.ElevatorError as e:
-    code, message, type_name = errors.status_of(e)
-    context.set_trailing_metadata(((errors.ERROR_TYPE_KEY, type_name),))
-    context.abort(code, message)
+    _abort(context, e)
 
 
 class GrpcService:
@@ -80,12 +85,9 @@ def add_to_server(service: GrpcService, server: grpc.Server) -> None:
 def _refusal(handler: grpc.RpcMethodHandler, error: errors.ElevatorError
              ) -> grpc.RpcMethodHandler:
   """A handler of the same shape that answers `error` without reading the request."""
-  code, message, type_name = errors.status_of(error)
-
   def abort(request_or_iterator: Any, context: grpc.ServicerContext) -> Any:
     del request_or_iterator
-    context.set_trailing_metadata(((errors.ERROR_TYPE_KEY, type_name),))
-    context.abort(code, message)
+    _abort(context, error)
 
   kind: Callable[..., grpc.RpcMethodHandler]
   if handler.request_streaming and handler.response_streaming:

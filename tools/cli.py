@@ -15,12 +15,13 @@ import sys
 from grain_elevator.proto import wire
 from grain_elevator.proto.errors import ElevatorError
 from grain_elevator.server import logs
+from grain_elevator.server.options import ServerOptions
 
 
 def _serve(args: argparse.Namespace) -> int:
   from grain_elevator import server  # pylint: disable=g-import-not-at-top
   bulk = False if args.no_bulk else (True if args.bulk_port is not None else None)
-  options = server.ServerOptions(
+  options = ServerOptions(
       host=args.host, port=args.port, workers=args.workers, threads=args.threads,
       grace_s=args.grace, max_concurrent_requests=args.max_concurrent_requests,
       max_message_bytes=args.max_message_bytes, tls_cert=args.tls_cert,
@@ -140,26 +141,27 @@ def build_parser() -> argparse.ArgumentParser:
       description="grain-elevator: serve deterministic, resumable Grain batches over gRPC.")
   sub = parser.add_subparsers(dest="command", required=True)
 
+  d = ServerOptions()  # the defaults live there, for the CLI and the Python API alike
   p = sub.add_parser("serve", help="serve the datasets of a config file")
   p.add_argument("--config", required=True, help="TOML file naming the datasets")
-  p.add_argument("--host", default="127.0.0.1",
-                 help="address to listen on (default 127.0.0.1; 0.0.0.0 for all)")
-  p.add_argument("--port", type=int, default=50051,
-                 help="port (default 50051; 0 picks a free one and prints it)")
+  p.add_argument("--host", default=d.host,
+                 help=f"address to listen on (default {d.host}; 0.0.0.0 for all)")
+  p.add_argument("--port", type=int, default=d.port,
+                 help=f"port (default {d.port}; 0 picks a free one and prints it)")
   p.add_argument("--workers", type=int, default=None,
                  help="worker processes (default: number of cores)")
-  p.add_argument("--threads", type=int, default=4,
-                 help="concurrent RPCs per worker process (default 4)")
-  p.add_argument("--grace", type=float, default=5.0,
-                 help="seconds in-flight requests get on shutdown (default 5)")
+  p.add_argument("--threads", type=int, default=d.threads,
+                 help=f"concurrent RPCs per worker process (default {d.threads})")
+  p.add_argument("--grace", type=float, default=d.grace_s,
+                 help=f"seconds in-flight requests get on shutdown (default {d.grace_s:g})")
   p.add_argument("--max-concurrent-requests", "--max-concurrent-rpcs",
-                 dest="max_concurrent_requests", type=int, default=16,
+                 dest="max_concurrent_requests", type=int, default=d.max_concurrent_requests,
                  help="requests (both transports) one worker accepts at once; more get "
                       "RESOURCE_EXHAUSTED and clients back off; health checks are not "
-                      "counted (default 16)")
-  p.add_argument("--max-message-bytes", type=int, default=256 << 20,
+                      f"counted (default {d.max_concurrent_requests})")
+  p.add_argument("--max-message-bytes", type=int, default=d.max_message_bytes,
                  help="largest batch message (one host's rows of one step); "
-                      "checked before building it (default 256 MiB)")
+                      f"checked before building it (default {d.max_message_bytes >> 20} MiB)")
   p.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve TLS")
   p.add_argument("--tls-key", default=None, help="PEM private key for --tls-cert")
   p.add_argument("--tls-client-ca", default=None,
