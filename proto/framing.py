@@ -20,6 +20,7 @@ MAGIC = b"GEB1"
 HELLO, REQUEST, BATCH, STATUS = 1, 2, 3, 4
 KINDS = {HELLO: "hello", REQUEST: "request", BATCH: "batch", STATUS: "status"}
 _HEADER = struct.Struct("<BQ")
+HEADER_SIZE = _HEADER.size
 _IOV_MAX = 512
 
 
@@ -43,9 +44,23 @@ def send_parts(sock: socket.socket, parts: Sequence[Any]) -> None:
         sent = 0
 
 
+def header(kind: int, size: int) -> bytes:
+  return _HEADER.pack(kind, size)
+
+
+def parse_header(data: bytes | bytearray) -> tuple[int, int]:
+  """(kind, payload length) of a frame header."""
+  return _HEADER.unpack(data)
+
+
+def frame(kind: int, payload: bytes) -> bytes:
+  """A small frame as one buffer."""
+  return header(kind, len(payload)) + payload
+
+
 def send_frame(sock: socket.socket, kind: int, parts: Sequence[Any]) -> None:
   """One frame; `parts` as for send_parts."""
-  send_parts(sock, [_HEADER.pack(kind, sum(len(p) for p in parts)), *parts])
+  send_parts(sock, [header(kind, sum(len(p) for p in parts)), *parts])
 
 
 def recv_into(sock: socket.socket, view: memoryview) -> None:

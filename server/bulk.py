@@ -2,19 +2,37 @@
 
 gRPC costs the receiving trainer 0.7-0.85 CPU-seconds per GB on this class
 of machine; a plain socket costs ~0.15 (docs/design.md). This serves the
-same requests with the same Batch bytes and status codes over a socket, one
-request at a time per connection, a thread per connection. It is a thin
-adapter: a request frame is bounded before it is read (proto/framing.py),
-then authentication, admission, validation and status mapping are the
-request path's (server/request_path.py). Workers share the port with
-SO_REUSEPORT, like the gRPC port.
+same requests with the same Batch bytes and status codes over a socket. It
+is a thin adapter: authentication, admission, validation and status mapping
+are the request path's (server/request_path.py).
+
+What a connection costs is bounded, whatever its peer does:
+  * one loop thread owns every connection that is not running a request: it
+    accepts, greets, reads request frames without blocking, and closes
+    connections idle for `idle_timeout_s` (or silent for HANDSHAKE_TIMEOUT_S
+    after connecting). An idle connection costs a socket, no thread;
+  * a request frame is at most MAX_BULK_REQUEST_BYTES, checked from its
+    header before its buffer exists, and before the token inside it is;
+  * a request runs on a pool of `threads` threads once admission gives it a
+    ticket (so the pool never queues); one request at a time per connection;
+  * a send that makes no progress for `write_timeout_s` ends the connection,
+    and admission cancels a request whose client stalls (server/admission.py);
+  * past `max_connections`, the longest-idle connection is closed to admit
+    a new one, so idle sockets cannot lock clients out.
+Workers share the port with SO_REUSEPORT, like the gRPC port.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import queue
+import resource
+import selectors
 import socket
 import threading
+import time
+from concurrent import futures
 
 from google.protobuf import message as protobuf_message
 
@@ -22,107 +40,283 @@ from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.proto import errors
 from grain_elevator.proto import framing
 from grain_elevator.server import sockets
-from grain_elevator.server.request_path import MAX_REQUEST_BYTES, RequestPath
+from grain_elevator.server.admission import Ticket
+from grain_elevator.server.request_path import RequestPath
 
 log = logging.getLogger("grain_elevator.server")
-_MAX_CONNECTIONS = 1024
-_HANDSHAKE_TIMEOUT_S = 10.0
+HANDSHAKE_TIMEOUT_S = 10.0
+# A BulkRequest is a dataset name, a few integers and a token: 64 KiB is
+# generous, and 1024 half-sent requests then hold at most 64 MiB.
+MAX_BULK_REQUEST_BYTES = 64 << 10
 
 
-def _send_status(sock: socket.socket, error: errors.ElevatorError) -> None:
+@dataclasses.dataclass(eq=False)
+class _Connection:
+  """One peer, as the loop sees it between requests."""
+  sock: socket.socket
+  deadline: float
+  greeted: bool = False
+  busy: bool = False
+  buffer: bytearray = dataclasses.field(default_factory=bytearray)
+  need: int = len(framing.MAGIC)
+  last_request: float = dataclasses.field(default_factory=time.monotonic)
+
+
+def _send_now(sock: socket.socket, data: bytes) -> bool:
+  """A small frame on a non-blocking socket: all of it, or False."""
+  try:
+    return sock.send(data) == len(data)
+  except OSError:
+    return False
+
+
+def _status_frame(error: errors.ElevatorError) -> bytes:
   code, message, type_name = errors.status_of(error)
   payload = pb.BulkStatus(code=code.value[0], message=message,
                           error_type=type_name).SerializeToString()
-  framing.send_frame(sock, framing.STATUS, [payload])
-
-
-class _Connection:
-  def __init__(self, sock: socket.socket):
-    self.sock = sock
-    self.busy = False
+  return framing.frame(framing.STATUS, payload)
 
 
 class BulkServer:
   """Listens on `host:port` and serves the request path to each connection."""
 
-  def __init__(self, path: RequestPath, host: str, port: int):
+  def __init__(self, path: RequestPath, host: str, port: int, *,
+               idle_timeout_s: float = 300.0, write_timeout_s: float = 30.0,
+               max_connections: int = 1024, threads: int = 16):
+    _allow_descriptors(max_connections)
     self._listener = sockets.bind_shared(host, port)
-    self._listener.listen(128)
+    self._listener.listen(1024)
+    self._listener.setblocking(False)
     self.port: int = self._listener.getsockname()[1]
     self._path = path
-    self._lock = threading.Lock()
+    self._idle_timeout_s = idle_timeout_s
+    self._write_timeout_s = write_timeout_s
+    self._max_connections = max_connections
+    self._pool = futures.ThreadPoolExecutor(threads, "elevator-bulk")
+    self._selector = selectors.DefaultSelector()
+    self._wake_r, self._wake_w = socket.socketpair()
+    self._wake_r.setblocking(False)
+    self._returned: queue.SimpleQueue[_Connection] = queue.SimpleQueue()
+    self._lock = threading.Lock()  # guards _conns and _stopping
     self._conns: set[_Connection] = set()
     self._stopping = False
-    self._thread = threading.Thread(target=self._accept_loop, name="elevator-bulk-accept",
+    self._thread = threading.Thread(target=self._loop, name="elevator-bulk-loop",
                                     daemon=True)
 
   def start(self) -> None:
+    self._selector.register(self._listener, selectors.EVENT_READ, "accept")
+    self._selector.register(self._wake_r, selectors.EVENT_READ, "wake")
     self._thread.start()
 
-  def _accept_loop(self) -> None:
+  # The loop ------------------------------------------------------------------
+
+  def _loop(self) -> None:
+    while not self._stopping:
+      for key, _ in self._selector.select(timeout=1.0):
+        if key.data == "accept":
+          self._accept()
+        elif key.data == "wake":
+          self._take_back()
+        else:
+          self._on_readable(key.data)
+      self._expire(time.monotonic())
+    self._selector.close()
+
+  def _accept(self) -> None:
     while True:
       try:
         sock, _ = self._listener.accept()
-      except OSError:
-        return  # listener closed by stop()
-      conn = _Connection(sock)
+      except (BlockingIOError, InterruptedError):
+        return
+      except OSError as e:  # EMFILE and the like: the loop tries again later
+        log.warning("bulk port: cannot accept a connection: %s", e)
+        return
+      if not self._make_room():
+        sock.close()
+        continue
+      sock.setblocking(False)
+      sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+      if not _send_now(sock, framing.MAGIC):
+        sock.close()
+        continue
+      conn = _Connection(sock, deadline=time.monotonic() + HANDSHAKE_TIMEOUT_S)
       with self._lock:
-        if self._stopping or len(self._conns) >= _MAX_CONNECTIONS:
-          sock.close()
-          continue
         self._conns.add(conn)
-      threading.Thread(target=self._serve, args=(conn,), name="elevator-bulk",
-                       daemon=True).start()
+      self._selector.register(sock, selectors.EVENT_READ, conn)
 
-  def _serve(self, conn: _Connection) -> None:
+  def _make_room(self) -> bool:
+    """Whether a new connection fits, closing the longest-idle one if not."""
+    with self._lock:
+      if len(self._conns) < self._max_connections:
+        return True
+      idle = [c for c in self._conns if not c.busy]
+    if not idle:
+      return False
+    oldest = min(idle, key=lambda c: c.last_request)
+    log.warning("bulk port: %d connections open; closing the longest idle one "
+                "to admit a new one (--max-bulk-connections)", self._max_connections)
+    self._close(oldest)
+    return True
+
+  def _on_readable(self, conn: _Connection) -> None:
+    try:
+      data = conn.sock.recv(conn.need - len(conn.buffer))
+    except (BlockingIOError, InterruptedError):
+      return
+    except OSError:
+      data = b""
+    if not data:  # the client went away
+      self._close(conn)
+      return
+    conn.buffer += data
+    if len(conn.buffer) < conn.need:
+      return
+    try:
+      self._advance(conn)
+    except framing.ProtocolError as e:
+      log.warning("bulk connection dropped: %s", e)
+      self._close(conn)
+
+  def _advance(self, conn: _Connection) -> None:
+    """A complete piece arrived: the magic, a frame header or a payload."""
+    if not conn.greeted:
+      if bytes(conn.buffer) != framing.MAGIC:
+        raise framing.ProtocolError(
+            f"peer sent {bytes(conn.buffer)!r}, not the bulk protocol's {framing.MAGIC!r}")
+      conn.greeted = True
+      conn.deadline = time.monotonic() + self._idle_timeout_s
+      hello = self._path.server_info.SerializeToString()
+      if not _send_now(conn.sock, framing.frame(framing.HELLO, hello)):
+        raise framing.ProtocolError("the client does not read its greeting")
+      self._expect_header(conn)
+    elif conn.need == framing.HEADER_SIZE:
+      kind, size = framing.parse_header(conn.buffer)
+      if kind != framing.REQUEST:
+        raise framing.ProtocolError(f"expected a request frame, got kind {kind}")
+      if size > MAX_BULK_REQUEST_BYTES:
+        raise framing.ProtocolError(f"request frame of {size} bytes is over this end's "
+                                    f"limit of {MAX_BULK_REQUEST_BYTES}")
+      conn.buffer = bytearray()
+      conn.need = size
+      if size == 0:
+        self._dispatch(conn, b"")
+    else:
+      payload = bytes(conn.buffer)
+      self._dispatch(conn, payload)
+
+  def _expect_header(self, conn: _Connection) -> None:
+    conn.buffer = bytearray()
+    conn.need = framing.HEADER_SIZE
+
+  def _dispatch(self, conn: _Connection, payload: bytes) -> None:
+    """A whole request: refused here, or handed to a thread with its ticket."""
+    self._expect_header(conn)
+    try:
+      request = pb.BulkRequest.FromString(payload)
+    except protobuf_message.DecodeError as e:
+      raise framing.ProtocolError(f"request frame is not a BulkRequest: {e}") from e
+    conn.last_request = time.monotonic()
+    conn.deadline = conn.last_request + self._idle_timeout_s
     sock = conn.sock
     try:
-      sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-      sock.settimeout(_HANDSHAKE_TIMEOUT_S)
-      framing.exchange_magic(sock)
-      framing.send_frame(sock, framing.HELLO, [self._path.server_info.SerializeToString()])
-      sock.settimeout(None)  # idle connections wait for their next request
-      while True:
-        _, payload = framing.recv_frame(sock, (framing.REQUEST,), MAX_REQUEST_BYTES)
-        try:
-          request = pb.BulkRequest.FromString(payload.tobytes())
-        except protobuf_message.DecodeError as e:
-          raise framing.ProtocolError(f"request frame is not a BulkRequest: {e}") from e
-        try:
-          self._path.authenticate(request.auth_token or None)
-          with self._path.admission():
-            conn.busy = True
-            try:
-              for parts in self._path.encoded_steps(request.request):
-                framing.send_frame(sock, framing.BATCH, parts)
-            finally:
-              conn.busy = False
-        except errors.ElevatorError as e:
-          _send_status(sock, e)
-    except (OSError, framing.ProtocolError) as e:
-      # The client went away or cancelled (it closes the connection), or does
-      # not speak the protocol: either way this connection is done.
-      if isinstance(e, framing.ProtocolError):
-        log.warning("bulk connection dropped: %s", e)
+      self._path.authenticate(request.auth_token or None)
+      ticket = self._path.admission.acquire(cancel=lambda: _shutdown(sock))
+    except errors.ElevatorError as e:
+      if not _send_now(sock, _status_frame(e)):
+        raise framing.ProtocolError("the client does not read its answer") from e
+      return
+    conn.busy = True
+    self._selector.unregister(sock)
+    self._pool.submit(self._serve, conn, request.request, ticket)
+
+  def _take_back(self) -> None:
+    """Connections whose request ended return to the loop."""
+    try:
+      while self._wake_r.recv(4096):
+        pass
+    except (BlockingIOError, InterruptedError):
+      pass
+    while True:
+      try:
+        conn = self._returned.get_nowait()
+      except queue.Empty:
+        return
+      conn.busy = False
+      conn.deadline = time.monotonic() + self._idle_timeout_s
+      try:
+        conn.sock.setblocking(False)
+        self._selector.register(conn.sock, selectors.EVENT_READ, conn)
+      except (OSError, ValueError):
+        self._close(conn)
+
+  def _expire(self, now: float) -> None:
+    with self._lock:
+      late = [c for c in self._conns if not c.busy and now >= c.deadline]
+    for conn in late:
+      self._close(conn)
+
+  def _close(self, conn: _Connection) -> None:
+    with self._lock:
+      self._conns.discard(conn)
+    if not conn.busy:
+      try:
+        self._selector.unregister(conn.sock)
+      except (KeyError, ValueError):
+        pass
+    conn.sock.close()
+
+  # A request, on a pool thread ----------------------------------------------
+
+  def _serve(self, conn: _Connection, request: pb.BatchRequest, ticket: Ticket) -> None:
+    sock = conn.sock
+    done = False
+    try:
+      sock.settimeout(self._write_timeout_s)  # a client that stops reading
+      try:
+        for parts in self._path.encoded_steps(request, lambda: not ticket.released):
+          with ticket.waiting():
+            framing.send_frame(sock, framing.BATCH, parts)
+      except errors.ElevatorError as e:
+        sock.sendall(_status_frame(e))
+      done = True
+    except OSError:
+      pass  # gone, cancelled, or not reading: this connection is done
+    except Exception:  # pylint: disable=broad-except
+      log.exception("bulk request failed")
     finally:
+      ticket.release()
+    if not done or ticket.cancelled or self._stopping:
       with self._lock:
         self._conns.discard(conn)
       sock.close()
+      return
+    self._returned.put(conn)
+    try:
+      self._wake_w.send(b"x")
+    except OSError:
+      pass
 
   def stop(self, grace_s: float) -> None:
     """Stops accepting, lets requests in flight finish within `grace_s`, then
     closes every connection. (The request path refuses new requests already.)"""
     with self._lock:
       self._stopping = True
-      idle = [c for c in self._conns if not c.busy]
+    try:
+      self._wake_w.send(b"x")
+    except OSError:
+      pass
+    self._thread.join(timeout=5)
     self._listener.close()
+    with self._lock:
+      idle = [c for c in self._conns if not c.busy]
     for conn in idle:
-      _shutdown(conn.sock)
+      conn.sock.close()
     self._path.admission.wait_idle(grace_s)
     with self._lock:
       remaining = list(self._conns)
     for conn in remaining:
       _shutdown(conn.sock)
+    self._pool.shutdown(wait=False)
 
 
 def _shutdown(sock: socket.socket) -> None:
@@ -130,3 +324,16 @@ def _shutdown(sock: socket.socket) -> None:
     sock.shutdown(socket.SHUT_RDWR)
   except OSError:
     pass
+
+
+def _allow_descriptors(connections: int) -> None:
+  """Raises the soft open-files limit toward the hard one, so that
+  `connections` sockets (plus gRPC's and the shards') fit."""
+  soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+  want = connections + 1024
+  if soft != resource.RLIM_INFINITY and soft < want:
+    new = want if hard == resource.RLIM_INFINITY else min(want, hard)
+    try:
+      resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+    except (ValueError, OSError):
+      pass

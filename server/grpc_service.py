@@ -52,9 +52,11 @@ class GrpcService:
   def GetBatches(self, request: pb.BatchRequest,
                  context: grpc.ServicerContext) -> Iterator[bytes]:
     """Yields serialized `Batch` messages (see `add_to_server`)."""
-    with _answering(context), self._path.admission():
+    with _answering(context), self._path.admission(context.cancel) as ticket:
       for parts in self._path.encoded_steps(request, context.is_active):
-        yield b"".join(parts)
+        message = b"".join(parts)
+        with ticket.waiting():  # gRPC sends it while this generator is suspended
+          yield message
 
 
 def _pass_through(message: bytes) -> bytes:

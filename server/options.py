@@ -15,6 +15,9 @@ from grain_elevator.proto.errors import ConfigError
 # A host's rows for one step are one message; bounded so that no request
 # (G = 10^9, say) makes a worker allocate without limit.
 DEFAULT_MAX_MESSAGE_BYTES = 256 << 20
+# gRPC threads beyond the request slots, and the health service's own pool:
+# probes answer while every slot is held by requests.
+HEALTH_THREADS = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,13 +28,23 @@ class ServerOptions:
     host: address to listen on; "0.0.0.0" for every interface.
     port: the gRPC port; 0 picks a free one (`Server.port` says which).
     workers: worker processes sharing the port; None: one per core.
-    threads: gRPC requests one worker runs at once.
+    threads: gRPC handler threads of one worker; None: max_concurrent_requests
+      + HEALTH_THREADS. Must exceed max_concurrent_requests, so that a
+      health check or Describe finds a thread while every slot is held.
     grace_s: seconds requests in flight get to finish on shutdown.
     max_concurrent_requests: requests (Describe, GetBatches; both transports)
       one worker accepts at once; more are answered RESOURCE_EXHAUSTED and
       clients back off. Health checks are not counted.
     max_message_bytes: largest batch message (one host's rows of one step),
       checked before any record is read.
+    write_timeout_s: a request whose client has not taken a batch for this
+      long is cancelled and its slot freed (server/admission.py); when every
+      slot is taken, one stalled over a second yields to a newcomer sooner.
+    idle_timeout_s: a connection with no request for this long is closed
+      (bulk: by the server's loop; gRPC: max_connection_idle). Clients
+      reconnect on their next request without an error.
+    max_bulk_connections: bulk connections one worker keeps open; past it
+      the longest-idle one is closed to admit the newcomer.
     tls_cert, tls_key: PEM files: serve TLS (gRPC only).
     tls_client_ca: PEM CA bundle: require client certificates it signed.
     auth_token_file: file holding the bearer token every request must carry.
@@ -44,10 +57,13 @@ class ServerOptions:
   host: str = "127.0.0.1"
   port: int = 50051
   workers: int | None = None
-  threads: int = 4
+  threads: int | None = None
   grace_s: float = 5.0
   max_concurrent_requests: int = 16
   max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+  write_timeout_s: float = 30.0
+  idle_timeout_s: float = 300.0
+  max_bulk_connections: int = 1024
   tls_cert: str | None = None
   tls_key: str | None = None
   tls_client_ca: str | None = None
@@ -60,9 +76,18 @@ class ServerOptions:
       value = getattr(self, name)
       if not 0 <= value < 65536:
         raise ConfigError(f"{name} must be in [0, 65536), got {value}")
-    for name in ("threads", "max_concurrent_requests", "max_message_bytes"):
+    for name in ("max_concurrent_requests", "max_message_bytes", "max_bulk_connections"):
       if getattr(self, name) < 1:
         raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+    if self.threads is not None and self.threads <= self.max_concurrent_requests:
+      raise ConfigError(
+          f"threads ({self.threads}) must exceed max_concurrent_requests "
+          f"({self.max_concurrent_requests}): a gRPC request holds a thread while it "
+          "runs, and health checks need one free; leave threads unset for "
+          f"max_concurrent_requests + {HEALTH_THREADS}")
+    for name in ("write_timeout_s", "idle_timeout_s"):
+      if not getattr(self, name) > 0:
+        raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
     if self.workers is not None and self.workers < 1:
       raise ConfigError(f"workers must be >= 1, got {self.workers}")
     if self.grace_s < 0:
@@ -75,6 +100,10 @@ class ServerOptions:
       raise ConfigError(
           "the bulk transport (--bulk-port) serves plaintext and cannot be combined "
           "with TLS (--tls-cert); TLS clients use gRPC")
+
+  @property
+  def grpc_threads(self) -> int:
+    return self.threads or self.max_concurrent_requests + HEALTH_THREADS
 
   @property
   def tls(self) -> bool:

@@ -7,6 +7,7 @@ embedded mode (client/embedded.py) are thin adapters around one
   1. authenticate: the bearer token, checked before any per-request work;
   2. admit: at most `max_concurrent` requests at once over every transport
      (RESOURCE_EXHAUSTED beyond; UNAVAILABLE once the server is stopping);
+     requests whose client does not read yield their slot (server/admission.py);
   3. validate: dataset, fingerprint, geometry, steps, compression, and the
      batch size limit, all before a record is read;
   4. produce each step's rows (errors name the dataset and step);
@@ -19,20 +20,18 @@ gRPC's receive limit and the bulk transport's request frame limit.
 
 from __future__ import annotations
 
-import contextlib
 import hmac
 import logging
-import threading
 from typing import Any, Callable, Iterator
 
 from grain_elevator.proto import contract
 from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.proto import wire
 from grain_elevator.proto.errors import (ElevatorError, InternalError, InvalidRequestError,
-                                         ResourceExhaustedError, ServiceUnavailableError,
                                          StreamMismatchError, UnauthenticatedError)
 from grain_elevator.proto.spec import DatasetInfo
 from grain_elevator.server import collate as collate_lib
+from grain_elevator.server.admission import Admission
 from grain_elevator.server.dataset import Datasets, ElevatorDataset
 from grain_elevator.server.options import DEFAULT_MAX_MESSAGE_BYTES
 
@@ -44,52 +43,17 @@ log = logging.getLogger("grain_elevator.server")
 MAX_REQUEST_BYTES = 1 << 20
 
 
-class Admission:
-  """Counts requests in flight; refuses beyond the limit or once closed."""
-
-  def __init__(self, limit: int | None):
-    self._limit = limit
-    self._lock = threading.Condition()
-    self._in_flight = 0
-    self._closed = False
-
-  @contextlib.contextmanager
-  def __call__(self) -> Iterator[None]:
-    with self._lock:
-      if self._closed:
-        raise ServiceUnavailableError("server is shutting down")
-      if self._limit is not None and self._in_flight >= self._limit:
-        raise ResourceExhaustedError(
-            f"worker is serving its maximum of {self._limit} concurrent requests")
-      self._in_flight += 1
-    try:
-      yield
-    finally:
-      with self._lock:
-        self._in_flight -= 1
-        self._lock.notify_all()
-
-  def close(self) -> None:
-    """Refuses every later request (UNAVAILABLE); those in flight go on."""
-    with self._lock:
-      self._closed = True
-
-  def wait_idle(self, timeout_s: float) -> bool:
-    """Waits until no request is in flight; False if `timeout_s` passed first."""
-    with self._lock:
-      return self._lock.wait_for(lambda: self._in_flight == 0, timeout_s)
-
-
 class RequestPath:
   """One worker's (or one embedded backend's) way from a request to batches."""
 
   def __init__(self, datasets: Datasets, *, auth_token: str | None = None,
                max_concurrent: int | None = None,
                max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+               write_timeout_s: float | None = None,
                server_info: pb.ServerInfo | None = None):
     self.datasets = datasets
     self.server_info = server_info or pb.ServerInfo(num_workers=1)
-    self.admission = Admission(max_concurrent)
+    self.admission = Admission(max_concurrent, write_timeout_s=write_timeout_s)
     self._expected_token = auth_token.encode() if auth_token else None
     self._max_message_bytes = max_message_bytes
 

@@ -26,7 +26,7 @@ from grain_elevator.server import config as config_lib
 from grain_elevator.server import dataset as dataset_lib
 from grain_elevator.server import grpc_service
 from grain_elevator.server import logs
-from grain_elevator.server.options import ServerOptions
+from grain_elevator.server.options import HEALTH_THREADS, ServerOptions
 from grain_elevator.server.request_path import MAX_REQUEST_BYTES, RequestPath
 
 
@@ -37,6 +37,23 @@ def _die_with_parent() -> None:
       ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except OSError:
       pass
+
+
+class _OnOwnThreads:
+  """The health service with its own threads (gRPC's per-method pools): a
+  probe is answered while every request thread is busy. Watch streams last,
+  so they get a pool apart from Check's."""
+
+  def __init__(self, servicer: health.HealthServicer):
+    check_pool = futures.ThreadPoolExecutor(HEALTH_THREADS, "elevator-health")
+    watch_pool = futures.ThreadPoolExecutor(HEALTH_THREADS, "elevator-health-watch")
+    for name, pool in (("Check", check_pool), ("List", check_pool), ("Watch", watch_pool)):
+      method = getattr(servicer, name)
+
+      def call(request: Any, context: grpc.ServicerContext, _method=method) -> Any:
+        return _method(request, context)
+      call.experimental_thread_pool = pool  # type: ignore[attr-defined]
+      setattr(self, name, call)
 
 
 @dataclasses.dataclass
@@ -72,26 +89,32 @@ def build_servers(datasets: dataset_lib.Datasets, opts: ServerOptions, index: in
   path = RequestPath(datasets, auth_token=token,
                      max_concurrent=opts.max_concurrent_requests,
                      max_message_bytes=opts.max_message_bytes,
+                     write_timeout_s=opts.write_timeout_s,
                      server_info=pb.ServerInfo(worker_index=index, num_workers=num_workers))
   server = grpc.server(
-      futures.ThreadPoolExecutor(max_workers=opts.threads,
+      futures.ThreadPoolExecutor(max_workers=opts.grpc_threads,
                                  thread_name_prefix="elevator-rpc"),
       interceptors=[grpc_service.AuthInterceptor(path)] if token else [],
-      # A bound on what gRPC itself holds (calls running or queued for a
-      # thread); admission proper is the request path's.
-      maximum_concurrent_rpcs=opts.max_concurrent_requests + opts.threads,
+      # No maximum_concurrent_rpcs: gRPC would refuse health checks with it.
+      # Admission bounds the requests (server/admission.py), and threads
+      # beyond its slots keep Describe from queueing behind them.
       options=[
           ("grpc.so_reuseport", 1),
           ("grpc.max_send_message_length", -1),
           ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
+          ("grpc.max_connection_idle_ms", int(opts.idle_timeout_s * 1000)),
       ])
   bulk_server = None
   if opts.serves_bulk:
-    bulk_server = bulk_lib.BulkServer(path, opts.host, opts.bulk_port)
+    bulk_server = bulk_lib.BulkServer(path, opts.host, opts.bulk_port,
+                                      idle_timeout_s=opts.idle_timeout_s,
+                                      write_timeout_s=opts.write_timeout_s,
+                                      max_connections=opts.max_bulk_connections,
+                                      threads=opts.max_concurrent_requests)
     path.server_info.bulk_port = bulk_server.port
   grpc_service.add_to_server(grpc_service.GrpcService(path), server)
   health_servicer = health.HealthServicer()
-  health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+  health_pb2_grpc.add_HealthServicer_to_server(_OnOwnThreads(health_servicer), server)
   reflection.enable_server_reflection(
       (grpc_service.SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
   address = f"{opts.host}:{opts.port}"

@@ -19,6 +19,7 @@ from grain_elevator.client import (RemoteDataset, RetryPolicy, ServiceUnavailabl
 from grain_elevator.client.bulk import BulkConnection
 from grain_elevator.client.transport import CancelToken, TransportError
 from grain_elevator.proto import elevator_pb2 as pb
+from grain_elevator.server.bulk import MAX_BULK_REQUEST_BYTES
 from grain_elevator.tools.launcher import ELEVATOR, LocalServer
 from helpers import assert_streams_equal, assert_trees_equal, oracle_batch, worker_pids
 
@@ -272,7 +273,7 @@ def test_a_frame_over_the_limit_is_refused_before_it_is_read():
   a, b = socket.socketpair()
   with a, b:
     b.settimeout(10)
-    a.sendall(framing._HEADER.pack(framing.REQUEST, 1 << 34) + b"x" * 100)  # pylint: disable=protected-access
+    a.sendall(framing.header(framing.REQUEST, 1 << 34) + b"x" * 100)
     with pytest.raises(framing.ProtocolError, match="request frame of 17179869184 bytes "
                                                      "is over this end's limit of 1048576"):
       framing.recv_frame(b, (framing.REQUEST,), 1 << 20)
@@ -312,13 +313,14 @@ def test_a_frame_promising_2_34_bytes_is_refused_unread(server):
   from grain_elevator.proto import framing
   logged = len(server.stderr())
   with _greeted(server) as s:
-    s.sendall(framing._HEADER.pack(framing.REQUEST, 1 << 34))  # pylint: disable=protected-access
+    s.sendall(framing.header(framing.REQUEST, 1 << 34))
     try:
       s.sendall(b"\0" * (1 << 20))
     except OSError:
       pass  # already closed: as good
     assert _closed_by_peer(s)
-  refused = "request frame of 17179869184 bytes is over this end's limit of 1048576"
+  refused = ("request frame of 17179869184 bytes is over this end's limit of "
+             f"{MAX_BULK_REQUEST_BYTES}")
   assert refused in _logged_since(server, logged, refused)
   conn = _connect(server.host, server.bulk_port)  # and everyone else is still served
   try:

@@ -24,7 +24,9 @@ def _serve(args: argparse.Namespace) -> int:
   options = ServerOptions(
       host=args.host, port=args.port, workers=args.workers, threads=args.threads,
       grace_s=args.grace, max_concurrent_requests=args.max_concurrent_requests,
-      max_message_bytes=args.max_message_bytes, tls_cert=args.tls_cert,
+      max_message_bytes=args.max_message_bytes, write_timeout_s=args.write_timeout,
+      idle_timeout_s=args.idle_timeout, max_bulk_connections=args.max_bulk_connections,
+      tls_cert=args.tls_cert,
       tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
       auth_token_file=args.auth_token_file, bulk=bulk, bulk_port=args.bulk_port or 0)
   return server.serve(args.config, options)
@@ -151,7 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--workers", type=int, default=None,
                  help="worker processes (default: number of cores)")
   p.add_argument("--threads", type=int, default=d.threads,
-                 help=f"concurrent RPCs per worker process (default {d.threads})")
+                 help="gRPC handler threads per worker; must exceed "
+                      "--max-concurrent-requests (default: that + 4)")
   p.add_argument("--grace", type=float, default=d.grace_s,
                  help=f"seconds in-flight requests get on shutdown (default {d.grace_s:g})")
   p.add_argument("--max-concurrent-requests", "--max-concurrent-rpcs",
@@ -162,6 +165,15 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--max-message-bytes", type=int, default=d.max_message_bytes,
                  help="largest batch message (one host's rows of one step); "
                       f"checked before building it (default {d.max_message_bytes >> 20} MiB)")
+  p.add_argument("--write-timeout", type=float, default=d.write_timeout_s,
+                 help="seconds a request may wait for its client to read before it is "
+                      f"cancelled and its slot freed (default {d.write_timeout_s:g})")
+  p.add_argument("--idle-timeout", type=float, default=d.idle_timeout_s,
+                 help="seconds a connection may stay without a request before the server "
+                      f"closes it (default {d.idle_timeout_s:g})")
+  p.add_argument("--max-bulk-connections", type=int, default=d.max_bulk_connections,
+                 help="bulk connections per worker; past it the longest idle is closed "
+                      f"(default {d.max_bulk_connections})")
   p.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve TLS")
   p.add_argument("--tls-key", default=None, help="PEM private key for --tls-cert")
   p.add_argument("--tls-client-ca", default=None,
