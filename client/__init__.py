@@ -14,7 +14,8 @@ from grain_elevator.client.remote_dataset import RemoteDataset, describe
 from grain_elevator.proto.errors import (Cancelled, ConfigError, DataLossError, ElevatorError,
                                          EndOfDataError, InternalError, InvalidRequestError,
                                          ResourceExhaustedError, ServiceUnavailableError,
-                                         StreamMismatchError, UnauthenticatedError,
+                                         ShardChangedError, StreamMismatchError,
+                                         UnauthenticatedError,
                                          UnknownDatasetError)
 from grain_elevator.proto.malloc import tune_malloc
 from grain_elevator.proto.spec import DatasetInfo
@@ -24,6 +25,6 @@ __all__ = [
     "TransportOptions", "RetryPolicy", "Security", "DatasetInfo",
     "ElevatorError", "Cancelled", "ConfigError", "DataLossError", "EndOfDataError",
     "InternalError", "InvalidRequestError", "ResourceExhaustedError",
-    "ServiceUnavailableError", "StreamMismatchError", "UnauthenticatedError",
-    "UnknownDatasetError",
+    "ServiceUnavailableError", "ShardChangedError", "StreamMismatchError",
+    "UnauthenticatedError", "UnknownDatasetError",
 ]

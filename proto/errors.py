@@ -51,6 +51,11 @@ class StreamMismatchError(ElevatorError, ValueError):
   code = grpc.StatusCode.FAILED_PRECONDITION
 
 
+class ShardChangedError(StreamMismatchError):
+  """A shard file is not the one the server started with: serving it would
+  give other records under the same stream fingerprint."""
+
+
 class ConfigError(ElevatorError):
   """The server's dataset config or options are wrong; raised at start-up."""
 
@@ -97,7 +102,7 @@ class Cancelled(ElevatorError):
 # The table. For a code without a type name, the first class with that code.
 ERRORS: tuple[type[ElevatorError], ...] = (
     UnknownDatasetError, InvalidRequestError, EndOfDataError, StreamMismatchError,
-    ConfigError, DataLossError, UnauthenticatedError, ResourceExhaustedError,
+    ShardChangedError, ConfigError, DataLossError, UnauthenticatedError, ResourceExhaustedError,
     InternalError, ServiceUnavailableError, Cancelled)
 _BY_NAME = {cls.__name__: cls for cls in ERRORS}
 _BY_CODE: dict[grpc.StatusCode, type[ElevatorError]] = {}

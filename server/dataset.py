@@ -3,26 +3,34 @@
 `records` is built exactly as the contract states (docs/design.md), with
 Grain's own `seed().shuffle().repeat()`; a batch's records are read in one
 batched call (Grain's `_getitems` path) rather than one ~60 µs call each.
+
+The fingerprint covers each shard's identity, recorded when the server
+started, and shards are read only while they still have it
+(server/shard_identity.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
+from array_record.python import array_record_data_source
 import grain
 import numpy as np
 
 from grain_elevator.proto import contract
 from grain_elevator.proto import tree
-from grain_elevator.proto.errors import ConfigError, DataLossError, UnknownDatasetError
+from grain_elevator.proto.errors import (ConfigError, DataLossError, ShardChangedError,
+                                         UnknownDatasetError)
 from grain_elevator.proto.spec import DatasetInfo, ElementSpec
 from grain_elevator.server import collate as collate_lib
 from grain_elevator.server import shard_reader
 from grain_elevator.server import shuffle as shuffle_lib
 from grain_elevator.server.config import DatasetConfig, ServerConfig
+from grain_elevator.server.shard_identity import CheckedFile, ShardIdentity, shard_identities
 
 log = logging.getLogger("grain_elevator.server")
 
@@ -65,13 +73,22 @@ class BatchedArrayRecordSource(grain.sources.ArrayRecordDataSource):
   its C part, go through ArrayRecord: one call per shard, or one per record
   for records of SINGLE_READ_RECORD_BYTES and up (its batched call starts a
   thread pool, which on a few cores costs more than it saves).
+
+  With `identities` (what the server serves), either reader opens a shard
+  only through a `CheckedFile` that matched its recorded identity, and each
+  read is followed by that file's fstat check: a changed shard is refused
+  (ShardChangedError), never read. Without them (tools, tests that damage
+  files on purpose) shards are read unchecked.
   """
 
   _single_reads: bool | None = None
 
-  def __init__(self, paths: Any, reader_options: dict[str, str] | None = None):
+  def __init__(self, paths: Any, reader_options: dict[str, str] | None = None, *,
+               identities: Mapping[str, ShardIdentity | None] | None = None):
     super().__init__(paths, reader_options)
+    self._identities = identities
     self._shards: list[Any] = [_UNOPENED] * len(self._read_instructions)
+    self._files: list[CheckedFile | None] = [None] * len(self._read_instructions)
     self._index_shards()
 
   def _index_shards(self) -> None:
@@ -92,12 +109,35 @@ class BatchedArrayRecordSource(grain.sources.ArrayRecordDataSource):
 
   def __getstate__(self):
     state = super().__getstate__()
-    del state["_shards"]  # open file descriptors: reopened lazily
+    del state["_shards"]  # open file descriptors: reopened (and checked) lazily
+    del state["_files"]
     return state
 
   def __setstate__(self, state):
     super().__setstate__(state)
     self._shards = [_UNOPENED] * len(self._read_instructions)
+    self._files = [None] * len(self._read_instructions)
+
+  def _file(self, reader_idx: int) -> CheckedFile | None:
+    """The shard's checked file, opened on first use (hold `_lock`); None
+    without identities."""
+    if self._identities is None:
+      return None
+    file = self._files[reader_idx]
+    if file is None:
+      filename = self._read_instructions[reader_idx].filename
+      try:
+        file = CheckedFile(filename, self._identities.get(filename))
+      except OSError as e:
+        raise DataLossError(f"shard {filename} cannot be opened: {e}") from e
+      self._files[reader_idx] = file
+    return file
+
+  def _check(self, reader_idx: int) -> None:
+    """After a read (or its failure): refuses a shard written to since it was opened."""
+    file = self._files[reader_idx]
+    if file is not None:
+      file.check()
 
   def _shard(self, reader_idx: int) -> shard_reader.ShardReader | None:
     """This shard's fast reader, opened on first use; None: use ArrayRecord."""
@@ -107,12 +147,31 @@ class BatchedArrayRecordSource(grain.sources.ArrayRecordDataSource):
         shard = self._shards[reader_idx]
         if shard is _UNOPENED:
           filename = self._read_instructions[reader_idx].filename
+          file = self._file(reader_idx)
           try:
-            shard = shard_reader.open_shard(filename)
+            shard = shard_reader.open_shard(file.path if file else filename)
+            if file and shard:
+              file.confirm_opened()
           except (shard_reader.CorruptShard, OSError) as e:
+            self._check(reader_idx)
             raise DataLossError(f"shard {filename} cannot be opened: {e}") from e
           self._shards[reader_idx] = shard
     return shard
+
+  def _ensure_reader_exists(self, reader_idx: int) -> None:
+    """ArrayRecord's reader for a shard, opened through its checked file."""
+    if self._identities is None:
+      super()._ensure_reader_exists(reader_idx)
+      return
+    if self._readers[reader_idx] is not None:
+      return
+    with self._lock:
+      if self._readers[reader_idx] is None:
+        file = self._file(reader_idx)
+        reader = array_record_data_source._create_reader(  # pylint: disable=protected-access
+            file.path, self._reader_options_string)
+        file.confirm_opened()
+        self._readers[reader_idx] = reader
 
   def _split(self, indices: Sequence[int]) -> dict[int, tuple[list[int], list[int]]]:
     """shard -> (positions in it, places in `indices`): ArrayRecord's
@@ -144,16 +203,24 @@ class BatchedArrayRecordSource(grain.sources.ArrayRecordDataSource):
     shard = self._shard(reader_idx)
     if shard is not None:
       try:
-        return shard.read(positions)
+        records = shard.read(positions)
       except shard_reader.CorruptShard:
+        self._check(reader_idx)  # rewritten in place: say so, not "corrupt"
         _raise_for_first_bad_record(filename, positions,
                                     lambda p: shard.read([p]), shard_reader.CorruptShard)
         raise
       except OSError as e:
+        self._check(reader_idx)
         raise DataLossError(f"shard {filename} cannot be read: {e}") from e
       except shard_reader.UnsupportedShard as e:  # a chunk unlike the first
+        self._check(reader_idx)
         log.warning("%s: %s; reading it through ArrayRecord from now on", filename, e)
         self._shards[reader_idx] = None
+      else:
+        # After the read: a write(2) that any of these bytes could come from
+        # has already moved the mtime (the kernel sets it before copying in).
+        self._check(reader_idx)
+        return records
     return self._read_with_array_record(reader_idx, positions)
 
   def _read_with_array_record(self, reader_idx: int, positions: list[int]) -> Sequence[bytes]:
@@ -162,12 +229,18 @@ class BatchedArrayRecordSource(grain.sources.ArrayRecordDataSource):
       self._ensure_reader_exists(reader_idx)
       reader = self._readers[reader_idx]
       if self._reads_singly():
-        return [reader.read([p])[0] for p in positions]
-      return reader.read(positions)
+        records = [reader.read([p])[0] for p in positions]
+      else:
+        records = reader.read(positions)
+    except (ShardChangedError, DataLossError):  # refused before any read
+      raise
     except Exception as e:  # pylint: disable=broad-except
+      self._check(reader_idx)
       _raise_for_first_bad_record(filename, positions,
                                   lambda p: self._readers[reader_idx].read([p]), Exception)
       raise DataLossError(f"shard {filename} cannot be read: {e}") from e
+    self._check(reader_idx)
+    return records
 
   def __getitem__(self, record_key: int) -> bytes:
     (record,) = self._getitems([record_key])
@@ -175,7 +248,8 @@ class BatchedArrayRecordSource(grain.sources.ArrayRecordDataSource):
 
 
 def build_raw_records(config: DatasetConfig, source: Any | None = None) -> grain.MapDataset:
-  """The shuffled, repeated stream of raw records, before the pipeline."""
+  """The shuffled, repeated stream of raw records, before the pipeline
+  (read unchecked unless `source` is a BatchedArrayRecordSource given identities)."""
   if source is None:
     source = BatchedArrayRecordSource(list(config.files))
   ds = grain.MapDataset.source(source)
@@ -216,11 +290,19 @@ def apply_pipeline(config: DatasetConfig, ds: grain.MapDataset) -> grain.MapData
   return out
 
 
-def fingerprint(config: DatasetConfig, num_records: int) -> str:
-  """The stream fingerprint of a dataset: everything that defines its records."""
+def fingerprint(config: DatasetConfig, num_records: int,
+                identities: Mapping[str, ShardIdentity | None]) -> str:
+  """The stream fingerprint of a dataset: everything that defines its records,
+  its shards' recorded identities included, so a server started on changed
+  files has another (and refuses cursors of the old one). File names without
+  their folder: the same files elsewhere are the same stream, if their
+  copies kept the mtime (cp -p, rsync -a)."""
+  shards = [None if i is None else [i.size, i.mtime_ns, i.tail_hash]
+            for i in (identities.get(f) for f in config.files)]
   return contract.stream_fingerprint({
       "name": config.name,
       "files": [os.path.basename(f) for f in config.files],
+      "shards": shards,
       "num_records": num_records,
       "pipeline": config.pipeline,
       "options": config.options,
@@ -231,17 +313,28 @@ def fingerprint(config: DatasetConfig, num_records: int) -> str:
 
 
 class ElevatorDataset:
-  """One registered dataset, ready to cut host batches for any step."""
+  """One registered dataset, ready to cut host batches for any step.
 
-  def __init__(self, config: DatasetConfig):
+  `identities`: its shards' identities as the server recorded them at
+  start-up (`record_identities`); None records them now (embedded mode,
+  which opens a dataset on first use). Its shards are read only while they
+  still match, and its fingerprint covers them.
+  """
+
+  def __init__(self, config: DatasetConfig,
+               identities: Mapping[str, ShardIdentity | None] | None = None):
     mark_absl_flags_parsed()
     self.config = config
     try:
       shard_reader.check_setup()
     except ValueError as e:
       raise ConfigError(str(e)) from e
+    if identities is None:
+      identities = shard_identities(config.files)
+    # A file the config's globs match now but did not at start-up has none: refused.
+    self.identities = {f: identities.get(f) for f in config.files}
     try:
-      source = BatchedArrayRecordSource(list(config.files))
+      source = BatchedArrayRecordSource(list(config.files), identities=self.identities)
     except Exception as e:
       raise ConfigError(
           f"dataset {config.name!r}: cannot open its shards (truncated or not "
@@ -258,6 +351,8 @@ class ElevatorDataset:
     self.records = apply_pipeline(config, self.raw_records)
     try:
       first = self.records[0]
+    except ShardChangedError:
+      raise
     except Exception as e:
       raise ConfigError(
           f"dataset {config.name!r}: the pipeline fails on record 0: "
@@ -267,7 +362,7 @@ class ElevatorDataset:
     self.info = DatasetInfo(
         name=config.name, num_records=num_records,
         num_epochs=config.num_epochs, shuffle=config.shuffle, seed=config.seed,
-        config_fingerprint=fingerprint(config, num_records),
+        config_fingerprint=fingerprint(config, num_records, self.identities),
         element_spec=spec, stream_length=len(self.records))
     self._batch_fn = config.batch_transform_fn()
     if self._batch_fn is not None:
@@ -285,6 +380,8 @@ class ElevatorDataset:
         f" and {n}..{n + rows - 1}" if len(positions) > rows else "")
     try:
       fast = self._transform_batch(positions)
+    except ShardChangedError:
+      raise
     except Exception as e:
       raise ConfigError(
           f"dataset {c.name!r}: batch_transform {c.batch_transform!r} fails on "
@@ -336,10 +433,17 @@ class ElevatorDataset:
 class Datasets:
   """A config's datasets by name, each opened once: every one at start-up
   (a server: a bad dataset stops it before it serves), or each on first use
-  (embedded mode opens only what the trainer reads)."""
+  (embedded mode opens only what the trainer reads).
 
-  def __init__(self, config: ServerConfig, *, open_now: bool = True):
+  `identities`: the shards' identities the supervisor recorded when the
+  server started (`record_identities`), the same for every worker however
+  late it starts; None records each dataset's when it is opened.
+  """
+
+  def __init__(self, config: ServerConfig, *, open_now: bool = True,
+               identities: Mapping[str, ShardIdentity] | None = None):
     self.config = config
+    self._identities = identities
     self._opened: dict[str, ElevatorDataset] = {}
     self._lock = threading.Lock()
     if open_now:
@@ -360,5 +464,5 @@ class Datasets:
           raise UnknownDatasetError(
               f"unknown dataset {name!r}; this server offers: "
               f"{', '.join(self.names) or '(none)'}")
-        ds = self._opened[name] = ElevatorDataset(dataset_config)
+        ds = self._opened[name] = ElevatorDataset(dataset_config, self._identities)
       return ds

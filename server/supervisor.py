@@ -28,6 +28,7 @@ from grain_elevator.proto import malloc
 from grain_elevator.proto.errors import ElevatorError
 from grain_elevator.server import auth
 from grain_elevator.server import config as config_lib
+from grain_elevator.server import shard_identity
 from grain_elevator.server import sockets
 from grain_elevator.server import worker as worker_lib
 from grain_elevator.server.options import ServerOptions
@@ -83,6 +84,7 @@ class Server:
     self._ctx = mp.get_context("spawn")
     self._ready = self._ctx.Queue()
     self._procs: dict[int, mp.process.BaseProcess] = {}
+    self._identities: dict[str, shard_identity.ShardIdentity] = {}
     self._stop = threading.Event()
     self._supervisor: threading.Thread | None = None
 
@@ -118,6 +120,9 @@ class Server:
     """Checks config and options, starts every worker, and supervises them
     from a background thread; returns once all serve."""
     self.config = config_lib.load_config(self.config_path)  # fail fast on a bad file
+    # The shards as they are now, recorded once: every worker, a restarted one
+    # too, reads a shard only while it still matches, and fingerprints with them.
+    self._identities = shard_identity.record_identities(self.config)
     opts = self.options
     if opts.tls:
       auth.server_credentials(opts.tls_cert, opts.tls_key, opts.tls_client_ca)  # readable?
@@ -150,7 +155,8 @@ class Server:
   def _spawn(self, index: int) -> None:
     p = self._ctx.Process(
         target=worker_lib.run,
-        args=(self.config_path, self.options, index, self.num_workers, self._ready),
+        args=(self.config_path, self.options, index, self.num_workers, self._ready,
+              self._identities),
         name=f"elevator-worker-{index}", daemon=True)
     with _worker_environment():
       p.start()

@@ -127,15 +127,16 @@ def build_servers(datasets: dataset_lib.Datasets, opts: ServerOptions, index: in
 
 
 def run(config_path: str, opts: ServerOptions, index: int, num_workers: int,
-        ready: Any) -> None:
-  """Worker process entry point; reports (index, error or None) on `ready`."""
+        ready: Any, identities: dict[str, dataset_lib.ShardIdentity] | None = None) -> None:
+  """Worker process entry point; reports (index, error or None) on `ready`.
+  `identities`: the shards as the supervisor recorded them at start-up."""
   _die_with_parent()
   signal.signal(signal.SIGINT, signal.SIG_IGN)  # The supervisor handles Ctrl-C.
   logs.setup(f"elevator[worker {index}]")
   stop = threading.Event()
   signal.signal(signal.SIGTERM, lambda *_: stop.set())
   try:
-    datasets = dataset_lib.Datasets(config_lib.load_config(config_path))
+    datasets = dataset_lib.Datasets(config_lib.load_config(config_path), identities=identities)
     servers = build_servers(datasets, opts, index, num_workers)
     if servers.port == 0:
       raise OSError(f"cannot listen on {opts.host}:{opts.port}")
