@@ -20,6 +20,11 @@ sent. A client that never reads would hold its ticket forever, so:
     stream and never reads (its flow-control window fills before it stalls,
     which can take many seconds) holds one only for its slice.
 
+Long streams (over LONG_STREAM_STEPS steps; a trainer asks for a step or
+a few at a time) may hold at most half the slots, so the other half is
+always there for short requests, whatever a client holding endless streams
+does.
+
 Cancelling is the transport's: gRPC cancels the call, the bulk transport
 shuts the socket down; either way the request's thread wakes from its send
 and ends. A cancelled ticket stops counting at once: its thread is only
@@ -44,6 +49,7 @@ log = logging.getLogger("grain_elevator.server")
 # 1 GB/s is 0.25 s).
 STALL_GRACE_S = 1.0
 SLICE_S = 2.0
+LONG_STREAM_STEPS = 64
 _WATCHDOG_PERIOD_S = 1.0
 # Under attack cancellations come by the hundred: one log line per period,
 # with the count of those it stands for.
@@ -53,12 +59,13 @@ _LOG_PERIOD_S = 10.0
 class Ticket:
   """One admitted request; the transport marks when it waits for its client."""
 
-  __slots__ = ("_admission", "_cancel", "started", "sent", "waiting_since", "cancelled",
-               "released")
+  __slots__ = ("_admission", "_cancel", "long", "started", "sent", "waiting_since",
+               "cancelled", "released")
 
-  def __init__(self, admission: "Admission", cancel: Callable[[], None] | None):
+  def __init__(self, admission: "Admission", cancel: Callable[[], None] | None, long: bool):
     self._admission = admission
     self._cancel = cancel
+    self.long = long
     self.started = time.monotonic()
     self.sent = 0
     self.waiting_since: float | None = None
@@ -109,21 +116,32 @@ class Admission:
     with self._lock:
       return len(self._tickets)
 
-  def acquire(self, cancel: Callable[[], None] | None = None) -> Ticket:
+  def acquire(self, cancel: Callable[[], None] | None = None, *, steps: int = 1) -> Ticket:
     """A ticket, or ResourceExhaustedError / ServiceUnavailableError.
     `cancel` ends the request from another thread; without one the request
-    is never cancelled (it cannot be stalled by a client: Describe)."""
+    is never cancelled (it cannot be stalled by a client: Describe).
+    `steps`: how many the request asks for."""
     victim = None
+    long = steps > LONG_STREAM_STEPS
     with self._lock:
       if self._closed:
         raise ServiceUnavailableError("server is shutting down")
-      if self._limit is not None and len(self._tickets) >= self._limit:
+      if self._limit is not None and long:
+        long_limit = max(1, self._limit // 2)
+        if sum(t.long for t in self._tickets) >= long_limit:
+          victim, why = self._victim(only_long=True)
+          if victim is None:
+            raise ResourceExhaustedError(
+                f"streams of over {LONG_STREAM_STEPS} steps may hold {long_limit} of this "
+                f"worker's {self._limit} request slots, and they do")
+      if victim is None and self._limit is not None and len(self._tickets) >= self._limit:
         victim, why = self._victim()
         if victim is None:
           raise ResourceExhaustedError(
               f"worker is serving its maximum of {self._limit} concurrent requests")
+      if victim is not None:
         self._tickets.discard(victim)
-      ticket = Ticket(self, cancel)
+      ticket = Ticket(self, cancel, long)
       self._tickets.add(ticket)
       self._start_watchdog()
     if victim is not None:
@@ -131,8 +149,9 @@ class Admission:
     return ticket
 
   @contextlib.contextmanager
-  def __call__(self, cancel: Callable[[], None] | None = None) -> Iterator[Ticket]:
-    ticket = self.acquire(cancel)
+  def __call__(self, cancel: Callable[[], None] | None = None, *,
+               steps: int = 1) -> Iterator[Ticket]:
+    ticket = self.acquire(cancel, steps=steps)
     try:
       yield ticket
     finally:
@@ -154,10 +173,11 @@ class Admission:
       ticket.released = True
       self._lock.notify_all()
 
-  def _victim(self) -> tuple[Ticket | None, str]:
+  def _victim(self, only_long: bool = False) -> tuple[Ticket | None, str]:
     """The request to cancel for a newcomer, and why; (None, "") if none may be."""
     now = time.monotonic()
-    cancellable = [t for t in self._tickets if t._cancel is not None]
+    cancellable = [t for t in self._tickets
+                   if t._cancel is not None and (t.long or not only_long)]
     stalled = [t for t in cancellable
                if t.waiting_since is not None and now - t.waiting_since >= STALL_GRACE_S]
     if stalled:

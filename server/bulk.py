@@ -220,7 +220,8 @@ class BulkServer:
     sock = conn.sock
     try:
       self._path.authenticate(request.auth_token or None)
-      ticket = self._path.admission.acquire(cancel=lambda: _shutdown(sock))
+      ticket = self._path.admission.acquire(cancel=lambda: _shutdown(sock),
+                                            steps=request.request.num_steps)
     except errors.ElevatorError as e:
       if not _send_now(sock, _status_frame(e)):
         raise framing.ProtocolError("the client does not read its answer") from e

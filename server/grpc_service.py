@@ -52,7 +52,8 @@ class GrpcService:
   def GetBatches(self, request: pb.BatchRequest,
                  context: grpc.ServicerContext) -> Iterator[bytes]:
     """Yields serialized `Batch` messages (see `add_to_server`)."""
-    with _answering(context), self._path.admission(context.cancel) as ticket:
+    admitted = self._path.admission(context.cancel, steps=request.num_steps)
+    with _answering(context), admitted as ticket:
       for parts in self._path.encoded_steps(request, context.is_active):
         message = b"".join(parts)
         with ticket.waiting():  # gRPC sends it while this generator is suspended

@@ -16,9 +16,9 @@ from grain_elevator.server.admission import Admission
 class Request:
   """Stands for a transport's request: records whether it was cancelled."""
 
-  def __init__(self, admission: Admission):
+  def __init__(self, admission: Admission, steps: int = 1):
     self.cancelled = False
-    self.ticket = admission.acquire(cancel=self.cancel)
+    self.ticket = admission.acquire(cancel=self.cancel, steps=steps)
 
   def cancel(self) -> None:
     self.cancelled = True
@@ -115,3 +115,15 @@ def test_closed_admission_refuses_and_waits_for_those_in_flight():
   assert not a.wait_idle(0.05)
   r.ticket.release()
   assert a.wait_idle(1)
+
+
+def test_long_streams_hold_at_most_half_the_slots():
+  a = Admission(4)
+  endless = 10**9
+  first, second = Request(a, endless), Request(a, endless)
+  with pytest.raises(ResourceExhaustedError, match="may hold 2 of this worker's 4"):
+    a.acquire(cancel=lambda: None, steps=admission_lib.LONG_STREAM_STEPS + 1)
+  Request(a, admission_lib.LONG_STREAM_STEPS)  # short: the other half is there
+  _age(first.ticket, waiting_s=admission_lib.STALL_GRACE_S + 1)
+  Request(a, endless)  # a long one may replace a stalled long one
+  assert first.cancelled and not second.cancelled and a.in_flight == 3

@@ -18,9 +18,11 @@ from grain_elevator.client import RemoteDataset, TransportOptions
 from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.proto import elevator_pb2_grpc as pb_grpc
 from grain_elevator.proto import framing
+from grain_elevator.server.options import ServerOptions
 from grain_elevator.tools.launcher import LocalServer
 from helpers import assert_streams_equal
 
+LONG_SLOTS = ServerOptions().max_concurrent_requests // 2
 ENDLESS = pb.BatchRequest(dataset="forever", global_batch_size=256, shard_count=1,
                           start_step=0, num_steps=1_000_000)
 
@@ -90,21 +92,35 @@ def server(config_path):
 
 @pytest.mark.parametrize("kind", ["grpc", "auto"])
 def test_unread_grpc_streams_on_every_slot(server, config_path, kind):
-  with _unread_grpc_streams(server, 32):
+  with _unread_grpc_streams(server, 32) as calls:
     time.sleep(2)  # they fill their windows and stall
+    refused = [c for c in calls if c.done() and c.code() == grpc.StatusCode.RESOURCE_EXHAUSTED]
+    assert len(refused) == 32 - LONG_SLOTS  # endless streams get half the slots
     _health(server)
-    _exact(server, config_path, kind)
+    _exact(server, config_path, kind)  # short requests: the other half
     _health(server)
-  assert "every slot is taken and " in server.stderr()
+
+
+def _answer_kind(s: socket.socket) -> int:
+  """The kind of the first frame after the server's greeting."""
+  s.settimeout(10)
+  kind, size = framing.parse_header(s.recv(framing.HEADER_SIZE, socket.MSG_WAITALL))
+  assert kind == framing.HELLO
+  s.recv(size, socket.MSG_WAITALL)
+  return framing.parse_header(s.recv(framing.HEADER_SIZE, socket.MSG_WAITALL))[0]
 
 
 def test_unread_bulk_requests_on_every_slot(server, config_path):
-  with _unread_bulk_requests(server, 32):
+  with _unread_bulk_requests(server, 32) as socks:
     time.sleep(2)
     _health(server)
     _exact(server, config_path)
     _exact(server, config_path, "grpc")
-  assert "every slot is taken and " in server.stderr()
+    kinds = [_answer_kind(s) for s in socks]
+  # Endless streams got at most half the slots (more only by replacing one
+  # that stalled); the rest were refused at once.
+  assert kinds.count(framing.STATUS) >= 32 - 2 * LONG_SLOTS
+  assert set(kinds) == {framing.STATUS, framing.BATCH}
 
 
 def test_idle_bulk_connections_past_the_cap(config_path):
