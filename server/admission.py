@@ -37,7 +37,7 @@ import contextlib
 import logging
 import threading
 import time
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 from grain_elevator.proto.errors import ResourceExhaustedError, ServiceUnavailableError
 
@@ -60,7 +60,7 @@ class Ticket:
   """One admitted request; the transport marks when it waits for its client."""
 
   __slots__ = ("_admission", "_cancel", "long", "started", "sent", "waiting_since",
-               "cancelled", "released")
+               "cancelled", "released", "request")
 
   def __init__(self, admission: "Admission", cancel: Callable[[], None] | None, long: bool):
     self._admission = admission
@@ -71,6 +71,7 @@ class Ticket:
     self.waiting_since: float | None = None
     self.cancelled = False
     self.released = False
+    self.request: Any = None  # the transport's, for its own use
 
   @contextlib.contextmanager
   def waiting(self) -> Iterator[None]:

@@ -108,7 +108,6 @@ def build_servers(datasets: dataset_lib.Datasets, opts: ServerOptions, index: in
   if opts.serves_bulk:
     bulk_server = bulk_lib.BulkServer(path, opts.host, opts.bulk_port,
                                       idle_timeout_s=opts.idle_timeout_s,
-                                      write_timeout_s=opts.write_timeout_s,
                                       max_connections=opts.max_bulk_connections,
                                       threads=opts.max_concurrent_requests)
     path.server_info.bulk_port = bulk_server.port
