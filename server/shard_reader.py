@@ -129,10 +129,36 @@ def _split(chunk_type: int, data: bytes) -> tuple[int, memoryview, memoryview]:
   return compression, view[pos:pos + sizes_len], view[pos + sizes_len:]
 
 
+# What a chunk may decode to before this reader declines it (ArrayRecord then
+# reads the shard): sizes come from the file, and python-zstandard allocates
+# a frame's declared size whatever max_output_size says. A floor for small
+# chunks, then 1024x the chunk's stored bytes (zeros compress further; such
+# chunks are rare, and read through ArrayRecord all the same).
+_MAX_DECODED_FLOOR = 64 << 20
+_MAX_DECODED_RATIO = 1024
+
+
+def _check_decoded_size(decoded: int, stored: int) -> None:
+  bound = max(_MAX_DECODED_FLOOR, _MAX_DECODED_RATIO * stored)
+  if decoded > bound:
+    raise UnsupportedShard(f"a chunk of {stored} bytes says it decodes to {decoded} bytes, "
+                           f"over this reader's bound of {bound}")
+
+
 def _zstd_frame(block: memoryview) -> tuple[memoryview, int]:
-  """A riegeli compressed block: (its zstd frame, its decompressed size)."""
+  """A riegeli compressed block: (its zstd frame, its decompressed size).
+  The frame must fill the block exactly and declare no other size, so that
+  nothing is read here that ArrayRecord's own reader would reject."""
   size, pos = _varint(block, 0)
-  return block[pos:], size
+  frame = block[pos:]
+  length, declared = _riegeli.zstd_frame(frame)
+  if length < 0:
+    raise CorruptShard("zstd frame is malformed or cut short")
+  if length != len(frame):
+    raise CorruptShard(f"{len(frame) - length} bytes follow the zstd frame")
+  if declared not in (size, -1):
+    raise CorruptShard(f"zstd frame declares {declared} bytes, the block says {size}")
+  return frame, size
 
 
 def _checked(out: bytes, size: int) -> bytes:
@@ -145,7 +171,10 @@ def _decompress(block: memoryview, compression: int) -> bytes | memoryview:
   if compression == _UNCOMPRESSED:
     return block
   frame, size = _zstd_frame(block)
-  return _checked(_zstd().decompress(frame, max_output_size=size), size)
+  try:
+    return _checked(_zstd().decompress(frame, max_output_size=size), size)
+  except zstandard.ZstdError as e:
+    raise CorruptShard(f"zstd: {e}") from e
 
 
 # Below this size, frames are decompressed together: python-zstandard releases
@@ -164,20 +193,33 @@ def _decompress_frames(frames: list[memoryview], sizes: list[int]) -> list[bytes
         raise CorruptShard(f"zstd: {e}") from e
       return [_checked(out[k].tobytes(), size) for k, size in enumerate(sizes)]
   d = _zstd()
-  return [_checked(d.decompress(f, max_output_size=s), s) for f, s in zip(frames, sizes)]
+  try:
+    return [_checked(d.decompress(f, max_output_size=s), s) for f, s in zip(frames, sizes)]
+  except zstandard.ZstdError as e:
+    raise CorruptShard(f"zstd: {e}") from e
 
 
-def _simple_chunk(chunk_type: int, num_records: int, decoded_size: int,
-                  data: bytes) -> tuple[np.ndarray | None, bytes | memoryview]:
-  """(record sizes, or None for a one-record chunk; the concatenated records)."""
+def _simple_chunk(chunk_type: int, num_records: int, decoded_size: int, data: bytes,
+                  expected_records: int | None = None
+                  ) -> tuple[np.ndarray | None, bytes | memoryview]:
+  """(record sizes, or None for a one-record chunk; the concatenated records).
+  `expected_records`: the footer's count for this chunk, which the header's
+  must equal."""
+  if expected_records is not None and num_records != expected_records:
+    raise CorruptShard(f"the chunk header says {num_records} records, the footer "
+                       f"{expected_records}")
+  _check_decoded_size(decoded_size, len(data))
   compression, sizes_raw, values_raw = _split(chunk_type, data)
   values = _decompress(values_raw, compression)
   if len(values) != decoded_size:
     raise CorruptShard(f"records total {len(values)} bytes, the header says {decoded_size}")
   if num_records == 1:  # its size is the chunk's decoded size: skip the sizes
     return None, values
-  sizes = np.frombuffer(_riegeli.varints(_decompress(sizes_raw, compression), num_records),
-                        np.uint64)
+  try:
+    sizes = np.frombuffer(_riegeli.varints(_decompress(sizes_raw, compression), num_records),
+                          np.uint64)
+  except (ValueError, OverflowError) as e:  # a count or a varint that does not fit
+    raise CorruptShard(f"record sizes: {e}") from e
   if int(sizes.sum()) != decoded_size:
     raise CorruptShard("record sizes do not add up to the chunk's decoded size")
   return sizes, values
@@ -234,11 +276,12 @@ class ShardReader:
       raise CorruptShard("the footer's chunk offsets are not increasing")
     self._begins = offsets
     self._ends = np.append(offsets[1:], np.uint64(footer_offset))
+    self._counts = counts
     self._first_record = _starts(counts)
     self._one_per_chunk = bool(len(counts) == 0 or (counts == 1).all())
     self.num_records = int(self._first_record[-1])
     if len(offsets):  # the writer's options hold for every chunk: probe one
-      self._chunk(int(self._begins[0]), int(self._ends[0]))
+      self._chunk(int(self._begins[0]), int(self._ends[0]), int(counts[0]))
 
   def _read_chunk(self, begin: int, end: int) -> tuple[int, int, int, bytes]:
     try:
@@ -252,11 +295,13 @@ class ShardReader:
     except ValueError as e:
       raise CorruptShard(str(e)) from e
 
-  def _chunk(self, begin: int, end: int) -> tuple[np.ndarray | None, bytes | memoryview]:
-    return _simple_chunk(*self._read_chunk(begin, end))
+  def _chunk(self, begin: int, end: int, expected_records: int | None = None
+             ) -> tuple[np.ndarray | None, bytes | memoryview]:
+    return _simple_chunk(*self._read_chunk(begin, end), expected_records)
 
-  def _records(self, begin: int, end: int) -> list[bytes | memoryview]:
-    sizes, values = self._chunk(begin, end)
+  def _records(self, begin: int, end: int, expected_records: int | None = None
+               ) -> list[bytes | memoryview]:
+    sizes, values = self._chunk(begin, end, expected_records)
     if sizes is None:
       return [values]
     bounds = _starts(sizes).tolist()
@@ -275,7 +320,8 @@ class ShardReader:
     for i, c in zip(indices, chunks.tolist()):
       records = decoded.get(c)
       if records is None:
-        records = decoded[c] = self._records(int(self._begins[c]), int(self._ends[c]))
+        records = decoded[c] = self._records(int(self._begins[c]), int(self._ends[c]),
+                                             int(self._counts[c]))
       record = records[i - int(self._first_record[c])]
       out.append(record if type(record) is bytes else bytes(record))
     return out
@@ -297,7 +343,11 @@ class ShardReader:
         if record is not None:
           out[k] = record
           continue
-      chunk_type, _, decoded, data = self._read_chunk(begin, end)
+      chunk_type, num_records, decoded, data = self._read_chunk(begin, end)
+      if num_records != 1:
+        raise CorruptShard(f"the chunk header says {num_records} records, the footer 1")
+      if decoded > _MAX_DECODED_FLOOR:
+        _check_decoded_size(decoded, len(data))
       compression, _, values = _split(chunk_type, data)
       if compression == _UNCOMPRESSED:
         if len(values) != decoded:

@@ -380,3 +380,120 @@ def test_corrupt_shard_read_through_array_record_names_the_record(tmp_path, monk
   assert source._getitems([6, 8]) == [records[6], records[8]]  # pylint: disable=protected-access
   with pytest.raises(DataLossError, match=rf"shard {path} is corrupt: record 7 cannot be read"):
     source._getitems([2, 7])  # pylint: disable=protected-access
+
+
+# Crafted chunks whose hashes are valid (re-signed): the reader must bound
+# every size before it uses it, and refuse what ArrayRecord would refuse.
+
+def _resign(path: str, record: int, *, header_edit=None, data_edit=None) -> int:
+  """Edits `record`'s chunk in place (header fields and/or its data, same
+  length), then recomputes the data and header hashes. Returns the chunk's
+  file offset."""
+  from grain_elevator.server import _riegeli
+  data = bytearray(open(path, "rb").read())
+  begin = _chunk_begin(path, record)
+  head = _logical(begin, 40)
+  header = bytearray(data[i] for i in head)
+  where = _logical(head[-1] + 1, int.from_bytes(header[8:16], "little"))
+  chunk = bytearray(data[i] for i in where)
+  if data_edit:
+    data_edit(chunk)
+    header[16:24] = _riegeli.hash(bytes(chunk)).to_bytes(8, "little")
+  if header_edit:
+    header_edit(header)
+  header[0:8] = _riegeli.hash(bytes(header[8:])).to_bytes(8, "little")
+  for i, b in zip(head + where, header + chunk):
+    data[i] = b
+  open(path, "wb").write(bytes(data))
+  return begin
+
+
+def _field(offset: int, value: int):
+  def edit(header: bytearray) -> None:
+    header[offset:offset + 8] = value.to_bytes(8, "little")
+  return edit
+
+
+def _read_bounded(reader, indices) -> BaseException | None:
+  """reader.read(indices) in a thread: what it raised; fails if it hangs."""
+  out: list = []
+
+  def run():
+    try:
+      reader.read(indices)
+      out.append(None)
+    except BaseException as e:  # pylint: disable=broad-except
+      out.append(e)
+  t = threading.Thread(target=run, daemon=True)
+  t.start()
+  t.join(60)
+  assert not t.is_alive(), "the reader hangs on a crafted header"
+  return out[0]
+
+
+@pytest.mark.parametrize("sizes", [[500], [300_001]], ids=["small", "big"])
+@pytest.mark.parametrize("field,value,message", [
+    (8, 1 << 48, "data_size runs past"),
+    (8, 2**64 - 1, "data_size runs past"),
+    (24, (2 << 8) | ord("r"), "says 2 records, the footer 1"),
+])
+def test_resigned_headers_are_refused(tmp_path, sizes, field, value, message):
+  records = _records(sizes, copies=3)
+  path = _write(tmp_path / "r.array_record", records, "group_size:1")
+  begin = _resign(path, 1, header_edit=_field(field, value))
+  reader = shard_reader.ShardReader(path)
+  error = _read_bounded(reader, [1])
+  assert isinstance(error, shard_reader.CorruptShard), repr(error)
+  assert message in str(error)
+  assert reader.read([0, 2]) == [records[0], records[2]]
+  source = dataset_lib.BatchedArrayRecordSource([path])
+  with pytest.raises(DataLossError, match=rf"shard {path} is corrupt: record 1"):
+    source._getitems([1])  # pylint: disable=protected-access
+  del begin
+
+
+def test_a_decoded_size_past_the_bound_is_not_allocated(tmp_path):
+  records = _records([500], copies=3)
+  path = _write(tmp_path / "d.array_record", records, "group_size:1")
+  _resign(path, 1, header_edit=_field(32, 1 << 60))
+  error = _read_bounded(shard_reader.ShardReader(path), [1])
+  assert isinstance(error, (shard_reader.CorruptShard, shard_reader.UnsupportedShard)), error
+
+
+def _first_block_header(chunk: bytearray) -> int:
+  """Offset of the values frame's first zstd block header in a chunk."""
+  magic = b"\x28\xb5\x2f\xfd"
+  at = chunk.index(magic, chunk.index(magic) + 4)
+  fhd = chunk[at + 4]
+  fcs = (1 << (fhd >> 6)) if fhd >> 6 else (fhd >> 5) & 1
+  return at + 5 + (not (fhd >> 5) & 1) + (0, 1, 2, 4)[fhd & 3] + fcs
+
+
+def test_a_bad_zstd_block_with_valid_hashes_is_data_loss_not_internal(tmp_path):
+  records = [bytes(500)] * 3  # compressible: a compressed block, not raw
+  path = _write(tmp_path / "z.array_record", records, "group_size:1")
+
+  def reserved_block_type(chunk: bytearray) -> None:
+    at = _first_block_header(chunk)
+    chunk[at] |= 0b110  # block type 3: reserved
+  begin = _resign(path, 1, data_edit=reserved_block_type)
+  reader = shard_reader.ShardReader(path)
+  error = _read_bounded(reader, [1])
+  assert isinstance(error, shard_reader.CorruptShard), repr(error)
+  with pytest.raises(Exception):
+    ArrayRecordReader(path).read([1])  # ArrayRecord refuses it too
+  source = dataset_lib.BatchedArrayRecordSource([path])
+  with pytest.raises(DataLossError, match=rf"shard {path} is corrupt: record 1"):
+    source._getitems([1])  # pylint: disable=protected-access
+  del begin
+
+
+def test_bytes_after_the_zstd_frame_are_refused():
+  import zstandard
+  frame = zstandard.ZstdCompressor().compress(bytes(1000))
+  block = memoryview(bytes([0xe8, 0x07]) + frame)  # varint 1000, then the frame
+  assert shard_reader._zstd_frame(block)[1] == 1000  # pylint: disable=protected-access
+  with pytest.raises(shard_reader.CorruptShard, match="3 bytes follow the zstd frame"):
+    shard_reader._zstd_frame(memoryview(bytes(block) + b"xyz"))  # pylint: disable=protected-access
+  with pytest.raises(shard_reader.CorruptShard, match="declares 1000 bytes, the block says 999"):
+    shard_reader._zstd_frame(memoryview(bytes([0xe7, 0x07]) + frame))  # pylint: disable=protected-access
