@@ -118,12 +118,18 @@ class BulkServer:
   def _loop(self) -> None:
     while not self._stopping:
       for key, _ in self._selector.select(timeout=1.0):
-        if key.data == "accept":
-          self._accept()
-        elif key.data == "wake":
-          self._take_back()
-        else:
-          self._on_readable(key.data)
+        try:
+          if key.data == "accept":
+            self._accept()
+          elif key.data == "wake":
+            self._take_back()
+          else:
+            self._on_readable(key.data)
+        except Exception:  # pylint: disable=broad-except
+          # A bug here must cost one connection, not the port.
+          log.exception("bulk port: handling an event failed")
+          if isinstance(key.data, _Connection):
+            self._close(key.data)
       self._expire(time.monotonic())
     self._selector.close()
 
