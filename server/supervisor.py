@@ -5,12 +5,36 @@ real server without a shell); `serve` is the CLI's blocking form, stopped by
 SIGINT/SIGTERM. Either validates the config and options first, starts the
 workers, restarts any that die (logging why) and stops them all on exit.
 
+Restarts back off per worker slot (restarts.py): the first after
+RESTART_DELAY_MIN_S (0.5 s), doubling to at most RESTART_DELAY_MAX_S (30 s),
+back to the minimum once a worker has stayed up RESTART_STABLE_AFTER_S
+(60 s). One thread does all of it and never blocks on one worker, so a slot
+waiting out its delay holds up neither the others nor `stop`.
+
+A slot whose worker died more than CRASH_LOOP_RESTARTS (3) times in a row,
+each within 60 s of its start, is crash-looping until a worker of it stays
+up 60 s. Each of its deaths is logged at ERROR (worker, deaths in a row, exit
+code or signal, next delay), and every worker's health service says
+NOT_SERVING, for "" and the Elevator service alike: the supervisor counts the
+looping slots in a shared integer (restarts.CrashLoopFlag) that each worker
+polls. The whole server goes out of a load balancer's or readiness probe's
+rotation rather than one worker of it, since a probe cannot pick the worker
+its connection reaches (SO_REUSEPORT), and a server that keeps losing a
+worker resets some clients' connections whichever one answered. Requests
+are still served; only health reports the loop.
+
 Workers are started with multiprocessing's "spawn": a program that starts a
-Server at import time must guard it with `if __name__ == "__main__":`.
+Server at import time must guard it with `if __name__ == "__main__":`. Their
+spawn target is lifeline.start_worker, which ties each to this process (a
+worker gets SIGTERM when it dies, or exits if it died already) before the
+worker loads anything heavy. Linux sends that signal when the spawning
+thread ends, so workers are spawned only by the thread that calls `start`
+and by the supervise thread, which both last as long as the server.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import logging
@@ -28,14 +52,18 @@ from grain_elevator.proto import malloc
 from grain_elevator.proto.errors import ElevatorError
 from grain_elevator.server import auth
 from grain_elevator.server import config as config_lib
+from grain_elevator.server import lifeline
+from grain_elevator.server import restarts
 from grain_elevator.server import shard_identity
 from grain_elevator.server import sockets
-from grain_elevator.server import worker as worker_lib
 from grain_elevator.server.options import ServerOptions
 
 log = logging.getLogger("grain_elevator.server")
 
 _START_TIMEOUT_S = 120.0
+# The longest the supervise thread sleeps: how soon it sees `stop`, a
+# restarted worker's start-up error and a slot that has become stable.
+_POLL_S = 0.2
 
 # Environment of every worker, unless the operator set a variable already:
 # glibc's allocator settings (proto/malloc.py), and numpy's huge-page advice
@@ -84,6 +112,9 @@ class Server:
     self._ctx = mp.get_context("spawn")
     self._ready = self._ctx.Queue()
     self._procs: dict[int, mp.process.BaseProcess] = {}
+    self._history: collections.defaultdict[int, restarts.SlotHistory] = (
+        collections.defaultdict(restarts.SlotHistory))
+    self._crash_loop = restarts.CrashLoopFlag(self._ctx)
     self._identities: dict[str, shard_identity.ShardIdentity] = {}
     self._stop = threading.Event()
     self._supervisor: threading.Thread | None = None
@@ -153,14 +184,18 @@ class Server:
         sock.close()
 
   def _spawn(self, index: int) -> None:
+    """Starts worker `index`; call only from a thread that lasts as long as
+    the server (module docstring)."""
     p = self._ctx.Process(
-        target=worker_lib.run,
-        args=(self.config_path, self.options, index, self.num_workers, self._ready,
-              self._identities),
+        target=lifeline.start_worker,
+        args=(os.getpid(), self.config_path, self.options, index, self.num_workers,
+              self._ready, self._identities),
+        kwargs={"crash_loop": self._crash_loop},
         name=f"elevator-worker-{index}", daemon=True)
     with _worker_environment():
       p.start()
     self._procs[index] = p
+    self._history[index].started(time.monotonic())
 
   def _await_ready(self, indices: set[int]) -> None:
     deadline = time.monotonic() + _START_TIMEOUT_S
@@ -182,23 +217,68 @@ class Server:
       pending.discard(index)
 
   def _supervise(self) -> None:
-    """Restarts dead workers until `stop`."""
+    """Restarts each dead worker once its slot's backoff has passed, until
+    `stop`; sleeps at most _POLL_S at a time, so `stop` is never kept
+    waiting by a backoff."""
+    due: dict[int, float] = {}  # dead slot -> when to restart it
     while not self._stop.is_set():
-      sentinels = {p.sentinel: i for i, p in self._procs.items()}
-      for sentinel in mp.connection.wait(list(sentinels), timeout=0.5):
+      now = time.monotonic()
+      for i in [i for i, at in due.items() if at <= now]:
+        try:
+          self._spawn(i)
+          del due[i]
+        except OSError as e:  # fork refused (EAGAIN, ENOMEM): try again later
+          due[i] = now + self._history[i].died(now)
+          log.error("worker %d could not be restarted: %s; trying again in %.1fs",
+                    i, e, due[i] - now)
+          self._publish_crash_loops()
+      for i, history in self._history.items():
+        if history.stable(now):
+          log.info("worker %d has stayed up %.0fs: its crash loop is over", i,
+                   restarts.RESTART_STABLE_AFTER_S)
+          self._publish_crash_loops()
+      live = {p.sentinel: i for i, p in self._procs.items() if i not in due}
+      timeout = max(0.0, min([_POLL_S, *(at - now for at in due.values())]))
+      dead = mp.connection.wait(list(live), timeout=timeout)
+      self._log_start_errors()  # before the exit they explain
+      for sentinel in dead:
         if self._stop.is_set():
           break
-        i = sentinels[sentinel]
-        self._procs[i].join()
-        code = self._procs[i].exitcode
-        why = (f"killed by signal {signal.Signals(-code).name}" if code and code < 0
-               else f"exited with code {code}")
-        log.warning("worker %d (pid %s) %s; restarting it", i, self._procs[i].pid, why)
-        self._spawn(i)
-        try:
-          self._await_ready({i})
-        except StartError as e:
-          log.error("worker %d failed to restart: %s", i, e)
+        i = live[sentinel]
+        due[i] = time.monotonic() + self._note_death(i)
+
+  def _note_death(self, index: int) -> float:
+    """Logs why worker `index` died; returns the delay before its restart."""
+    p = self._procs[index]
+    p.join()
+    history = self._history[index]
+    delay = history.died(time.monotonic())
+    code = p.exitcode
+    why = (f"killed by signal {signal.Signals(-code).name}" if code and code < 0
+           else f"exited with code {code}")
+    if history.crash_loop:
+      log.error("worker %d (pid %s) %s; restarting it in %.1fs; crash loop: died %d "
+                "times in a row, each within %.0fs of its start", index, p.pid, why,
+                delay, history.deaths, restarts.RESTART_STABLE_AFTER_S)
+    else:
+      log.warning("worker %d (pid %s) %s; restarting it in %.1fs", index, p.pid, why, delay)
+    self._publish_crash_loops()
+    return delay
+
+  def _publish_crash_loops(self) -> None:
+    """Tells the workers how many slots are crash-looping (health)."""
+    self._crash_loop.set(sum(h.crash_loop for h in self._history.values()))
+
+  def _log_start_errors(self) -> None:
+    """Logs what restarted workers reported failing at start-up (they then
+    exit, and are restarted after their backoff)."""
+    while True:
+      try:
+        index, error = self._ready.get_nowait()
+      except queue.Empty:
+        return
+      if error is not None:
+        log.error("worker %d failed to restart: %s", index, error)
 
   def stop(self) -> None:
     """SIGTERM every worker, wait out their grace period, then SIGKILL."""

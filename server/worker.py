@@ -6,10 +6,8 @@ connections across them. Each is stateless, so any of them serves any step.
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import signal
-import sys
 import threading
 from concurrent import futures
 from typing import Any
@@ -25,18 +23,11 @@ from grain_elevator.server import bulk as bulk_lib
 from grain_elevator.server import config as config_lib
 from grain_elevator.server import dataset as dataset_lib
 from grain_elevator.server import grpc_service
+from grain_elevator.server import lifeline
 from grain_elevator.server import logs
+from grain_elevator.server import shard_identity
 from grain_elevator.server.options import HEALTH_THREADS, ServerOptions
 from grain_elevator.server.request_path import MAX_REQUEST_BYTES, RequestPath
-
-
-def _die_with_parent() -> None:
-  """Linux: get SIGTERM if the supervisor dies, so no worker is orphaned."""
-  if sys.platform.startswith("linux"):
-    try:
-      ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-      pass
 
 
 class _OnOwnThreads:
@@ -126,16 +117,23 @@ def build_servers(datasets: dataset_lib.Datasets, opts: ServerOptions, index: in
 
 
 def run(config_path: str, opts: ServerOptions, index: int, num_workers: int,
-        ready: Any, identities: dict[str, dataset_lib.ShardIdentity] | None = None) -> None:
+        ready: Any, identities: dict[str, shard_identity.ShardIdentity] | None = None,
+        *, supervisor_pid: int | None = None, crash_loop: Any = None) -> None:
   """Worker process entry point; reports (index, error or None) on `ready`.
-  `identities`: the shards as the supervisor recorded them at start-up."""
-  _die_with_parent()
+  `identities`: the shards as the supervisor recorded them at start-up.
+  `supervisor_pid`: the parent it must not outlive (lifeline.py).
+  `crash_loop`: a restarts.CrashLoopFlag; health is NOT_SERVING while it is on."""
+  lifeline.tie(supervisor_pid)  # again, for a worker spawned with `run` as its target
   signal.signal(signal.SIGINT, signal.SIG_IGN)  # The supervisor handles Ctrl-C.
   logs.setup(f"elevator[worker {index}]")
   stop = threading.Event()
   signal.signal(signal.SIGTERM, lambda *_: stop.set())
   try:
     datasets = dataset_lib.Datasets(config_lib.load_config(config_path), identities=identities)
+    # Loading takes seconds, and the supervisor's death (or stop) while it ran
+    # only set `stop`: bind no port for a server that is gone.
+    if stop.is_set() or lifeline.orphaned(supervisor_pid):
+      return
     servers = build_servers(datasets, opts, index, num_workers)
     if servers.port == 0:
       raise OSError(f"cannot listen on {opts.host}:{opts.port}")
@@ -143,6 +141,13 @@ def run(config_path: str, opts: ServerOptions, index: int, num_workers: int,
     ready.put((index, str(e)))
     return
   servers.start()
+  if crash_loop is not None:
+    def show(looping: bool) -> None:
+      status = (health_pb2.HealthCheckResponse.NOT_SERVING if looping
+                else health_pb2.HealthCheckResponse.SERVING)
+      for service in ("", grpc_service.SERVICE_NAME):
+        servers.health.set(service, status)
+    crash_loop.watch(show, stop)
   ready.put((index, None))
   stop.wait()
   servers.stop(opts.grace_s)
