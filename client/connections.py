@@ -14,7 +14,17 @@ Every request goes through `_retrying`: a retriable failure (options.py's
 RETRIABLE) shuns the connection's replica and sends the remaining steps to
 the next connection after a backoff, both from `RetryPolicy`; steps already
 received are kept, so each step reaches the trainer exactly once, in order,
-whichever replica served it.
+whichever replica served it. RESOURCE_EXHAUSTED says the replica is full
+right now: the retry goes to another replica, else over the other transport
+(gRPC, if the request came over bulk), else to the same one after the
+backoff; one rate-limited warning says so (`_after_full`).
+
+Bulk connections are plain sockets, so nothing re-resolves a
+"dns:///name:port" target for them: the pool asks DNS again before each
+reconnect and every `TransportOptions.dns_refresh_s` (`_refresh`). An
+address new behind the name gets connections; one that left is retired
+after its current request, so a rolling update of a headless Service moves
+the trainer to the new pods.
 """
 
 from __future__ import annotations
@@ -44,6 +54,12 @@ from grain_elevator.proto.spec import DatasetInfo
 
 log = logging.getLogger("grain_elevator.client")
 T = TypeVar("T")
+
+# A full replica refuses requests by the hundred: one warning per period.
+_FULL_LOG_PERIOD_S = 10.0
+# Reconnects come in bursts (every connection to a pod that left breaks at
+# once): DNS is asked at most this often.
+_MIN_RESOLVE_GAP_S = 0.5
 
 _URI_SCHEMES = ("dns:", "ipv4:", "ipv6:", "unix:", "unix-abstract:", "local:")
 
@@ -82,16 +98,50 @@ def _bulk_hosts(target: str) -> list[str]:
   return [host[1:-1] if host.startswith("[") else host]
 
 
+def _replica_name(replica: tuple[str, str] | None) -> str:
+  """How a warning names a replica: its target, and its address if the
+  target is a name for several."""
+  if replica is None:
+    return "a replica"
+  target, host = replica
+  return target if host in (target, target.rpartition(":")[0].strip("[]")) else (
+      f"{host} (behind {target})")
+
+
+class _Throttled:
+  """Warnings logged at most once per `period_s` for each key (a situation:
+  which replica, what was done); the next line counts those it stands for."""
+
+  def __init__(self, period_s: float):
+    self._period_s = period_s
+    self._lock = threading.Lock()
+    self._logged_at: dict[Any, float] = {}
+    self._unlogged: collections.Counter[Any] = collections.Counter()
+
+  def warning(self, key: Any, message: str, *args: Any) -> None:
+    with self._lock:
+      now = time.monotonic()
+      if now - self._logged_at.get(key, -self._period_s) < self._period_s:
+        self._unlogged[key] += 1
+        return
+      more = self._unlogged.pop(key, 0)
+      self._logged_at[key] = now
+    log.warning(message + "%s", *args,
+                f" ({more} more since the last such line)" if more else "")
+
+
 @dataclasses.dataclass(eq=False)
 class Slot:
   """A connection's place in the pool: reopened after it broke, shunned
-  (with the rest of its replica) after failures."""
+  (with the rest of its replica) after failures, retired once its address
+  left DNS."""
 
   conn: Connection
   in_use: int = 0
   failures: int = 0
   shunned_until: float = 0.0
   served: int = 0  # steps received over it (and the connections it replaced)
+  retired: bool = False  # closed and dropped when its request ends
 
   @property
   def replica(self) -> tuple[str, str]:
@@ -125,8 +175,9 @@ class Slots:
         if cancelled() or self._closed:
           return None
         now = time.monotonic()
-        healthy = [s for s in self._slots if s.shunned_until <= now]
-        free = [s for s in (healthy or self._slots) if s.in_use < s.conn.capacity]
+        live = [s for s in self._slots if not s.retired]
+        healthy = [s for s in live if s.shunned_until <= now]
+        free = [s for s in (healthy or live) if s.in_use < s.conn.capacity]
         if free:
           chosen = free[next(self._next) % len(free)]
           chosen.in_use += 1
@@ -147,7 +198,41 @@ class Slots:
       else:
         slot.failures = 0
       slot.in_use -= 1
+      if slot.retired:
+        self._drop_retired()
       self._free.notify()
+
+  def has_room_elsewhere(self, replica: tuple[str, str] | None) -> bool:
+    """Whether a replica other than `replica` is not shunned (its slots may
+    be busy: checkout waits for them)."""
+    now = time.monotonic()
+    with self._free:
+      return any(s.replica != replica and not s.retired and s.shunned_until <= now
+                 for s in self._slots)
+
+  def add(self, slots: list[Slot]) -> None:
+    with self._free:
+      if self._closed:
+        for slot in slots:
+          slot.conn.close()
+        return
+      self._slots.extend(slots)
+      self._free.notify_all()
+
+  def retire(self, which: Callable[[Slot], bool]) -> None:
+    """Takes the slots `which` picks out of service: closed now if idle,
+    else once their request ends."""
+    with self._free:
+      for slot in self._slots:
+        if which(slot):
+          slot.retired = True
+      self._drop_retired()
+
+  def _drop_retired(self) -> None:
+    done = [s for s in self._slots if s.retired and not s.in_use]
+    for slot in done:
+      slot.conn.close()
+    self._slots = [s for s in self._slots if s not in done]
 
   def close(self) -> None:
     with self._free:
@@ -206,18 +291,33 @@ class ConnectionPool:
     self._data = Slots([], retry)  # what carries the batches
     self._bulk_ports: dict[str, int] = {}
     self._infos: dict[str, DatasetInfo] = {}
+    self._refresh_lock = threading.Lock()
+    self._resolved_at: dict[str, float] = {}
+    self._next_refresh = 0.0
+    self._full_log = _Throttled(_FULL_LOG_PERIOD_S)
     self.uses_bulk = False
 
   # -- opening ---------------------------------------------------------------
 
   def _contact(self, target: str) -> GrpcConnection | None:
     """A new channel to `target` that answered Describe (which says its
-    worker and bulk port); None when down or refusing."""
+    worker and bulk port); None when down or refusing. A replica that is
+    full (RESOURCE_EXHAUSTED) is asked again within `connect_timeout_s`:
+    it is up, and giving up would cost it its bulk connections."""
     conn = GrpcConnection(target, self._security)
+
+    def ask(_: Slots | None) -> pb.DescribeResponse:
+      try:
+        return conn.describe(pb.DescribeRequest(), timeout_s=self.retry.connect_timeout_s)
+      except TransportError as e:
+        e.replica = (target, target)
+        raise
+
     try:
-      response = conn.describe(pb.DescribeRequest(),
-                               timeout_s=self.retry.connect_timeout_s)
-    except TransportError:
+      response = self._retrying(lambda: f"Describe at {target}", ask, None,
+                                timeout_s=self.retry.connect_timeout_s,
+                                retriable=frozenset({grpc.StatusCode.RESOURCE_EXHAUSTED}))
+    except errors.ElevatorError:
       conn.close()
       return None
     self._bulk_ports[target] = response.server.bulk_port
@@ -237,6 +337,23 @@ class ConnectionPool:
               for _ in range(self.transport.connections_per_target)]
     return groups
 
+  def _spread_bulk_host(self, target: str, host: str,
+                        dial: Callable[[str, str], BulkConnection]
+                        ) -> tuple[list[list[Any]], TransportError | None]:
+    """Bulk connections to the replica at `host`, balanced over its workers,
+    and why none could be opened."""
+    failures: list[TransportError] = []
+
+    def open_one() -> BulkConnection | None:
+      try:
+        return dial(target, host)
+      except TransportError as e:
+        failures.append(e)
+        return None
+
+    found = _spread_over_workers(open_one, self.transport.connections_per_target)
+    return found, (failures[-1] if failures and not found else None)
+
   def _spread_bulk(self, target: str) -> list[list[Any]]:
     """Bulk connections to each replica behind `target`, balanced over its
     workers; none where a replica offers no bulk port or it cannot be
@@ -244,20 +361,13 @@ class ConnectionPool:
     port = self._bulk_ports.get(target, 0)
     groups: list[list[Any]] = []
     for host in _bulk_hosts(target) if port else []:
-      failures: list[TransportError] = []
-
-      def open_one(host: str = host) -> BulkConnection | None:
-        try:
-          return self._open_bulk(target, host, port)
-        except TransportError as e:
-          failures.append(e)
-          return None
-
-      found = _spread_over_workers(open_one, self.transport.connections_per_target)
-      if not found:
+      found, failure = self._spread_bulk_host(
+          target, host, lambda t, h: self._open_bulk(t, h, port))
+      if failure:
         log.warning("%s: bulk port %s:%d unreachable (%s); using gRPC", target, host,
-                    port, failures[-1].details)
+                    port, failure.details)
       groups += found
+    self._resolved_at[target] = time.monotonic()
     return groups
 
   def _balance(self) -> None:
@@ -284,6 +394,7 @@ class ConnectionPool:
         control = [next(c for c in data if c.target == t) for t in self.targets]
       self._control = Slots([Slot(c) for c in control], self.retry)
       self._data = Slots([Slot(c) for c in data], self.retry)
+      self._next_refresh = time.monotonic() + self.transport.dns_refresh_s
       self._balanced = True
 
   @property
@@ -302,55 +413,137 @@ class ConnectionPool:
     self._data.close()
     self._control.close()
 
+  # -- following DNS (bulk only: gRPC channels re-resolve by themselves) -------
+
+  def _refresh_if_due(self) -> None:
+    """Asks DNS again every `dns_refresh_s`, so connections follow a
+    headless Service's pods as they come and go."""
+    now = time.monotonic()
+    if not self.uses_bulk or now < self._next_refresh:
+      return
+    self._next_refresh = now + self.transport.dns_refresh_s
+    for target in self.targets:
+      self._refresh(target, wait=False)
+
+  def _refresh(self, target: str, *, wait: bool) -> None:
+    """Makes the bulk connections of a "dns:" target follow what its name
+    resolves to now: connections to each new address, and the slots of
+    addresses no longer there retired. An empty answer, or new addresses
+    that cannot be reached while the old are all gone, change nothing: the
+    old ones are then retried (and DNS asked again at their reconnect).
+    `wait`: wait for a refresh running in another thread (else skip)."""
+    if not (self.uses_bulk and target.startswith("dns:") and self._bulk_ports.get(target)):
+      return
+    if not self._refresh_lock.acquire(blocking=wait):
+      return
+    try:
+      now = time.monotonic()
+      if self._closed or now - self._resolved_at.get(target, -1e9) < _MIN_RESOLVE_GAP_S:
+        return
+      self._resolved_at[target] = now
+      hosts = _bulk_hosts(target)
+      if not hosts:
+        return
+      have = {s.conn.host for s in self._data if s.conn.target == target and not s.retired}
+      gone = have - set(hosts)
+      groups: list[list[Any]] = []
+      for host in (h for h in hosts if h not in have):
+        found, failure = self._spread_bulk_host(target, host, self._dial)
+        if failure:
+          log.info("%s: new address %s not reachable yet (%s)", target, host, failure.details)
+        groups += found
+      if groups:
+        self._data.add([Slot(c) for c in _interleave(groups)])
+      if gone and (groups or have - gone):
+        self._data.retire(lambda s: s.conn.target == target and s.conn.host in gone)
+      if groups or gone:
+        log.info("%s now resolves to %s: %d bulk connections opened, %s retired", target,
+                 ", ".join(hosts), sum(map(len, groups)), ", ".join(sorted(gone)) or "none")
+    finally:
+      self._refresh_lock.release()
+
   # -- the request path ------------------------------------------------------
 
-  def _retrying(self, what: Callable[[], str], attempt: Callable[[], T],
+  def _retrying(self, what: Callable[[], str], attempt: Callable[[Slots | None], T],
+                slots: Slots | None, *,
                 cancelled: Callable[[], bool] = lambda: False,
-                progress: Callable[[], int] = lambda: 0) -> T:
-    """`attempt()` until it returns, with backoff; a retriable TransportError
-    is tried again until `timeout_s` passes without `progress()` growing,
-    any other one raises its typed error."""
-    deadline = time.monotonic() + self.retry.timeout_s
+                progress: Callable[[], int] = lambda: 0,
+                timeout_s: float | None = None,
+                retriable: frozenset[grpc.StatusCode] = RETRIABLE) -> T:
+    """`attempt(slots)` until it returns, with backoff; a retriable
+    TransportError is tried again until `timeout_s` (the policy's by
+    default) passes without `progress()` growing, any other one raises its
+    typed error. After RESOURCE_EXHAUSTED the next attempt may be given
+    other slots (`_after_full`)."""
+    timeout_s = timeout_s or self.retry.timeout_s
+    deadline = time.monotonic() + timeout_s
     last: TransportError | None = None
     tries = 0
+    use = slots
     while True:
       before = progress()
       try:
-        return attempt()
+        return attempt(use)
       except TransportError as e:
         if cancelled() or self._closed:
           raise errors.Cancelled(f"{what()}: cancelled") from e
-        if e.code not in RETRIABLE:
+        if e.code not in retriable:
           raise e.to_error() from e
         last = e
         if progress() > before:  # steps arrived: a fresh window
-          deadline = time.monotonic() + self.retry.timeout_s
+          deadline = time.monotonic() + timeout_s
           tries = 0
+        use = slots
+        if e.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+          use = self._after_full(e, slots, what)
       if time.monotonic() >= deadline:
         raise errors.ServiceUnavailableError(
             f"no replica of {', '.join(self.targets)} could serve {what()} within "
-            f"{self.retry.timeout_s:.0f}s (last error: {last.code.name}: {last.details})")
+            f"{timeout_s:.0f}s (last error: {last.code.name}: {last.details})")
       cap = self.retry.backoff_cap(tries)
       time.sleep(random.uniform(cap / 2, cap))
       tries += 1
       if cancelled():
         raise errors.Cancelled(f"{what()}: cancelled")
 
+  def _after_full(self, e: TransportError, slots: Slots | None,
+                  what: Callable[[], str]) -> Slots | None:
+    """Where to retry after a replica answered RESOURCE_EXHAUSTED (full right
+    now; `_with_slot` has shunned it): another replica if one has room, else
+    gRPC if it came over bulk (`auto` only: `bulk` was asked for), else the
+    same slots once the backoff has passed. Says so in a warning."""
+    fallback = not e.over_bulk and slots is self._data and self.uses_bulk
+    if slots is None:
+      use, move = None, "asking again"
+    elif fallback:  # it was the gRPC retry of a bulk request
+      use, move = slots, "no replica has room over either transport: retrying after a backoff"
+    elif slots.has_room_elsewhere(e.replica):
+      use, move = slots, "retrying on another replica"
+    elif e.over_bulk and slots is self._data and self.transport.kind == "auto":
+      use, move = self._control, "no other replica has room: retrying over gRPC"
+    else:
+      use, move = slots, "no other replica has room: retrying after a backoff"
+    replica = _replica_name(e.replica)
+    self._full_log.warning((replica, move), "%s is full (RESOURCE_EXHAUSTED: %s); %s (%s)",
+                           replica, e.details, move, what())
+    return use
+
   def _with_slot(self, slots: Slots, use: Callable[[Slot], T],
                  cancelled: Callable[[], bool] = lambda: False) -> T:
     """`use(slot)` on a checked-out slot, reopened first if it broke; a
-    retriable failure shuns the slot's replica."""
+    retriable failure shuns the slot's replica. A TransportError leaves
+    saying where it happened."""
     slot = slots.checkout(lambda: cancelled() or self._closed)
     if slot is None:
       raise TransportError(grpc.StatusCode.CANCELLED, "cancelled")
     failed = False
     try:
       if slot.conn.broken:
-        slot.conn.close()
-        slot.conn = self._reopen_bulk(slot.conn)
+        self._reconnect(slot)
       return use(slot)
     except TransportError as e:
       failed = e.code in RETRIABLE and not cancelled()  # our own cancel is no failure
+      e.replica, e.over_bulk = slot.replica, isinstance(slot.conn, BulkConnection)
       raise
     finally:
       slots.release(slot, failed=failed)
@@ -360,8 +553,9 @@ class ConnectionPool:
     request = pb.DescribeRequest(dataset=dataset, global_batch_size=global_batch_size)
     response = self._retrying(
         lambda: f"Describe({dataset!r})",
-        lambda: self._with_slot(self._control, lambda s: s.conn.describe(
-            request, timeout_s=self.retry.request_timeout_s)))
+        lambda slots: self._with_slot(slots, lambda s: s.conn.describe(
+            request, timeout_s=self.retry.request_timeout_s)),
+        self._control)
     infos = [DatasetInfo.from_proto(d) for d in response.datasets]
     self._infos.update((i.name, i) for i in infos)
     return infos
@@ -373,10 +567,12 @@ class ConnectionPool:
     Each step is appended to `out` (a new list by default) as it arrives, so
     a caller may take early steps before the request ends."""
     self._balance()
+    self._refresh_if_due()
     out = [] if out is None else out
     limit = self._frame_limit(request)
 
-    def attempt() -> list[list[np.ndarray]]:
+    def attempt(slots: Slots | None) -> list[list[np.ndarray]]:
+      assert slots is not None
       remaining = pb.BatchRequest()
       remaining.CopyFrom(request)
       remaining.start_step = request.start_step + len(out)
@@ -392,7 +588,7 @@ class ConnectionPool:
           slot.served += 1
 
       try:
-        self._with_slot(self._data, stream, lambda: token.cancelled)
+        self._with_slot(slots, stream, lambda: token.cancelled)
       except TransportError:
         if len(out) == request.num_steps:  # it failed after its last step: all here
           return out
@@ -401,7 +597,7 @@ class ConnectionPool:
 
     return self._retrying(
         lambda: f"dataset {request.dataset!r} step {request.start_step + len(out)}",
-        attempt, lambda: token.cancelled, lambda: len(out))
+        attempt, self._data, cancelled=lambda: token.cancelled, progress=lambda: len(out))
 
   def _frame_limit(self, request: pb.BatchRequest) -> int:
     """The longest message a step of `request` can be (refused beyond, before
@@ -413,10 +609,21 @@ class ConnectionPool:
     return wire.max_batch_bytes(rows * info.element_spec.record_bytes,
                                 len(info.element_spec.leaves))
 
-  def _reopen_bulk(self, broken: BulkConnection) -> BulkConnection:
-    """A new bulk connection to a broken one's replica, asking its current
-    bulk port if refused: a restarted server may have picked another port."""
-    target, host = broken.target, broken.host
+  def _reconnect(self, slot: Slot) -> None:
+    """Replaces a broken bulk connection, asking DNS first whether its
+    address is still behind the target: one that left is retired, not
+    redialled."""
+    broken = slot.conn
+    broken.close()
+    self._refresh(broken.target, wait=True)
+    if slot.retired:
+      raise TransportError(grpc.StatusCode.UNAVAILABLE,
+                           f"{broken.host} is no longer behind {broken.target}")
+    slot.conn = self._dial(broken.target, broken.host)
+
+  def _dial(self, target: str, host: str) -> BulkConnection:
+    """A new bulk connection to a replica, asking its current bulk port if
+    refused: a restarted server may have picked another port."""
     try:
       return self._open_bulk(target, host, self._bulk_ports[target])
     except TransportError as e:

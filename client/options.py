@@ -50,12 +50,20 @@ class TransportOptions:
     compression: "none", or "zstd": the server compresses each tensor of
       4 KiB or more. Costs CPU on both ends; pays only on a network slower
       than the codec (not on loopback or a fast datacenter link).
+    dns_refresh_s: how often the bulk transport asks DNS again who is
+      behind a "dns:///name:port" target (it also asks before each
+      reconnect). gRPC re-resolves by itself; bulk connections are plain
+      sockets, so without this a rolling update (pods replaced, the name
+      now pointing elsewhere) would leave them dialling addresses that are
+      gone. New addresses get connections; those that left are retired
+      after their current request.
   """
 
   kind: str = "auto"
   connections_per_target: int = 4
   steps_per_request: int = 1
   compression: str = "none"
+  dns_refresh_s: float = 30.0
 
   def __post_init__(self) -> None:
     if self.kind not in TRANSPORT_KINDS:
@@ -66,6 +74,8 @@ class TransportOptions:
                        f"got {self.compression!r}")
     if self.connections_per_target < 1 or self.steps_per_request < 1:
       raise InvalidRequestError("need connections_per_target >= 1 and steps_per_request >= 1")
+    if not self.dns_refresh_s > 0:
+      raise InvalidRequestError(f"need dns_refresh_s > 0, got {self.dns_refresh_s}")
 
   def check_security(self, security: "Security") -> None:
     """Raises unless these options can run with `security`."""
@@ -84,7 +94,10 @@ class RetryPolicy:
   after a capped, jittered exponential backoff. A connection that failed is
   shunned (its replica is tried last) for `shun_initial_s`, doubling per
   consecutive failure up to `shun_max_s`, so a dead or frozen replica costs
-  one deadline, not one per request.
+  one deadline, not one per request. RESOURCE_EXHAUSTED means the replica
+  is full right now: the retry goes to another replica, or where there is
+  none and the request came over the bulk transport (kind "auto"), over
+  gRPC; a rate-limited warning says so.
 
   Attributes:
     timeout_s: give up with ServiceUnavailableError after this long without

@@ -26,7 +26,13 @@ Steps = Iterator[tuple[int, list[np.ndarray]]]
 
 
 class TransportError(Exception):
-  """A failed request or connection, with the status it ended in."""
+  """A failed request or connection, with the status it ended in.
+
+  The pool notes where it happened (`replica`, `over_bulk`), so that the
+  retry can go somewhere else."""
+
+  replica: tuple[str, str] | None = None  # (target, host) of the connection
+  over_bulk: bool = False
 
   def __init__(self, code: grpc.StatusCode, details: str, error_type: str = ""):
     super().__init__(f"{code.name}: {details}")
