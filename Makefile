@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast proto clean host-tools
+.PHONY: demo test test-fast fuzz proto clean host-tools
 
 # System tools the tests use beyond Python: iptables (random loss on the
 # netns test's link). Installed with apt where we are root and it is missing;
@@ -32,6 +32,14 @@ test: $(STAMP) host-tools
 # install) or netns.
 test-fast: $(STAMP)
 	$(PY) -m pytest -m "not slow and not netns" $(PYTEST_ARGS)
+
+# The shard reader (server/riegeli.c built with ASan and UBSan) against
+# ArrayRecord's own reader, on mutants of real shards, many re-signed so that
+# every hash checks (tests/fuzz). `make test` runs it for 40 s
+# (tests/test_fuzz_reader.py); this runs it for FUZZ_SECONDS.
+FUZZ_SECONDS ?= 1800
+fuzz: $(STAMP)
+	$(PY) tests/fuzz/fuzz_reader.py --seconds $(FUZZ_SECONDS) --out fuzz-findings
 
 host-tools:
 	@missing=$$(for t in $(HOST_TOOLS); do command -v $$t >/dev/null || echo $$t; done); \

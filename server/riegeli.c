@@ -235,6 +235,7 @@ static int for_each_piece(uint64_t pos, uint64_t size, PieceFn fn, void* ctx, ui
  * walk would reach. Callers bound `size` by the extent first (`fits`), so a
  * crafted header's size can neither overflow this nor make a walk long. */
 static uint64_t logical_end(uint64_t pos, uint64_t size) {
+  if (size == 0) return pos; /* nothing read: not even a block header at `pos` */
   pos = past_block_header(pos);
   const uint64_t first = BLOCK_SIZE - pos % BLOCK_SIZE;
   if (size <= first) return pos + size;
@@ -249,6 +250,19 @@ static uint64_t logical_end(uint64_t pos, uint64_t size) {
  * arithmetic that could overflow. */
 static int fits(uint64_t pos, uint64_t size, uint64_t end) {
   return pos <= end && size <= end - pos && logical_end(pos, size) <= end;
+}
+
+/* Whether a chunk may begin at `pos`: not inside a block header nor right
+ * after one (riegeli starts such a chunk at the block boundary instead, and
+ * its reader refuses any other start). */
+static inline int chunk_start_ok(uint64_t pos) {
+  const uint64_t in_block = pos % BLOCK_SIZE;
+  return in_block == 0 || in_block > BLOCK_HEADER_SIZE;
+}
+
+/* The first block boundary at or after `pos`. */
+static inline uint64_t boundary_from(uint64_t pos) {
+  return pos + (BLOCK_SIZE - pos % BLOCK_SIZE) % BLOCK_SIZE;
 }
 
 /* Reads exactly `n` bytes at `pos`; returns 0, or -1 with errno (0 = EOF). */
@@ -289,6 +303,52 @@ typedef struct {
   uint64_t data_size, data_hash, num_records, decoded_data_size;
   int chunk_type;
 } ChunkHeader;
+
+/* Where riegeli's reader takes the chunk at `begin` to end: after its header
+ * and data or, where it holds more records than bytes, `num_records` bytes on
+ * at least (the writer pads it so that every record has its own position).
+ * The caller has checked that the data fits an extent that ends by 2**63;
+ * num_records < 2**56: no overflow. */
+static uint64_t chunk_end(uint64_t begin, uint64_t data_end, const ChunkHeader* h) {
+  const uint64_t padded = begin + h->num_records;
+  const uint64_t to_boundary = (BLOCK_SIZE - padded % BLOCK_SIZE) % BLOCK_SIZE;
+  const uint64_t usable = BLOCK_SIZE - BLOCK_HEADER_SIZE;
+  const uint64_t at_least = padded + (to_boundary > usable - 1 ? to_boundary - (usable - 1) : 0);
+  return data_end > at_least ? data_end : at_least;
+}
+
+/* Why the block header `bh` (24 bytes, at `boundary`) cannot be inside the
+ * chunk [begin, cend), or NULL: riegeli's reader checks every one it crosses
+ * (its hash, and that it points back to the chunk's start and on to its end),
+ * so a chunk whose block headers disagree is refused there too. */
+static const char* block_header_error(const uint8_t* bh, uint64_t boundary, uint64_t begin,
+                                      uint64_t cend) {
+  if (hash_bytes(bh + 8, 16) != load_le64(bh)) return "block header hash mismatch";
+  if (load_le64(bh + 8) != boundary - begin) return "block header names another chunk start";
+  if (load_le64(bh + 16) != cend - boundary) return "block header names another chunk end";
+  return NULL;
+}
+
+static PyObject* block_error(uint64_t begin, uint64_t boundary, const char* why) {
+  PyErr_Format(PyExc_ValueError, "chunk at byte %llu: %s (the block header at byte %llu)",
+               (unsigned long long)begin, why, (unsigned long long)boundary);
+  return NULL;
+}
+
+/* Checks the block headers of [begin, cend) in `buf`, which holds the file
+ * from `base` on, at the boundaries before `last`; NULL, or why not (with
+ * the boundary in `*bad`). */
+static const char* check_headers_in(const uint8_t* buf, uint64_t base, uint64_t begin,
+                                    uint64_t last, uint64_t cend, uint64_t* bad) {
+  for (uint64_t b = boundary_from(begin); b < last; b += BLOCK_SIZE) {
+    const char* why = block_header_error(buf + (b - base), b, begin, cend);
+    if (why) {
+      *bad = b;
+      return why;
+    }
+  }
+  return NULL;
+}
 
 /* Copy pieces out of a buffer that holds the file from `base` on. */
 typedef struct {
@@ -360,9 +420,84 @@ static int parse_extent(PyObject* args, int* fd, uint64_t* begin, uint64_t* end)
     shard_error("empty extent (bad chunk offsets in the footer)", b);
     return -1;
   }
+  if (e > (uint64_t)INT64_MAX) { /* past any file; and so no sum below overflows */
+    shard_error("its extent ends past the largest file offset", b);
+    return -1;
+  }
+  if (!chunk_start_ok(b)) {
+    shard_error("no chunk can start there (inside or right after a block header)", b);
+    return -1;
+  }
   if (!fits(b, CHUNK_HEADER_SIZE, e)) {
     shard_error("its extent is shorter than a chunk header", b);
     return -1;
+  }
+  return 0;
+}
+
+/* After the header: the data must fit the extent, and so must the chunk as
+ * riegeli sees it (with its padding). Sets `*last` to where the data ends
+ * and `*cend` to where the chunk does; sets a Python error and returns -1
+ * if either runs past `end`. Both bounds are O(1): a crafted data_size of
+ * 2**48 costs no more than a true one. */
+static int check_sizes(const ChunkHeader* h, uint64_t begin, uint64_t data_begin, uint64_t end,
+                       uint64_t* last, uint64_t* cend) {
+  if (!fits(data_begin, h->data_size, end)) {
+    shard_error("data_size runs past the chunk's extent", begin);
+    return -1;
+  }
+  *last = logical_end(data_begin, h->data_size);
+  *cend = chunk_end(begin, *last, h);
+  if (*cend > end) {
+    PyErr_Format(PyExc_ValueError,
+                 "chunk at byte %llu: its %llu records pad it past its extent's end at byte %llu",
+                 (unsigned long long)begin, (unsigned long long)h->num_records,
+                 (unsigned long long)end);
+    return -1;
+  }
+  return 0;
+}
+
+/* Reads `n` logical bytes from physical `pos` (not inside a block header)
+ * into `dst`, and the block headers between them into `headers` (24 bytes
+ * each, `*num_headers` of them; room for n / 65512 + 2), with preadv: a few
+ * system calls where a pread per 64 KiB block was one each. Returns 0, or -1
+ * with errno (0: the file ends first). */
+static int read_split(int fd, uint64_t pos, uint64_t n, uint8_t* dst, uint8_t* headers,
+                      uint64_t* num_headers) {
+  enum { kBatch = 256 };
+  struct iovec iov[2 * kBatch];
+  *num_headers = 0;
+  while (n) {
+    int k = 0;
+    const uint64_t start = pos;
+    uint64_t total = 0;
+    while (n && k < 2 * kBatch - 1) {
+      if (pos % BLOCK_SIZE == 0) {
+        iov[k++] = (struct iovec){headers + *num_headers * BLOCK_HEADER_SIZE, BLOCK_HEADER_SIZE};
+        ++*num_headers;
+        pos += BLOCK_HEADER_SIZE;
+        total += BLOCK_HEADER_SIZE;
+      }
+      uint64_t len = BLOCK_SIZE - pos % BLOCK_SIZE;
+      if (len > n) len = n;
+      iov[k++] = (struct iovec){dst, (size_t)len};
+      dst += len;
+      pos += len;
+      n -= len;
+      total += len;
+    }
+    ssize_t got;
+    do {
+      got = preadv(fd, iov, k, (off_t)start);
+    } while (got < 0 && errno == EINTR);
+    if (got != (ssize_t)total) { /* short: finish this batch piece by piece */
+      uint64_t at = start;
+      for (int i = 0; i < k; i++) {
+        if (pread_full(fd, (uint8_t*)iov[i].iov_base, iov[i].iov_len, at)) return -1;
+        at += iov[i].iov_len;
+      }
+    }
   }
   return 0;
 }
@@ -379,6 +514,8 @@ static PyObject* py_read_chunk(PyObject* Py_UNUSED(self), PyObject* args) {
   ChunkHeader h;
   PyObject* data = NULL;
   int failed;
+  uint64_t last, cend, bad = 0;
+  const char* why = NULL;
 
   if (extent <= SMALL_EXTENT) {
     /* One pread of the whole extent, then a copy of the data out of it. */
@@ -397,9 +534,15 @@ static PyObject* py_read_chunk(PyObject* Py_UNUSED(self), PyObject* args) {
     CopyCtx hc = {buf, begin, header};
     uint64_t data_begin;
     for_each_piece(begin, CHUNK_HEADER_SIZE, copy_piece, &hc, &data_begin);
-    if (parse_header(header, begin, &h) || !fits(data_begin, h.data_size, end)) {
+    if (parse_header(header, begin, &h) ||
+        check_sizes(&h, begin, data_begin, end, &last, &cend)) {
       free(buf);
-      return PyErr_Occurred() ? NULL : shard_error("data_size runs past the chunk's extent", begin);
+      return NULL;
+    }
+    why = check_headers_in(buf, begin, begin, last, cend, &bad);
+    if (why) {
+      free(buf);
+      return block_error(begin, bad, why);
     }
     data = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)h.data_size);
     if (!data) {
@@ -412,7 +555,7 @@ static PyObject* py_read_chunk(PyObject* Py_UNUSED(self), PyObject* args) {
     for_each_piece(data_begin, h.data_size, copy_piece, &dc, &unused);
     free(buf);
   } else {
-    /* Header first, then the data pieces straight into the result. */
+    /* Header first, then the data straight into the result. */
     uint8_t head[CHUNK_HEADER_SIZE + 2 * BLOCK_HEADER_SIZE];
     const uint64_t head_len = header_end - begin;
     Py_BEGIN_ALLOW_THREADS
@@ -422,19 +565,37 @@ static PyObject* py_read_chunk(PyObject* Py_UNUSED(self), PyObject* args) {
     CopyCtx hc = {head, begin, header};
     uint64_t data_begin;
     for_each_piece(begin, CHUNK_HEADER_SIZE, copy_piece, &hc, &data_begin);
-    if (parse_header(header, begin, &h)) return NULL;
-    if (!fits(data_begin, h.data_size, end))
-      return shard_error("data_size runs past the chunk's extent", begin);
+    if (parse_header(header, begin, &h) ||
+        check_sizes(&h, begin, data_begin, end, &last, &cend)) {
+      return NULL;
+    }
+    /* The block headers the chunk header spans are in `head`. */
+    why = check_headers_in(head, begin, begin, data_begin < last ? data_begin : last, cend, &bad);
+    if (why) return block_error(begin, bad, why);
     data = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)h.data_size);
     if (!data) return NULL;
-    ReadCtx rc = {fd, (uint8_t*)PyBytes_AS_STRING(data)};
-    uint64_t unused;
-    Py_BEGIN_ALLOW_THREADS
-    failed = for_each_piece(data_begin, h.data_size, read_piece, &rc, &unused);
-    Py_END_ALLOW_THREADS
-    if (failed) {
+    const uint64_t max_headers = h.data_size / (BLOCK_SIZE - BLOCK_HEADER_SIZE) + 2;
+    uint8_t* headers = (uint8_t*)PyMem_Malloc((size_t)max_headers * BLOCK_HEADER_SIZE);
+    if (!headers) {
       Py_DECREF(data);
-      return io_error(begin, end);
+      return PyErr_NoMemory();
+    }
+    uint64_t num_headers = 0;
+    Py_BEGIN_ALLOW_THREADS
+    failed = read_split(fd, data_begin, h.data_size, (uint8_t*)PyBytes_AS_STRING(data), headers,
+                        &num_headers);
+    if (!failed) {
+      for (uint64_t i = 0, b = boundary_from(data_begin); i < num_headers && !why;
+           i++, b += BLOCK_SIZE) {
+        why = block_header_error(headers + i * BLOCK_HEADER_SIZE, b, begin, cend);
+        bad = b;
+      }
+    }
+    Py_END_ALLOW_THREADS
+    PyMem_Free(headers);
+    if (failed || why) {
+      Py_DECREF(data);
+      return failed ? io_error(begin, end) : block_error(begin, bad, why);
     }
   }
 
@@ -475,6 +636,86 @@ static int read_logical(int fd, uint64_t data_begin, uint64_t x, uint64_t n, uin
   return for_each_piece(logical_end(data_begin, x), n, read_piece, &rc, &unused);
 }
 
+/* What a zstd frame header says (RFC 8878 §3.1.1.1). */
+typedef struct {
+  uint64_t length;       /* magic number to the first block header */
+  uint64_t content_size; /* UINT64_MAX: not declared */
+  uint64_t block_max;    /* the largest block it may hold: min(window, 128 KiB) */
+  int checksum;          /* 4 bytes of checksum follow the last block */
+} FrameHeader;
+
+#define ZSTD_BLOCK_MAX (128u << 10)
+#define ZSTD_WINDOW_MAX (1u << 27) /* libzstd's default limit when decoding */
+
+/* Parses the frame header at p[0, n). 1 when it is one libzstd decodes with
+ * its default limits and no dictionary; 0 otherwise (or cut short): the
+ * caller then leaves the frame to libzstd, which decides. */
+static int zstd_header(const uint8_t* p, uint64_t n, FrameHeader* f) {
+  if (n < 5 || p[0] != 0x28 || p[1] != 0xb5 || p[2] != 0x2f || p[3] != 0xfd) return 0;
+  const uint8_t fhd = p[4];
+  if (fhd & 0x08) return 0; /* reserved bit */
+  if (fhd & 0x03) return 0; /* a dictionary id */
+  const int single_segment = (fhd >> 5) & 1, fcs_flag = fhd >> 6;
+  const int fcs_bytes = fcs_flag == 0 ? single_segment : (1 << fcs_flag);
+  uint64_t at = 5, window = 0;
+  if (!single_segment) {
+    if (at >= n) return 0;
+    const unsigned exponent = p[at] >> 3, mantissa = p[at] & 7;
+    const uint64_t base = 1ull << (10 + exponent);
+    window = base + (base >> 3) * mantissa;
+    at++;
+  }
+  if (at + (uint64_t)fcs_bytes > n) return 0;
+  f->content_size = UINT64_MAX;
+  if (fcs_bytes) {
+    uint64_t v = 0;
+    for (int i = 0; i < fcs_bytes; i++) v |= (uint64_t)p[at + i] << (8 * i);
+    f->content_size = fcs_bytes == 2 ? v + 256 : v;
+    at += (uint64_t)fcs_bytes;
+  }
+  if (single_segment) window = f->content_size;
+  if (window > ZSTD_WINDOW_MAX) return 0;
+  f->block_max = window < ZSTD_BLOCK_MAX ? window : ZSTD_BLOCK_MAX;
+  f->checksum = (fhd >> 2) & 1;
+  f->length = at;
+  return 1;
+}
+
+/* Whether p[0, n) is a zstd frame of one raw block and nothing else (what
+ * zstd makes of a few bytes: a record's size); sets its payload. */
+static int single_raw_block(const uint8_t* p, uint64_t n, const uint8_t** payload,
+                            uint64_t* len) {
+  FrameHeader f;
+  if (!zstd_header(p, n, &f) || f.checksum || n - f.length < 3) return 0;
+  const uint8_t* b = p + f.length;
+  const uint32_t word = (uint32_t)b[0] | ((uint32_t)b[1] << 8) | ((uint32_t)b[2] << 16);
+  const uint64_t size = word >> 3;
+  if (!(word & 1) || ((word >> 1) & 3) != 0) return 0; /* not one last raw block */
+  if (size > f.block_max || f.length + 3 + size != n) return 0;
+  if (f.content_size != UINT64_MAX && f.content_size != size) return 0;
+  *payload = b + 3;
+  *len = size;
+  return 1;
+}
+
+/* The sizes part of a one-record simple chunk, p[0, n): 1 with `*value` when
+ * it is one varint (as riegeli requires), -1 when it is certainly not, 0
+ * when telling needs libzstd (a frame of another shape). */
+static int one_size(const uint8_t* p, uint64_t n, int compression, uint64_t* value) {
+  const uint8_t* end = p + n;
+  if (compression == 'z') {
+    uint64_t declared, len;
+    if (read_varint(&p, end, &declared)) return -1;
+    if (!single_raw_block(p, (uint64_t)(end - p), &p, &len)) return 0;
+    if (len != declared) return -1;
+    end = p + len;
+  } else if (compression != 0) {
+    return 0;
+  }
+  if (read_varint(&p, end, value) || p != end) return -1;
+  return 1;
+}
+
 #define MAX_RAW_BLOCKS 64     /* zstd raw blocks are <= 128 KiB: records to 8 MiB */
 #define HEAD_READ 512         /* chunk header and the data's framing, in one pread */
 
@@ -495,8 +736,9 @@ typedef struct {
  * the last one shorter, so the headers follow from the first and the decoded
  * size. `read_guessed` reads the assumed headers with the payloads and checks
  * them. Returns 1 when the record can be read straight into place, 0 when not
- * (compressed blocks, another framing), -1 on an I/O error. Nothing here is
- * trusted: the data hash, checked after, is. */
+ * (compressed blocks, another framing, anything ArrayRecord might refuse:
+ * the general path then decides), -1 on an I/O error. The data hash,
+ * checked after, vouches for the bytes; this, for their structure. */
 static int plan_record(int fd, uint64_t data_begin, uint64_t data_size, uint64_t decoded,
                        const uint8_t* prefix, size_t have, int guess, Layout* lay) {
   const uint8_t* p = prefix;
@@ -505,6 +747,7 @@ static int plan_record(int fd, uint64_t data_begin, uint64_t data_size, uint64_t
   if (have < 2) return 0;
   const uint8_t compression = *p++;
   if (read_varint(&p, end, &sizes_len) || sizes_len > (uint64_t)(end - p)) return 0;
+  if (one_size(p, sizes_len, compression, &v) != 1 || v != decoded) return 0;
   p += sizes_len;
   lay->num = 0;
   if (compression == 0) {
@@ -517,19 +760,12 @@ static int plan_record(int fd, uint64_t data_begin, uint64_t data_size, uint64_t
   }
   if (compression != 'z') return 0;
   if (read_varint(&p, end, &v) || v != decoded) return 0;
-  /* The zstd frame header (RFC 8878 §3.1.1). */
-  if (end - p < 6 || p[0] != 0x28 || p[1] != 0xb5 || p[2] != 0x2f || p[3] != 0xfd) return 0;
-  p += 4;
-  const uint8_t fhd = *p++;
-  if (fhd & 0x08) return 0; /* reserved bit */
-  static const int kDictIdBytes[4] = {0, 1, 2, 4};
-  const int single_segment = (fhd >> 5) & 1;
-  const int fcs_flag = fhd >> 6;
-  const int fcs_bytes = fcs_flag == 0 ? single_segment : (1 << fcs_flag);
-  const uint64_t header_rest = (uint64_t)(!single_segment) + kDictIdBytes[fhd & 3] + fcs_bytes;
-  if (header_rest + 3 > (uint64_t)(end - p)) return 0;
-  p += header_rest;
-  if ((fhd >> 2) & 1) return 0; /* a content checksum: riegeli does not write one */
+  FrameHeader f;
+  if (!zstd_header(p, (uint64_t)(end - p), &f)) return 0;
+  if (f.checksum) return 0; /* riegeli does not write one */
+  if (f.content_size != UINT64_MAX && f.content_size != decoded) return 0;
+  if (f.length + 3 > (uint64_t)(end - p)) return 0;
+  p += f.length;
   uint64_t at = (uint64_t)(p - prefix); /* logical offset of the first block header */
   lay->framing = at + 3;
   uint64_t total = 0;
@@ -550,6 +786,7 @@ static int plan_record(int fd, uint64_t data_begin, uint64_t data_size, uint64_t
     const uint32_t word = (uint32_t)bh[0] | ((uint32_t)bh[1] << 8) | ((uint32_t)bh[2] << 16);
     const uint64_t size = word >> 3;
     if (((word >> 1) & 3) != 0) return 0; /* not a raw block */
+    if (size > f.block_max) return 0;     /* libzstd refuses it */
     if (lay->num > 0) memcpy(lay->block_header[lay->num], bh, 3);
     lay->payload_at[lay->num] = at + 3;
     lay->payload_len[lay->num] = size;
@@ -563,15 +800,17 @@ static int plan_record(int fd, uint64_t data_begin, uint64_t data_size, uint64_t
 }
 
 /* One preadv's list: the physical pieces of logical ranges of the data, each
- * to its destination, the block headers between them to `skip`; and where
- * the zstd block headers read land. */
+ * to its destination, the riegeli block headers between them aside (checked
+ * after); and where the zstd block headers read land. */
 #define MAX_IOVECS 1024
 typedef struct {
   struct iovec iov[MAX_IOVECS];
   int n;
   uint64_t start, next; /* physical: where the read begins, where it has got to */
   uint8_t* dst;
-  uint8_t skip[BLOCK_HEADER_SIZE];
+  uint8_t block_headers[MAX_IOVECS / 2][BLOCK_HEADER_SIZE];
+  uint64_t block_header_at[MAX_IOVECS / 2];
+  int num_block_headers;
   uint8_t headers[MAX_RAW_BLOCKS][3];
 } Gather;
 
@@ -580,8 +819,12 @@ static int gather_piece(void* ctx, uint64_t pos, uint64_t len) {
   if (g->n == 0) {
     g->start = g->next = pos;
   } else if (pos != g->next) { /* a block header between two pieces */
-    if (pos - g->next > BLOCK_HEADER_SIZE || g->n == MAX_IOVECS) return -1;
-    g->iov[g->n++] = (struct iovec){g->skip, (size_t)(pos - g->next)};
+    if (pos - g->next != BLOCK_HEADER_SIZE || g->next % BLOCK_SIZE || g->n == MAX_IOVECS ||
+        g->num_block_headers == MAX_IOVECS / 2) {
+      return -1;
+    }
+    g->block_header_at[g->num_block_headers] = g->next;
+    g->iov[g->n++] = (struct iovec){g->block_headers[g->num_block_headers++], BLOCK_HEADER_SIZE};
   }
   if (g->n == MAX_IOVECS) return -1;
   g->iov[g->n++] = (struct iovec){g->dst, (size_t)len};
@@ -600,15 +843,13 @@ static int gather(Gather* g, uint64_t data_begin, uint64_t x, uint64_t n, uint8_
  * headers, with one preadv instead of a pread per piece and per header.
  * Returns 0 when the headers read are the ones planned, 1 when not (a guess
  * was wrong) or the read fell short: the caller then reads piece by piece. */
-static int read_guessed(int fd, uint64_t data_begin, const Layout* lay, uint8_t* dst) {
-  Gather* g = (Gather*)malloc(sizeof(Gather));
-  int result = 1;
-  if (!g) goto done;
+static int read_guessed(int fd, uint64_t data_begin, const Layout* lay, uint8_t* dst, Gather* g) {
   g->n = 0;
+  g->num_block_headers = 0;
   uint64_t total = 0;
   for (int k = 0; k < lay->num; k++) {
-    if (k > 0 && gather(g, data_begin, lay->payload_at[k] - 3, 3, g->headers[k])) goto done;
-    if (gather(g, data_begin, lay->payload_at[k], lay->payload_len[k], dst)) goto done;
+    if (k > 0 && gather(g, data_begin, lay->payload_at[k] - 3, 3, g->headers[k])) return 1;
+    if (gather(g, data_begin, lay->payload_at[k], lay->payload_len[k], dst)) return 1;
     dst += lay->payload_len[k];
   }
   for (int i = 0; i < g->n; i++) total += g->iov[i].iov_len;
@@ -616,14 +857,41 @@ static int read_guessed(int fd, uint64_t data_begin, const Layout* lay, uint8_t*
   do {
     got = preadv(fd, g->iov, g->n, (off_t)g->start);
   } while (got < 0 && errno == EINTR);
-  if (got != (ssize_t)total) goto done;
-  result = 0;
+  if (got != (ssize_t)total) return 1;
   for (int k = 1; k < lay->num; k++) {
-    if (memcmp(g->headers[k], lay->block_header[k], 3) != 0) result = 1;
+    if (memcmp(g->headers[k], lay->block_header[k], 3) != 0) return 1;
   }
-done:
-  free(g);
-  return result;
+  return 0;
+}
+
+/* Checks the block headers of the chunk [begin, cend) at the boundaries
+ * before `last`, each taken from `head` (the file from `begin` on,
+ * `head_len` bytes), from `g` (read with the payloads), else read here.
+ * Returns 0; 1 with `*bad` and `*why` for one that is wrong; -1 when a read
+ * fails. */
+static int check_record_headers(int fd, uint64_t begin, uint64_t last, uint64_t cend,
+                                const uint8_t* head, uint64_t head_len, const Gather* g,
+                                uint64_t* bad, const char** why) {
+  int j = 0;
+  for (uint64_t b = boundary_from(begin); b < last; b += BLOCK_SIZE) {
+    uint8_t own[BLOCK_HEADER_SIZE];
+    const uint8_t* bh;
+    while (j < g->num_block_headers && g->block_header_at[j] < b) j++;
+    if (b + BLOCK_HEADER_SIZE <= begin + head_len) {
+      bh = head + (b - begin);
+    } else if (j < g->num_block_headers && g->block_header_at[j] == b) {
+      bh = g->block_headers[j];
+    } else {
+      if (pread_full(fd, own, BLOCK_HEADER_SIZE, b)) return -1;
+      bh = own;
+    }
+    *why = block_header_error(bh, b, begin, cend);
+    if (*why) {
+      *bad = b;
+      return 1;
+    }
+  }
+  return 0;
 }
 
 /* read_record(fd, begin, end) -> bytes | None */
@@ -644,12 +912,11 @@ static PyObject* py_read_record(PyObject* Py_UNUSED(self), PyObject* args) {
   if (failed) return io_error(begin, end);
   uint8_t header[CHUNK_HEADER_SIZE];
   CopyCtx hc = {head, begin, header};
-  uint64_t data_begin;
+  uint64_t data_begin, last, cend;
   for_each_piece(begin, CHUNK_HEADER_SIZE, copy_piece, &hc, &data_begin);
   ChunkHeader h;
   if (parse_header(header, begin, &h)) return NULL;
-  if (!fits(data_begin, h.data_size, end))
-    return shard_error("data_size runs past the chunk's extent", begin);
+  if (check_sizes(&h, begin, data_begin, end, &last, &cend)) return NULL;
   if (h.chunk_type != 'r' || h.num_records != 1) Py_RETURN_NONE;
 
   /* The data's first bytes, as far as the head read them. */
@@ -681,19 +948,27 @@ static PyObject* py_read_record(PyObject* Py_UNUSED(self), PyObject* args) {
     if (plan < 0) return io_error(begin, end);
     Py_RETURN_NONE;
   }
+  Gather* g = (Gather*)PyMem_Malloc(sizeof(Gather));
+  if (!g) {
+    PyMem_Free(lay);
+    return PyErr_NoMemory();
+  }
 
   PyObject* out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)h.decoded_data_size);
   if (!out) {
     PyMem_Free(lay);
+    PyMem_Free(g);
     return NULL;
   }
   uint8_t* dst = (uint8_t*)PyBytes_AS_STRING(out);
-  uint64_t got = 0;
-  int replan = 1;
+  uint64_t got = 0, bad = 0;
+  const char* why = NULL;
+  int replan = 1, headers = 0;
   Py_BEGIN_ALLOW_THREADS
   uint8_t* at = dst;
-  if (read_guessed(fd, data_begin, lay, dst)) {
+  if (read_guessed(fd, data_begin, lay, dst, g)) {
     /* A guessed block header was wrong: plan from the headers in the file. */
+    g->num_block_headers = 0;
     replan = plan_record(fd, data_begin, h.data_size, h.decoded_data_size, prefix, have, 0, lay);
     failed = replan != 1;
     for (int k = 0; k < lay->num && !failed; k++) {
@@ -714,9 +989,12 @@ static PyObject* py_read_record(PyObject* Py_UNUSED(self), PyObject* args) {
       at += lay->payload_len[k];
     }
     got = hasher_final(&hs);
+    headers = check_record_headers(fd, begin, last, cend, head, head_len, g, &bad, &why);
+    failed = headers < 0;
   }
   Py_END_ALLOW_THREADS
   PyMem_Free(lay);
+  PyMem_Free(g);
   if (failed) {
     Py_DECREF(out);
     if (replan == 0) Py_RETURN_NONE; /* not raw blocks after all */
@@ -725,6 +1003,10 @@ static PyObject* py_read_record(PyObject* Py_UNUSED(self), PyObject* args) {
   if (got != h.data_hash) {
     Py_DECREF(out);
     return shard_error("data hash mismatch (the chunk's data is corrupt)", begin);
+  }
+  if (headers) {
+    Py_DECREF(out);
+    return block_error(begin, bad, why);
   }
   return out;
 }
@@ -737,6 +1019,7 @@ static int read_varint(const uint8_t** p, const uint8_t* end, uint64_t* out) {
   for (int shift = 0; shift < 64; shift += 7) {
     if (*p >= end) return -1;
     const uint8_t b = *(*p)++;
+    if (shift == 63 && b > 1) return -1; /* bits past 64: riegeli refuses them too */
     v |= (uint64_t)(b & 0x7f) << shift;
     if (b < 0x80) {
       *out = v;
@@ -746,11 +1029,15 @@ static int read_varint(const uint8_t** p, const uint8_t* end, uint64_t* out) {
   return -1;
 }
 
-/* varints(buffer, count) -> bytes: `count` varints as little-endian uint64s. */
+/* varints(buffer, count[, total]) -> bytes: `count` varints as little-endian
+ * uint64s, nothing after them; with `total`, they must add up to it (each
+ * checked against what is left of it, as riegeli does: no sum overflows). */
 static PyObject* py_varints(PyObject* Py_UNUSED(self), PyObject* args) {
   Py_buffer view;
   Py_ssize_t count;
-  if (!PyArg_ParseTuple(args, "y*n", &view, &count)) return NULL;
+  unsigned long long total = 0;
+  int has_total = PyTuple_GET_SIZE(args) > 2;
+  if (!PyArg_ParseTuple(args, "y*n|K", &view, &count, &total)) return NULL;
   if (count < 0 || count > view.len) {
     PyBuffer_Release(&view);
     PyErr_Format(PyExc_ValueError, "%zd varints cannot fit in %zd bytes", count, view.len);
@@ -764,6 +1051,7 @@ static PyObject* py_varints(PyObject* Py_UNUSED(self), PyObject* args) {
   uint64_t* dst = (uint64_t*)PyBytes_AS_STRING(out);
   const uint8_t* p = (const uint8_t*)view.buf;
   const uint8_t* end = p + view.len;
+  uint64_t left = total;
   for (Py_ssize_t i = 0; i < count; i++) {
     uint64_t v;
     if (read_varint(&p, end, &v)) {
@@ -772,16 +1060,48 @@ static PyObject* py_varints(PyObject* Py_UNUSED(self), PyObject* args) {
       PyErr_Format(PyExc_ValueError, "varint %zd of %zd is truncated or too long", i, count);
       return NULL;
     }
+    if (has_total && v > left) {
+      PyBuffer_Release(&view);
+      Py_DECREF(out);
+      PyErr_Format(PyExc_ValueError, "record sizes add up to more than the chunk's %llu bytes",
+                   total);
+      return NULL;
+    }
+    left -= v;
     dst[i] = v;
   }
-  const Py_ssize_t left = (Py_ssize_t)(end - p);
+  const Py_ssize_t extra = (Py_ssize_t)(end - p);
   PyBuffer_Release(&view);
-  if (left) {
+  if (extra) {
     Py_DECREF(out);
-    PyErr_Format(PyExc_ValueError, "%zd bytes follow the last of %zd varints", left, count);
+    PyErr_Format(PyExc_ValueError, "%zd bytes follow the last of %zd varints", extra, count);
+    return NULL;
+  }
+  if (has_total && left) {
+    Py_DECREF(out);
+    PyErr_Format(PyExc_ValueError, "record sizes add up to %llu bytes less than the chunk's %llu",
+                 (unsigned long long)left, total);
     return NULL;
   }
   return out;
+}
+
+/* one_size(part, compression) -> int | None: the one record size in a
+ * one-record chunk's sizes part, when that takes no libzstd (None: it
+ * does); ValueError when the part is certainly not one varint. */
+static PyObject* py_one_size(PyObject* Py_UNUSED(self), PyObject* args) {
+  Py_buffer view;
+  int compression;
+  if (!PyArg_ParseTuple(args, "y*i", &view, &compression)) return NULL;
+  uint64_t value = 0;
+  const int found = one_size((const uint8_t*)view.buf, (uint64_t)view.len, compression, &value);
+  PyBuffer_Release(&view);
+  if (found < 0) {
+    PyErr_SetString(PyExc_ValueError, "the record sizes are not one varint");
+    return NULL;
+  }
+  if (!found) Py_RETURN_NONE;
+  return PyLong_FromUnsignedLongLong(value);
 }
 
 /* message_field(values, sizes, field) -> bytes: for each message (sizes: uint64s,
@@ -934,7 +1254,11 @@ static PyMethodDef methods[] = {
      "zstd_frame(buffer) -> (length, content_size): the zstd frame buffer starts with\n"
      "(length -1: cut short or malformed; content_size -1: not declared)."},
     {"varints", py_varints, METH_VARARGS,
-     "varints(buffer, count) -> bytes: the first `count` varints, as uint64s."},
+     "varints(buffer, count[, total]) -> bytes: `count` varints as uint64s, all of\n"
+     "`buffer`; with `total`, what they must add up to. ValueError otherwise."},
+    {"one_size", py_one_size, METH_VARARGS,
+     "one_size(part, compression) -> int | None: the record size in a one-record\n"
+     "chunk's sizes part (None: decompress it to tell). ValueError if malformed."},
     {"message_field", py_message_field, METH_VARARGS,
      "message_field(values, sizes, field) -> bytes: varint field `field` of each\n"
      "message (0 where absent), as uint64s."},

@@ -165,7 +165,7 @@ def test_corruption_names_shard_and_record(tmp_path, where, message):
     reader.read([7])
   source = dataset_lib.BatchedArrayRecordSource([path])
   with pytest.raises(DataLossError, match=rf"shard {path} is corrupt: record 7 cannot be "
-                                          rf"read: chunk at byte {begin}: {message}"):
+                                          rf"read: {path}: chunk at byte {begin}: {message}"):
     source._getitems([2, 7])  # pylint: disable=protected-access
 
 
