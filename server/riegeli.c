@@ -1201,33 +1201,25 @@ static PyObject* py_zstd_frame(PyObject* Py_UNUSED(self), PyObject* args) {
   const uint8_t* p = (const uint8_t*)view.buf;
   const uint64_t n = (uint64_t)view.len;
   long long length = -1, content = -1;
-  if (n >= 5 && p[0] == 0x28 && p[1] == 0xb5 && p[2] == 0x2f && p[3] == 0xfd &&
-      !(p[4] & 0x08)) {
-    static const int kDictIdBytes[4] = {0, 1, 2, 4};
-    const uint8_t fhd = p[4];
-    const int single_segment = (fhd >> 5) & 1, fcs_flag = fhd >> 6;
-    const int fcs_bytes = fcs_flag == 0 ? single_segment : (1 << fcs_flag);
-    const uint64_t fcs_at = 5 + (uint64_t)(!single_segment) + kDictIdBytes[fhd & 3];
-    uint64_t at = fcs_at + fcs_bytes;
-    if (at <= n) {
-      if (fcs_bytes) {
-        uint64_t v = 0;
-        for (int i = 0; i < fcs_bytes; i++) v |= (uint64_t)p[fcs_at + i] << (8 * i);
-        if (fcs_bytes == 2) v += 256;
-        content = v > (uint64_t)LLONG_MAX ? LLONG_MAX : (long long)v;
-      }
-      for (;;) {
-        if (at + 3 > n) break;
-        const uint32_t word = (uint32_t)p[at] | ((uint32_t)p[at + 1] << 8) |
-                              ((uint32_t)p[at + 2] << 16);
-        const uint32_t kind = (word >> 1) & 3, size = word >> 3;
-        if (kind == 3) break; /* reserved */
-        at += 3 + (kind == 1 ? 1 : size);
-        if (word & 1) {
-          at += (fhd & 4) ? 4 : 0;
-          if (at <= n) length = (long long)at;
-          break;
-        }
+  FrameHeader f;
+  /* A frame libzstd would not stream-decode with its defaults (a dictionary,
+   * a window over 128 MiB), or a block over the window (one-shot decoding
+   * lets that through; ArrayRecord's streaming reader does not) is malformed. */
+  if (zstd_header(p, n, &f)) {
+    if (f.content_size != UINT64_MAX)
+      content = f.content_size > (uint64_t)LLONG_MAX ? LLONG_MAX : (long long)f.content_size;
+    uint64_t at = f.length;
+    for (;;) {
+      if (at + 3 > n) break;
+      const uint32_t word = (uint32_t)p[at] | ((uint32_t)p[at + 1] << 8) |
+                            ((uint32_t)p[at + 2] << 16);
+      const uint32_t kind = (word >> 1) & 3, size = word >> 3;
+      if (kind == 3 || size > f.block_max) break;
+      at += 3 + (kind == 1 ? 1 : size);
+      if (word & 1) {
+        at += f.checksum ? 4 : 0;
+        if (at <= n) length = (long long)at;
+        break;
       }
     }
   }
