@@ -3,6 +3,8 @@
 ```toml
 [datasets.NAME]
 paths = ["shards/train-*.array_record"]  # globs, relative to this file's folder
+# or, in place of `paths`, a prepared TFDS dataset (server/tfds_source.py):
+# tfds = "mnist:3.0.1"   split = "train[:90%]"   data_dir = "tfds_data"
 pipeline = "package.module:function"     # optional, 1:1 record-level MapDataset
 batch_transform = "package.module:fn"    # optional, the same on a whole batch
 seed = 42
@@ -22,12 +24,16 @@ import importlib
 import os
 import pathlib
 import tomllib
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from grain_elevator.proto.errors import ConfigError
 
-_KEYS = {"paths", "pipeline", "batch_transform", "seed", "shuffle", "num_epochs",
-         "options"}
+if TYPE_CHECKING:
+  from grain_elevator.server.tfds_source import TfdsSplit
+
+_KEYS = {"paths", "tfds", "split", "data_dir", "pipeline", "batch_transform", "seed",
+         "shuffle", "num_epochs", "options"}
+_TFDS_KEYS = {"split", "data_dir"}
 _TOP_KEYS = {"datasets"}
 
 
@@ -45,6 +51,7 @@ class DatasetConfig:
   shuffle: bool = True
   num_epochs: int = 1  # 0 = forever
   options: dict[str, Any] = dataclasses.field(default_factory=dict)
+  tfds: TfdsSplit | None = None  # a TFDS split in place of `paths`
 
   def pipeline_fn(self) -> Callable[..., Any] | None:
     return None if self.pipeline is None else import_function(
@@ -97,18 +104,14 @@ def _expect(dataset: str, key: str, value: Any, cls: type, what: str) -> None:
     )
 
 
-def parse_dataset(name: str, table: Any, base_dir: pathlib.Path) -> DatasetConfig:
-  """Validates one dataset table; every error names the dataset and key."""
-  if not isinstance(table, dict):
-    raise ConfigError(f"dataset {name!r}: [datasets.{name}] must be a table")
-  unknown = sorted(set(table) - _KEYS)
-  if unknown:
-    raise ConfigError(
-        f"dataset {name!r}: unknown key(s) {', '.join(map(repr, unknown))}; "
-        f"allowed: {', '.join(sorted(_KEYS))}"
-    )
+def _expand_paths(name: str, table: dict[str, Any], base_dir: pathlib.Path) -> set[str]:
   if "paths" not in table:
-    raise ConfigError(f"dataset {name!r}: key 'paths' is required")
+    raise ConfigError(f"dataset {name!r}: key 'paths' (or 'tfds') is required")
+  given = sorted(_TFDS_KEYS & set(table))
+  if given:
+    raise ConfigError(
+        f"dataset {name!r}: key(s) {', '.join(map(repr, given))} belong to a "
+        "'tfds' dataset; with 'paths' they mean nothing")
   paths = table["paths"]
   if isinstance(paths, str):
     paths = [paths]
@@ -124,6 +127,44 @@ def parse_dataset(name: str, table: Any, base_dir: pathlib.Path) -> DatasetConfi
           f"(looked for {full})"
       )
     files.update(os.path.abspath(p) for p in matched)
+  return files
+
+
+def _parse_tfds(name: str, table: dict[str, Any], base_dir: pathlib.Path) -> TfdsSplit:
+  """`tfds`, `split` (default "train") and `data_dir` (relative to the
+  config's folder; default TFDS's own), resolved to the split's shards now."""
+  if "paths" in table:
+    raise ConfigError(f"dataset {name!r}: give 'paths' or 'tfds', not both")
+  tfds_name = table["tfds"]
+  _expect(name, "tfds", tfds_name, str, 'a TFDS name such as "mnist" or "mnist:3.0.1"')
+  if not tfds_name.strip():
+    raise ConfigError(f"dataset {name!r}: key 'tfds' is empty")
+  split = table.get("split", "train")
+  _expect(name, "split", split, str, 'a TFDS split such as "train" or "train[:90%]"')
+  data_dir = table.get("data_dir")
+  if data_dir is not None:
+    _expect(name, "data_dir", data_dir, str, "a folder path")
+    data_dir = str((base_dir / os.path.expanduser(data_dir)).resolve())
+  from grain_elevator.server import tfds_source  # pylint: disable=g-import-not-at-top
+  return tfds_source.resolve(name, tfds_name.strip(), split, data_dir)
+
+
+def parse_dataset(name: str, table: Any, base_dir: pathlib.Path) -> DatasetConfig:
+  """Validates one dataset table; every error names the dataset and key."""
+  if not isinstance(table, dict):
+    raise ConfigError(f"dataset {name!r}: [datasets.{name}] must be a table")
+  unknown = sorted(set(table) - _KEYS)
+  if unknown:
+    raise ConfigError(
+        f"dataset {name!r}: unknown key(s) {', '.join(map(repr, unknown))}; "
+        f"allowed: {', '.join(sorted(_KEYS))}"
+    )
+  if "tfds" in table:
+    tfds_split = _parse_tfds(name, table, base_dir)
+    files: set[str] = set(tfds_split.files)
+  else:
+    tfds_split = None
+    files = _expand_paths(name, table, base_dir)
 
   seed = table.get("seed", 0)
   _expect(name, "seed", seed, int, "an integer in [0, 2**32)")
@@ -152,7 +193,7 @@ def parse_dataset(name: str, table: Any, base_dir: pathlib.Path) -> DatasetConfi
   config = DatasetConfig(
       name=name, files=tuple(sorted(files)), pipeline=pipeline,
       batch_transform=batch_transform, seed=seed,
-      shuffle=shuffle, num_epochs=num_epochs, options=dict(options),
+      shuffle=shuffle, num_epochs=num_epochs, options=dict(options), tfds=tfds_split,
   )
   config.pipeline_fn()  # Fail at start-up, not on the first request.
   config.batch_transform_fn()

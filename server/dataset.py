@@ -11,34 +11,27 @@ started, and shards are read only while they still have it
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import threading
 from typing import Any, Mapping, Sequence
 
-from array_record.python import array_record_data_source
 import grain
-import numpy as np
 
 from grain_elevator.proto import contract
 from grain_elevator.proto import tree
-from grain_elevator.proto.errors import (ConfigError, DataLossError, ShardChangedError,
-                                         UnknownDatasetError)
+from grain_elevator.proto.errors import ConfigError, ShardChangedError, UnknownDatasetError
 from grain_elevator.proto.spec import DatasetInfo, ElementSpec
 from grain_elevator.server import collate as collate_lib
 from grain_elevator.server import shard_reader
 from grain_elevator.server import shuffle as shuffle_lib
 from grain_elevator.server.config import DatasetConfig, ServerConfig
-from grain_elevator.server.shard_identity import CheckedFile, ShardIdentity, shard_identities
+from grain_elevator.server.record_source import BatchedArrayRecordSource
+from grain_elevator.server.shard_identity import ShardIdentity, shard_identities
 
 log = logging.getLogger("grain_elevator.server")
 
-# Where ArrayRecord reads a shard (server/shard_reader.py does not decode
-# it): its batched read hands positions to a thread pool, which for small
-# records beats ~55 µs per call, but from about this size a call per record
-# reads as fast on ~35% less CPU (BENCHMARKS.md).
-SINGLE_READ_RECORD_BYTES = 64 << 10
+__all__ = ["BatchedArrayRecordSource", "Datasets", "ElevatorDataset", "build_records"]
 
 
 def mark_absl_flags_parsed() -> None:
@@ -48,210 +41,11 @@ def mark_absl_flags_parsed() -> None:
     flags.FLAGS.mark_as_parsed()
 
 
-_UNOPENED = object()
-
-
-def _raise_for_first_bad_record(filename: str, positions: Sequence[int],
-                                read_one: Any, errors: type[Exception] | tuple) -> None:
-  """After a batch failed (rare): re-reads its records one by one and raises
-  DataLossError naming the first that fails."""
-  for p in positions:
-    try:
-      read_one(p)
-    except errors as e:  # pylint: disable=broad-except
-      raise DataLossError(
-          f"shard {filename} is corrupt: record {p} cannot be read: {e}") from e
-
-
-class BatchedArrayRecordSource(grain.sources.ArrayRecordDataSource):
-  """ArrayRecordDataSource that opts in to Grain's batched-read path.
-
-  Grain calls `_getitems` on sources that offer it. Each shard's positions
-  are read in the calling thread by `shard_reader.ShardReader` (one pread
-  per chunk, riegeli's hashes checked; ~5 µs of CPU per small record against
-  ~20 through ArrayRecord). Shards it does not decode, and builds without
-  its C part, go through ArrayRecord: one call per shard, or one per record
-  for records of SINGLE_READ_RECORD_BYTES and up (its batched call starts a
-  thread pool, which on a few cores costs more than it saves).
-
-  With `identities` (what the server serves), either reader opens a shard
-  only through a `CheckedFile` that matched its recorded identity, and each
-  read is followed by that file's fstat check: a changed shard is refused
-  (ShardChangedError), never read. Without them (tools, tests that damage
-  files on purpose) shards are read unchecked.
-  """
-
-  _single_reads: bool | None = None
-
-  def __init__(self, paths: Any, reader_options: dict[str, str] | None = None, *,
-               identities: Mapping[str, ShardIdentity | None] | None = None):
-    super().__init__(paths, reader_options)
-    self._identities = identities
-    self._shards: list[Any] = [_UNOPENED] * len(self._read_instructions)
-    self._files: list[CheckedFile | None] = [None] * len(self._read_instructions)
-    self._index_shards()
-
-  def _index_shards(self) -> None:
-    """Where each shard's keys end, and key -> position shift, for `_split`."""
-    counts = np.asarray([i.num_records for i in self._read_instructions], np.int64)
-    starts = np.asarray([i.start for i in self._read_instructions], np.int64)
-    self._key_ends = np.cumsum(counts)
-    self._key_shift = self._key_ends - counts - starts
-
-  def _reads_singly(self) -> bool:
-    if self._single_reads is None:
-      try:
-        total = sum(os.path.getsize(i.filename) for i in self._read_instructions)
-        self._single_reads = total >= SINGLE_READ_RECORD_BYTES * max(1, len(self))
-      except (AttributeError, OSError):
-        self._single_reads = False
-    return self._single_reads
-
-  def __getstate__(self):
-    state = super().__getstate__()
-    del state["_shards"]  # open file descriptors: reopened (and checked) lazily
-    del state["_files"]
-    return state
-
-  def __setstate__(self, state):
-    super().__setstate__(state)
-    self._shards = [_UNOPENED] * len(self._read_instructions)
-    self._files = [None] * len(self._read_instructions)
-
-  def _file(self, reader_idx: int) -> CheckedFile | None:
-    """The shard's checked file, opened on first use (hold `_lock`); None
-    without identities."""
-    if self._identities is None:
-      return None
-    file = self._files[reader_idx]
-    if file is None:
-      filename = self._read_instructions[reader_idx].filename
-      try:
-        file = CheckedFile(filename, self._identities.get(filename))
-      except OSError as e:
-        raise DataLossError(f"shard {filename} cannot be opened: {e}") from e
-      self._files[reader_idx] = file
-    return file
-
-  def _check(self, reader_idx: int) -> None:
-    """After a read (or its failure): refuses a shard written to since it was opened."""
-    file = self._files[reader_idx]
-    if file is not None:
-      file.check()
-
-  def _shard(self, reader_idx: int) -> shard_reader.ShardReader | None:
-    """This shard's fast reader, opened on first use; None: use ArrayRecord."""
-    shard = self._shards[reader_idx]
-    if shard is _UNOPENED:
-      with self._lock:
-        shard = self._shards[reader_idx]
-        if shard is _UNOPENED:
-          filename = self._read_instructions[reader_idx].filename
-          file = self._file(reader_idx)
-          try:
-            shard = shard_reader.open_shard(file.path if file else filename)
-            if file and shard:
-              file.confirm_opened()
-          except (shard_reader.CorruptShard, OSError) as e:
-            self._check(reader_idx)
-            raise DataLossError(f"shard {filename} cannot be opened: {e}") from e
-          self._shards[reader_idx] = shard
-    return shard
-
-  def _ensure_reader_exists(self, reader_idx: int) -> None:
-    """ArrayRecord's reader for a shard, opened through its checked file."""
-    if self._identities is None:
-      super()._ensure_reader_exists(reader_idx)
-      return
-    if self._readers[reader_idx] is not None:
-      return
-    with self._lock:
-      if self._readers[reader_idx] is None:
-        file = self._file(reader_idx)
-        reader = array_record_data_source._create_reader(  # pylint: disable=protected-access
-            file.path, self._reader_options_string)
-        file.confirm_opened()
-        self._readers[reader_idx] = reader
-
-  def _split(self, indices: Sequence[int]) -> dict[int, tuple[list[int], list[int]]]:
-    """shard -> (positions in it, places in `indices`): ArrayRecord's
-    `_split_keys_per_reader` with one numpy call for the batch instead of a
-    Python call per key (~1.3 µs a record)."""
-    keys = np.asarray(indices, np.int64)
-    if keys.size and (keys.min() < 0 or keys.max() >= len(self)):
-      raise ValueError(f"record keys must be in [0, {len(self)})")
-    shards = np.searchsorted(self._key_ends, keys, "right")
-    positions = keys - self._key_shift[shards]
-    out: dict[int, tuple[list[int], list[int]]] = {}
-    for i, (shard, position) in enumerate(zip(shards.tolist(), positions.tolist())):
-      group = out.get(shard)
-      if group is None:
-        group = out[shard] = ([], [])
-      group[0].append(position)
-      group[1].append(i)
-    return out
-
-  def _getitems(self, indices: Sequence[int]) -> Sequence[bytes]:
-    out: list[bytes] = [b""] * len(indices)
-    for reader_idx, (positions, where) in self._split(indices).items():
-      for record, i in zip(self._read(reader_idx, positions), where):
-        out[i] = record
-    return out
-
-  def _read(self, reader_idx: int, positions: list[int]) -> Sequence[bytes]:
-    filename = self._read_instructions[reader_idx].filename
-    shard = self._shard(reader_idx)
-    if shard is not None:
-      try:
-        records = shard.read(positions)
-      except shard_reader.CorruptShard:
-        self._check(reader_idx)  # rewritten in place: say so, not "corrupt"
-        _raise_for_first_bad_record(filename, positions,
-                                    lambda p: shard.read([p]), shard_reader.CorruptShard)
-        raise
-      except OSError as e:
-        self._check(reader_idx)
-        raise DataLossError(f"shard {filename} cannot be read: {e}") from e
-      except shard_reader.UnsupportedShard as e:  # a chunk unlike the first
-        self._check(reader_idx)
-        log.warning("%s: %s; reading it through ArrayRecord from now on", filename, e)
-        self._shards[reader_idx] = None
-      else:
-        # After the read: a write(2) that any of these bytes could come from
-        # has already moved the mtime (the kernel sets it before copying in).
-        self._check(reader_idx)
-        return records
-    return self._read_with_array_record(reader_idx, positions)
-
-  def _read_with_array_record(self, reader_idx: int, positions: list[int]) -> Sequence[bytes]:
-    filename = self._read_instructions[reader_idx].filename
-    try:
-      self._ensure_reader_exists(reader_idx)
-      reader = self._readers[reader_idx]
-      if self._reads_singly():
-        records = [reader.read([p])[0] for p in positions]
-      else:
-        records = reader.read(positions)
-    except (ShardChangedError, DataLossError):  # refused before any read
-      raise
-    except Exception as e:  # pylint: disable=broad-except
-      self._check(reader_idx)
-      _raise_for_first_bad_record(filename, positions,
-                                  lambda p: self._readers[reader_idx].read([p]), Exception)
-      raise DataLossError(f"shard {filename} cannot be read: {e}") from e
-    self._check(reader_idx)
-    return records
-
-  def __getitem__(self, record_key: int) -> bytes:
-    (record,) = self._getitems([record_key])
-    return record
-
-
 def build_raw_records(config: DatasetConfig, source: Any | None = None) -> grain.MapDataset:
   """The shuffled, repeated stream of raw records, before the pipeline
   (read unchecked unless `source` is a BatchedArrayRecordSource given identities)."""
   if source is None:
-    source = BatchedArrayRecordSource(list(config.files))
+    source = open_source(config)
   ds = grain.MapDataset.source(source)
   # Grain's per-record read telemetry (prometheus) costs ~14 µs a record, a
   # quarter of a small record's serving time; the server reports its own.
@@ -260,6 +54,17 @@ def build_raw_records(config: DatasetConfig, source: Any | None = None) -> grain
   if config.shuffle:
     ds = ds.shuffle()
   return ds.repeat(config.num_epochs or None)
+
+
+def open_source(config: DatasetConfig,
+                identities: Mapping[str, ShardIdentity | None] | None = None
+                ) -> BatchedArrayRecordSource:
+  """The dataset's record source: its ArrayRecord shards as raw bytes, or a
+  TFDS split's records decoded as `tfds.data_source` decodes them."""
+  if config.tfds is not None:
+    from grain_elevator.server import tfds_source  # pylint: disable=g-import-not-at-top
+    return tfds_source.TfdsSource(config.tfds, identities=identities)
+  return BatchedArrayRecordSource(list(config.files), identities=identities)
 
 
 def build_records(config: DatasetConfig, source: Any | None = None) -> grain.MapDataset:
@@ -299,7 +104,11 @@ def fingerprint(config: DatasetConfig, num_records: int,
   copies kept the mtime (cp -p, rsync -a)."""
   shards = [None if i is None else [i.size, i.mtime_ns, i.tail_hash]
             for i in (identities.get(f) for f in config.files)]
+  fields: dict[str, Any] = {}
+  if config.tfds is not None:  # absent otherwise: other datasets' cursors stay valid
+    fields["tfds"] = config.tfds.fingerprint_fields()
   return contract.stream_fingerprint({
+      **fields,
       "name": config.name,
       "files": [os.path.basename(f) for f in config.files],
       "shards": shards,
@@ -334,7 +143,9 @@ class ElevatorDataset:
     # A file the config's globs match now but did not at start-up has none: refused.
     self.identities = {f: identities.get(f) for f in config.files}
     try:
-      source = BatchedArrayRecordSource(list(config.files), identities=self.identities)
+      source = open_source(config, self.identities)
+    except ConfigError:
+      raise
     except Exception as e:
       raise ConfigError(
           f"dataset {config.name!r}: cannot open its shards (truncated or not "
