@@ -178,6 +178,23 @@ class ElevatorDataset:
     self._batch_fn = config.batch_transform_fn()
     if self._batch_fn is not None:
       self._verify_batch_transform(min(num_records, 64))
+    elif config.tfds is not None and config.pipeline is None:
+      self._use_tfds_batch_decoder(min(num_records, 64))
+
+  def _use_tfds_batch_decoder(self, rows: int) -> None:
+    """A TFDS dataset served as decoded (no pipeline): where its features
+    allow, a whole batch is decoded at once, checked like a batch_transform
+    against TFDS's per-record decode; where not, or if the check fails, the
+    per-record decode stays."""
+    from grain_elevator.server import tfds_source  # pylint: disable=g-import-not-at-top
+    self._batch_fn = tfds_source.batch_decoder(self.config.tfds)
+    if self._batch_fn is None:
+      return
+    try:
+      self._verify_batch_transform(rows)
+    except ConfigError as e:
+      log.warning("%s; decoding its records one by one", e)
+      self._batch_fn = None
 
   def _verify_batch_transform(self, rows: int) -> None:
     """Refuses a batch_transform that does not reproduce the pipeline, on
@@ -195,13 +212,13 @@ class ElevatorDataset:
       raise
     except Exception as e:
       raise ConfigError(
-          f"dataset {c.name!r}: batch_transform {c.batch_transform!r} fails on "
+          f"dataset {c.name!r}: batch_transform {c.batch_transform or self._batch_fn!r} fails on "
           f"{where}: {type(e).__name__}: {e}") from e
     slow = self._collate_records(positions)
     for (path, _, _), a, b in zip(self._leaf_specs, fast, slow):
       if a.tobytes() != b.tobytes():
         raise ConfigError(
-            f"dataset {c.name!r}: batch_transform {c.batch_transform!r} does not "
+            f"dataset {c.name!r}: batch_transform {c.batch_transform or self._batch_fn!r} does not "
             f"reproduce pipeline {c.pipeline!r}: leaf {path!r} differs on "
             f"{where}; it must give exactly the per-record rows, stacked")
 
@@ -214,7 +231,7 @@ class ElevatorDataset:
   def raw_batch(self, positions: Sequence[int]) -> Sequence[bytes]:
     """The raw records at these stream positions: `raw_records`' items,
     with the shuffle computed for the whole batch (server/shuffle.py)."""
-    return self._source._getitems(self._source_index(positions))  # pylint: disable=protected-access
+    return self._source.read_raw(self._source_index(positions))
 
   def _transform_batch(self, positions: list[int], stack: bool = True
                        ) -> list[collate_lib.Leaf]:

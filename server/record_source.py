@@ -172,7 +172,11 @@ class BatchedArrayRecordSource(grain.sources.ArrayRecordDataSource):
       group[1].append(i)
     return out
 
-  def _getitems(self, indices: Sequence[int]) -> Sequence[bytes]:
+  def _getitems(self, indices: Sequence[int]) -> Sequence[Any]:
+    return self.read_raw(indices)
+
+  def read_raw(self, indices: Sequence[int]) -> Sequence[bytes]:
+    """The records' bytes as stored (what a batch_transform is given)."""
     out: list[bytes] = [b""] * len(indices)
     for reader_idx, (positions, where) in self._split(indices).items():
       for record, i in zip(self._read(reader_idx, positions), where):

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
 
 from grain_elevator.proto.errors import ConfigError
 from grain_elevator.server.record_source import BatchedArrayRecordSource
@@ -69,7 +71,7 @@ def resolve(dataset: str, name: str, split: str, data_dir: str | None) -> TfdsSp
     first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     raise ConfigError(
         f"dataset {dataset!r}: TFDS dataset {name!r} not found {where}: "
-        f"{first_line}") from e
+        f"{first_line.rstrip('.')}{_versions_on_disk(data_dir, name)}") from e
   if not builder.is_prepared():
     raise ConfigError(
         f"dataset {dataset!r}: TFDS dataset {name!r} is not prepared {where} "
@@ -100,6 +102,17 @@ def resolve(dataset: str, name: str, split: str, data_dir: str | None) -> TfdsSp
   return TfdsSplit(name=name, split=split, data_dir=data_dir,
                    dataset_dir=os.fspath(builder.data_dir),
                    full_name=builder.info.full_name, instructions=instructions)
+
+
+def _versions_on_disk(data_dir: str | None, name: str) -> str:
+  """"; versions on disk: 1.0.0, 1.1.0" where the dataset's folder exists."""
+  base = name.split(":")[0]
+  folder = os.path.join(data_dir, base) if data_dir else None
+  if not folder or not os.path.isdir(folder):
+    return ""
+  versions = sorted(v for v in os.listdir(folder)
+                    if os.path.isfile(os.path.join(folder, v, "dataset_info.json")))
+  return f"; versions on disk: {', '.join(versions) or 'none'}"
 
 
 def _features(split: TfdsSplit) -> Any:
@@ -135,8 +148,77 @@ class TfdsSource(BatchedArrayRecordSource):
 
   def _getitems(self, indices: Sequence[int]) -> Sequence[Any]:
     decode = self._decode
-    return [decode(r) for r in super()._getitems(indices)]
+    return [decode(r) for r in self.read_raw(indices)]
 
   def __repr__(self) -> str:
     return (f"TfdsSource(name={self._tfds_split.name!r}, split={self._tfds_split.split!r}, "
             f"records={len(self)})")
+
+
+class _BatchDecoder:
+  """Decodes a batch of serialized Examples straight into stacked arrays:
+  one protobuf parse per record, then one numpy array per numeric feature
+  for the whole batch, and images decoded into place by TFDS's own image
+  decode. What TFDS's per-record `deserialize_example_np` gives, stacked
+  (ElevatorDataset checks that at start-up), without its per-record tree
+  walks."""
+
+  def __init__(self, plan: list[tuple[str, str, np.dtype, tuple[int, ...], Any]]):
+    from tensorflow_datasets.proto import tf_example_pb2  # pylint: disable=g-import-not-at-top
+    self._parse = tf_example_pb2.Example.FromString
+    self._plan = plan
+
+  def __repr__(self) -> str:
+    return f"<TFDS batch decoder of {', '.join(k for k, *_ in self._plan)}>"
+
+  def __call__(self, raw: Sequence[bytes]) -> dict[str, np.ndarray]:
+    maps = [self._parse(r).features.feature for r in raw]
+    out = {}
+    for key, kind, dtype, shape, decode_image in self._plan:
+      if kind == "image":
+        image = np.empty((len(maps), *shape), dtype)
+        for i, m in enumerate(maps):
+          image[i] = decode_image(m[key].bytes_list.value[0])
+        out[key] = image
+      elif shape:
+        size = int(np.prod(shape))
+        values = [getattr(m[key], kind).value for m in maps]
+        if any(len(v) != size for v in values):
+          raise ValueError(f"feature {key!r}: a record holds another number of values "
+                           f"than its shape {list(shape)}")
+        out[key] = np.array(values, dtype).reshape((len(maps), *shape))
+      else:  # scalars: TFDS gives Python scalars (`.item()`), stacked as numpy does
+        values = np.array([getattr(m[key], kind).value[0] for m in maps], dtype)
+        out[key] = values.astype(np.asarray(np.zeros((), dtype).item()).dtype)
+    return out
+
+
+def batch_decoder(split: TfdsSplit) -> Callable[[Sequence[bytes]], dict[str, Any]] | None:
+  """A whole-batch decoder for the split's features, or None where they are
+  not all fixed-shape numeric tensors, class labels and images."""
+  tfds = _import_tfds(split.name)
+  features = _features(split)
+  plan = []
+  for key, feature in features.items():
+    info = feature.get_tensor_info()
+    if info.shape is None or any(d is None for d in info.shape):
+      return None
+    dtype = np.dtype(info.np_dtype)
+    if isinstance(feature, tfds.features.Image) and type(feature) is tfds.features.Image:
+      if dtype != np.uint8:
+        return None
+      plan.append((key, "image", dtype, tuple(info.shape), feature.decode_example_np))
+      continue
+    if type(feature) not in (tfds.features.Tensor, tfds.features.ClassLabel, tfds.features.Scalar):
+      return None
+    serialized = feature.get_serialized_info()
+    if serialized.shape != info.shape or np.dtype(serialized.np_dtype) != dtype:
+      return None  # stored encoded (bytes, zlib): leave it to TFDS
+    if dtype.kind in "iub":
+      kind = "int64_list"
+    elif dtype.kind == "f":
+      kind = "float_list"
+    else:
+      return None
+    plan.append((key, kind, dtype, tuple(info.shape), None))
+  return _BatchDecoder(plan) if plan else None
