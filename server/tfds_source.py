@@ -199,7 +199,7 @@ def batch_decoder(split: TfdsSplit) -> Callable[[Sequence[bytes]], dict[str, Any
   tfds = _import_tfds(split.name)
   features = _features(split)
   plan = []
-  for key, feature in features.items():
+  for key, feature in sorted(features.items()):
     info = feature.get_tensor_info()
     if info.shape is None or any(d is None for d in info.shape):
       return None

@@ -209,6 +209,6 @@ def test_datasets_without_pipeline_decode_whole_batches(config_path):
   against TFDS's per-record decode; the oracle tests above compare its
   output); `aug`'s pipeline needs records one by one."""
   datasets = dataset_lib.Datasets(load_config(config_path))
-  assert "TFDS batch decoder of image, label, id" in repr(datasets.get("sliced")._batch_fn)
+  assert "TFDS batch decoder of id, image, label" in repr(datasets.get("sliced")._batch_fn)
   assert datasets.get("ordered")._batch_fn is not None
   assert datasets.get("aug")._batch_fn is None
