@@ -39,8 +39,10 @@ def test_health(server):
 
 
 @pytest.mark.slow  # writes 10,000 records in a subprocess
-def test_make_dataset_writes_a_servable_config(tmp_path):
-  result = subprocess.run([*ELEVATOR, "make-dataset", str(tmp_path), "--source", "generated"],
+@pytest.mark.parametrize("fmt", ["tfds", "arrayrecord"])
+def test_make_dataset_writes_a_servable_config(tmp_path, fmt):
+  result = subprocess.run([*ELEVATOR, "make-dataset", str(tmp_path), "--source", "generated",
+                           "--format", fmt],
                           capture_output=True, text=True, timeout=120)
   assert result.returncode == 0, result.stderr
   result = subprocess.run([*ELEVATOR, "describe", f"local:{tmp_path}/elevator.toml"],

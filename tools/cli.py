@@ -72,7 +72,7 @@ def _health(args: argparse.Namespace) -> int:
 
 def _make_dataset(args: argparse.Namespace) -> int:
   from grain_elevator.tools import demo  # pylint: disable=g-import-not-at-top
-  config, _ = demo.write_dataset(pathlib.Path(args.dir), args.source)
+  config, _ = demo.write_dataset(pathlib.Path(args.dir), args.source, args.format)
   print(f"wrote {config}")
   return 0
 
@@ -134,7 +134,7 @@ def _bench_feed(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
   from grain_elevator.tools import demo  # pylint: disable=g-import-not-at-top
   return demo.run(steps=args.steps, workers=args.workers, data_dir=args.data_dir,
-                  source=args.source)
+                  source=args.source, fmt=args.format)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -208,6 +208,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="write the demo dataset and its config into a folder")
   p.add_argument("dir", help="folder to write shards/ and elevator.toml into")
   p.add_argument("--source", choices=("auto", "digits", "generated"), default="auto")
+  p.add_argument("--format", choices=("tfds", "arrayrecord"), default="tfds",
+                 help="tfds: a TFDS dataset served by name (default); arrayrecord: "
+                      "shards of the example record format with a decode pipeline")
   p.set_defaults(fn=_make_dataset)
 
   p = sub.add_parser("bench", help="measure against local Grain, tf.data service "
@@ -251,6 +254,9 @@ def build_parser() -> argparse.ArgumentParser:
                  help="digits: scikit-learn's bundled images (pip install "
                       "'grain-elevator[demo]'); generated: synthetic; auto: digits "
                       "if scikit-learn is installed")
+  p.add_argument("--format", choices=("tfds", "arrayrecord"), default="tfds",
+                 help="tfds: write the images as a TFDS dataset and serve it by name "
+                      "(default); arrayrecord: shards of the example record format")
   p.set_defaults(fn=_demo)
   return parser
 

@@ -1,6 +1,8 @@
 """`elevator demo`: the whole product in one minute, with nothing set up.
 
-Writes a small image dataset as ArrayRecord shards, serves it with 2 worker
+Writes a small image dataset as a TFDS dataset (ArrayRecord format, written
+without TensorFlow; `--format arrayrecord`: the project's own record format
+with a decode pipeline), serves it with 2 worker
 processes, trains a small JAX classifier whose batches are laid out on a
 NamedSharding mesh of the local devices, stops the client midway, resumes a
 new one from the saved cursor, and checks that no record was lost or repeated
@@ -25,9 +27,8 @@ IMAGE_SIDE = 8
 GLOBAL_BATCH = 128
 
 
-def write_dataset(root: pathlib.Path, source: str) -> tuple[str, int]:
-  """Writes shards + config; returns (config path, records per epoch)."""
-  shards = root / "shards"
+def _load_images(source: str) -> tuple[np.ndarray, np.ndarray, str]:
+  """(uint8 images [N,8,8,1], labels [N], what they are)."""
   if source == "auto":
     try:
       import sklearn  # pylint: disable=g-import-not-at-top,unused-import
@@ -38,25 +39,54 @@ def write_dataset(root: pathlib.Path, source: str) -> tuple[str, int]:
     from sklearn.datasets import load_digits  # pylint: disable=g-import-not-at-top
     digits = load_digits()  # bundled with scikit-learn: no download
     images = (digits.images * (255 / 16)).round().astype(np.uint8)[..., None]
-    num_records = len(images)
-    examples.write_shards(
-        str(shards), num_records,
-        lambda i: examples.encode_record(i, int(digits.target[i]), images[i]),
-        num_shards=4, prefix="digits")
-    what = f"scikit-learn's {num_records} bundled 8x8 digit images"
-  else:
-    num_records = 10_000
-    examples.write_image_shards(str(shards), num_records=num_records, num_shards=4,
-                                height=IMAGE_SIDE, width=IMAGE_SIDE, prefix="digits")
-    what = f"{num_records} generated 8x8 images of 10 classes"
+    return images, digits.target, f"scikit-learn's {len(images)} bundled 8x8 digit images"
+  num_records = 10_000
+  rng = np.random.default_rng(0)
+  templates = rng.integers(64, 192, size=(10, IMAGE_SIDE, IMAGE_SIDE, 1))
+  labels = rng.integers(10, size=num_records)
+  noise = rng.integers(-128, 129, size=(num_records, IMAGE_SIDE, IMAGE_SIDE, 1))
+  images = np.clip(templates[labels] + noise, 0, 255).astype(np.uint8)
+  return images, labels, f"{num_records} generated 8x8 images of 10 classes"
+
+
+def write_dataset(root: pathlib.Path, source: str, fmt: str = "tfds") -> tuple[str, int]:
+  """Writes the dataset + config; returns (config path, records per epoch).
+
+  fmt "tfds": a TFDS dataset `elevator_digits` (what `tfds build
+  --file_format=array_record` writes), served by name; "arrayrecord":
+  shards of tools/examples.py's record format, decoded by its pipeline.
+  """
+  images, labels, what = _load_images(source)
+  num_records = len(images)
   config = root / "elevator.toml"
+  common = f"""\
+      seed = 42
+      shuffle = true
+      num_epochs = 0            # repeat forever; the demo stops after --steps
+      """
+  if fmt == "tfds":
+    from grain_elevator.tools import tfds_example  # pylint: disable=g-import-not-at-top
+    folder = tfds_example.write_tfds_dataset(
+        str(root / "tfds"), "elevator_digits", {"train": (images, labels)},
+        num_classes=10, shards_per_split=4)
+    config.write_text(textwrap.dedent(f"""\
+        [datasets.{DATASET}]      # a TFDS dataset by name, read without TensorFlow
+        tfds = "elevator_digits"
+        split = "train"
+        data_dir = "tfds"
+        """) + textwrap.dedent(common))
+    print(f"[data]   wrote {what} as a TFDS dataset (ArrayRecord, 4 shards) in {folder}")
+    return str(config), num_records
+  shards = root / "shards"
+  examples.write_shards(
+      str(shards), num_records,
+      lambda i: examples.encode_record(i, int(labels[i]), images[i]),
+      num_shards=4, prefix="digits")
   config.write_text(textwrap.dedent(f"""\
       [datasets.{DATASET}]
       paths = ["shards/digits-*.array_record"]
       pipeline = "grain_elevator.tools.examples:decode_images"
-      seed = 42
-      shuffle = true
-      num_epochs = 0            # repeat forever; the demo stops after --steps
+      """) + textwrap.dedent(common) + textwrap.dedent(f"""\
       [datasets.{DATASET}.options]
       height = {IMAGE_SIDE}
       width = {IMAGE_SIDE}
@@ -137,7 +167,7 @@ def _train(trainer: _Trainer, it, first_step: int, last_step: int,
 
 
 def run(steps: int = 200, workers: int = 2, data_dir: str | None = None,
-        source: str = "auto") -> int:
+        source: str = "auto", fmt: str = "tfds") -> int:
   """Runs the demo; returns 0 when the resumed stream matched exactly."""
   # Show a mesh even on a CPU-only machine: 8 host devices, unless set already.
   os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -153,7 +183,7 @@ def run(steps: int = 200, workers: int = 2, data_dir: str | None = None,
     data_dir = tmp.name
   root = pathlib.Path(data_dir)
   try:
-    config, _ = write_dataset(root, source)
+    config, _ = write_dataset(root, source, fmt)
     print(f"[server] starting `elevator serve --config {config} --workers {workers}` ...")
     with LocalServer(config, workers=workers) as server:
       print(f"[server] serving on {server.target} with {workers} worker processes")

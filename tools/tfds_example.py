@@ -12,6 +12,8 @@ it. Its features: `image` (PNG-encoded uint8 HxWxC), `label` (ClassLabel),
 
 from __future__ import annotations
 
+import contextlib
+import io
 from typing import Any
 
 import grain
@@ -61,8 +63,9 @@ def write_tfds_dataset(data_dir: str, name: str, splits: dict[str, tuple[np.ndar
 
     _Builder.name = name
     builder = _Builder(data_dir=data_dir, file_format="array_record")
-    builder.download_and_prepare(download_config=tfds.download.DownloadConfig(
-        num_shards=shards_per_split))
+    with contextlib.redirect_stdout(io.StringIO()):  # TFDS's "Downloading..." lines
+      builder.download_and_prepare(download_config=tfds.download.DownloadConfig(
+          num_shards=shards_per_split))
   return str(builder.data_dir)
 
 
