@@ -131,6 +131,11 @@ def _bench_feed(args: argparse.Namespace) -> int:
   return 0
 
 
+def _bench_tfds(args: argparse.Namespace) -> int:
+  from grain_elevator.tools.bench import tfds  # pylint: disable=g-import-not-at-top
+  return tfds.run_from_args(args)
+
+
 def _demo(args: argparse.Namespace) -> int:
   from grain_elevator.tools import demo  # pylint: disable=g-import-not-at-top
   return demo.run(steps=args.steps, workers=args.workers, data_dir=args.data_dir,
@@ -244,6 +249,13 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--records", type=int, default=0, help="records (default 200,000)")
   p.add_argument("--json", default=None, help="also write the results here")
   p.set_defaults(fn=_bench_feed)
+
+  p = sub.add_parser("bench-tfds",
+                     help="a TFDS dataset served by name against tfds.data_source under "
+                          "local Grain")
+  from grain_elevator.tools.bench import tfds as bench_tfds  # pylint: disable=g-import-not-at-top
+  bench_tfds.add_arguments(p)
+  p.set_defaults(fn=_bench_tfds)
 
   p = sub.add_parser("demo", help="write a small dataset, serve it, train on it, resume")
   p.add_argument("--steps", type=int, default=200, help="training steps (default 200)")
