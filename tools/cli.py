@@ -142,6 +142,11 @@ def _demo(args: argparse.Namespace) -> int:
                   source=args.source, fmt=args.format)
 
 
+def _convert(args: argparse.Namespace) -> int:
+  from grain_elevator.tools.convert import cli as convert_cli  # pylint: disable=g-import-not-at-top
+  return convert_cli.run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(
       prog="elevator",
@@ -213,9 +218,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="write the demo dataset and its config into a folder")
   p.add_argument("dir", help="folder to write shards/ and elevator.toml into")
   p.add_argument("--source", choices=("auto", "digits", "generated"), default="auto")
-  p.add_argument("--format", choices=("tfds", "arrayrecord"), default="tfds",
-                 help="tfds: a TFDS dataset served by name (default); arrayrecord: "
-                      "shards of the example record format with a decode pipeline")
+  p.add_argument("--format", choices=("auto", "tfds", "arrayrecord"), default="auto",
+                 help="tfds: a TFDS dataset served by name; arrayrecord: shards of the "
+                      "example record format with a decode pipeline; auto (default): "
+                      "tfds if tensorflow-datasets is installed")
   p.set_defaults(fn=_make_dataset)
 
   p = sub.add_parser("bench", help="measure against local Grain, tf.data service "
@@ -266,10 +272,17 @@ def build_parser() -> argparse.ArgumentParser:
                  help="digits: scikit-learn's bundled images (pip install "
                       "'grain-elevator[demo]'); generated: synthetic; auto: digits "
                       "if scikit-learn is installed")
-  p.add_argument("--format", choices=("tfds", "arrayrecord"), default="tfds",
-                 help="tfds: write the images as a TFDS dataset and serve it by name "
-                      "(default); arrayrecord: shards of the example record format")
+  p.add_argument("--format", choices=("auto", "tfds", "arrayrecord"), default="auto",
+                 help="tfds: write the images as a TFDS dataset and serve it by name; "
+                      "arrayrecord: shards of the example record format; auto "
+                      "(default): tfds if tensorflow-datasets is installed")
   p.set_defaults(fn=_demo)
+
+  from grain_elevator.tools.convert import cli as convert_cli  # pylint: disable=g-import-not-at-top
+  p = sub.add_parser("convert", help="convert TFRecord, image folders, Parquet or .npz "
+                                     "into ArrayRecord shards and print their config")
+  convert_cli.add_subcommands(p)
+  p.set_defaults(fn=_convert)
   return parser
 
 

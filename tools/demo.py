@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from grain_elevator.proto.errors import ConfigError
 from grain_elevator.tools import examples
 
 DATASET = "digits"
@@ -49,13 +50,26 @@ def _load_images(source: str) -> tuple[np.ndarray, np.ndarray, str]:
   return images, labels, f"{num_records} generated 8x8 images of 10 classes"
 
 
-def write_dataset(root: pathlib.Path, source: str, fmt: str = "tfds") -> tuple[str, int]:
+def write_dataset(root: pathlib.Path, source: str, fmt: str = "auto") -> tuple[str, int]:
   """Writes the dataset + config; returns (config path, records per epoch).
 
   fmt "tfds": a TFDS dataset `elevator_digits` (what `tfds build
   --file_format=array_record` writes), served by name; "arrayrecord":
-  shards of tools/examples.py's record format, decoded by its pipeline.
+  shards of tools/examples.py's record format, decoded by its pipeline;
+  "auto": tfds where tensorflow-datasets is installed.
   """
+  if fmt == "auto":
+    try:
+      import tensorflow_datasets  # pylint: disable=g-import-not-at-top,unused-import
+      fmt = "tfds"
+    except ImportError:
+      fmt = "arrayrecord"
+  elif fmt == "tfds":
+    try:
+      import tensorflow_datasets  # pylint: disable=g-import-not-at-top,unused-import
+    except ImportError as e:
+      raise ConfigError("--format tfds needs tensorflow-datasets: pip install "
+                        "'grain-elevator[tfds]'") from e
   images, labels, what = _load_images(source)
   num_records = len(images)
   config = root / "elevator.toml"
@@ -167,7 +181,7 @@ def _train(trainer: _Trainer, it, first_step: int, last_step: int,
 
 
 def run(steps: int = 200, workers: int = 2, data_dir: str | None = None,
-        source: str = "auto", fmt: str = "tfds") -> int:
+        source: str = "auto", fmt: str = "auto") -> int:
   """Runs the demo; returns 0 when the resumed stream matched exactly."""
   # Show a mesh even on a CPU-only machine: 8 host devices, unless set already.
   os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
