@@ -207,7 +207,7 @@ class ElevatorDataset:
     where = f"positions {positions[0]}..{positions[rows - 1]}" + (
         f" and {n}..{n + rows - 1}" if len(positions) > rows else "")
     try:
-      fast = self._transform_batch(positions)
+      fast = self._transform_batch(positions, fall_back=False)
     except ShardChangedError:
       raise
     except Exception as e:
@@ -233,10 +233,19 @@ class ElevatorDataset:
     with the shuffle computed for the whole batch (server/shuffle.py)."""
     return self._source.read_raw(self._source_index(positions))
 
-  def _transform_batch(self, positions: list[int], stack: bool = True
-                       ) -> list[collate_lib.Leaf]:
+  def _transform_batch(self, positions: list[int], stack: bool = True, *,
+                       fall_back: bool = True) -> list[collate_lib.Leaf]:
     raw = self.raw_batch(positions)
-    out = self._batch_fn(raw, **self.config.options)
+    try:
+      out = self._batch_fn(raw, **self.config.options)
+    except Exception as e:  # pylint: disable=broad-except
+      if not fall_back:
+        raise
+      # The per-record path gives the same rows by contract, and names the
+      # record that fails (DATA_LOSS for a record TFDS cannot decode).
+      log.warning("dataset %r: batch_transform failed (%s: %s); reading these "
+                  "records one by one", self.config.name, type(e).__name__, e)
+      return self._collate_records(positions, stack)
     leaves, structure, _ = tree.flatten(out)
     return collate_lib.check_batch(leaves, structure, len(positions),
                                    self.info.element_spec.structure, self._leaf_specs,

@@ -175,6 +175,12 @@ class BatchedArrayRecordSource(grain.sources.ArrayRecordDataSource):
   def _getitems(self, indices: Sequence[int]) -> Sequence[Any]:
     return self.read_raw(indices)
 
+  def where(self, key: int) -> str:
+    """"shard F record P": where the source's record `key` is stored."""
+    shard = int(np.searchsorted(self._key_ends, key, "right"))
+    return (f"shard {self._read_instructions[shard].filename} record "
+            f"{key - int(self._key_shift[shard])}")
+
   def read_raw(self, indices: Sequence[int]) -> Sequence[bytes]:
     """The records' bytes as stored (what a batch_transform is given)."""
     out: list[bytes] = [b""] * len(indices)

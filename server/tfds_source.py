@@ -22,7 +22,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from grain_elevator.proto.errors import ConfigError
+from grain_elevator.proto.errors import ConfigError, DataLossError
 from grain_elevator.server.record_source import BatchedArrayRecordSource
 from grain_elevator.server.shard_identity import ShardIdentity
 
@@ -148,7 +148,15 @@ class TfdsSource(BatchedArrayRecordSource):
 
   def _getitems(self, indices: Sequence[int]) -> Sequence[Any]:
     decode = self._decode
-    return [decode(r) for r in self.read_raw(indices)]
+    out = []
+    for key, raw in zip(indices, self.read_raw(indices)):
+      try:
+        out.append(decode(raw))
+      except Exception as e:  # pylint: disable=broad-except
+        raise DataLossError(
+            f"{self.where(key)} is not an Example of TFDS dataset "
+            f"{self._tfds_split.name!r} that TFDS can decode: {type(e).__name__}: {e}") from e
+    return out
 
   def __repr__(self) -> str:
     return (f"TfdsSource(name={self._tfds_split.name!r}, split={self._tfds_split.split!r}, "

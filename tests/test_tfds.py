@@ -212,3 +212,46 @@ def test_datasets_without_pipeline_decode_whole_batches(config_path):
   assert "TFDS batch decoder of id, image, label" in repr(datasets.get("sliced")._batch_fn)
   assert datasets.get("ordered")._batch_fn is not None
   assert datasets.get("aug")._batch_fn is None
+
+
+@pytest.fixture(scope="module")
+def corrupt_server(tfds_root, tmp_path_factory):
+  """The dataset with one record of one shard replaced by bytes that are
+  validly stored (ArrayRecord's hashes check) but are no Example."""
+  import shutil
+  from array_record.python.array_record_data_source import ArrayRecordDataSource
+  from array_record.python.array_record_module import ArrayRecordWriter
+  root = tmp_path_factory.mktemp("tfds-corrupt")
+  shutil.copytree(tfds_root / "tfds", root / "tfds")
+  shard = sorted((root / "tfds").glob(f"{NAME}/1.0.0/*train.array_record-00001-*"))[0]
+  records = list(ArrayRecordDataSource([str(shard)]))
+  writer = ArrayRecordWriter(str(shard), "group_size:1")
+  for i, record in enumerate(records):
+    writer.write(b"\xff\xfe not an Example" if i == 5 else record)
+  writer.close()
+  (root / "elevator.toml").write_text(CONFIG.replace('split = "train"', 'split = "train"\n'
+                                                     'shuffle = false', 1)
+                                      .replace("seed = 7\n", "", 1)
+                                      + '\n[datasets.plain]\ntfds = "' + NAME + '"\n'
+                                      'data_dir = "tfds"\nshuffle = false\n')
+  with LocalServer(str(root / "elevator.toml"), workers=1) as s:
+    yield s, shard, len(records)
+
+
+@pytest.mark.parametrize("dataset", ["aug", "plain"])  # per-record decode; batch decoder
+def test_record_tfds_cannot_decode_is_data_loss_naming_shard_and_record(corrupt_server,
+                                                                        dataset):
+  from grain_elevator.client import DataLossError
+  server, shard, _ = corrupt_server
+  first_shard = TRAIN - 2 * (TRAIN // 3)  # TFDS puts the remainder in shard 0
+  bad_step = (first_shard + 5) // 20
+  with RemoteDataset(server.target, dataset, 20, prefetch=0) as ds:
+    it = iter(ds)
+    it.set_state({**it.get_state(), "step": bad_step})
+    with pytest.raises(DataLossError, match=rf"dataset '{dataset}', step {bad_step}: shard "
+                                            rf"{shard} record 5 is not an Example"):
+      next(it)
+  with RemoteDataset(server.target, dataset, 20, prefetch=0) as ds:  # the rest still serves
+    it = iter(ds)
+    it.set_state({**it.get_state(), "step": bad_step + 1})
+    assert next(it)["image"].shape == (20, 6, 5, 3)
