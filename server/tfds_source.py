@@ -222,7 +222,7 @@ def batch_decoder(split: TfdsSplit) -> Callable[[Sequence[bytes]], dict[str, Any
     serialized = feature.get_serialized_info()
     if serialized.shape != info.shape or np.dtype(serialized.np_dtype) != dtype:
       return None  # stored encoded (bytes, zlib): leave it to TFDS
-    if dtype.kind in "iub":
+    if dtype.kind in "iub" and dtype != np.uint64:  # TFDS stores uint64 bit-cast
       kind = "int64_list"
     elif dtype.kind == "f":
       kind = "float_list"
