@@ -255,3 +255,61 @@ def test_record_tfds_cannot_decode_is_data_loss_naming_shard_and_record(corrupt_
     it = iter(ds)
     it.set_state({**it.get_state(), "step": bad_step + 1})
     assert next(it)["image"].shape == (20, 6, 5, 3)
+
+
+def _write_feature_zoo(data_dir: str, name: str, features: dict, make) -> None:
+  """A TFDS dataset of any features, prepared by TFDS's builder (no TensorFlow)."""
+  with tfds.core.registered.skip_registration():
+
+    class _Zoo(tfds.core.GeneratorBasedBuilder):
+      VERSION = tfds.core.Version("1.0.0")
+      code_path = None
+
+      def _info(self):
+        return tfds.core.DatasetInfo(builder=self,
+                                     features=tfds.features.FeaturesDict(features))
+
+      def _split_generators(self, dl_manager):
+        return {"train": self._generate_examples()}
+
+      def _generate_examples(self):
+        for i in range(150):
+          yield i, make(i)
+
+    _Zoo.name = name
+    _Zoo(data_dir=data_dir, file_format="array_record").download_and_prepare()
+
+
+@pytest.mark.parametrize("with_uint64", [False, True])
+def test_feature_types_decode_as_tfds_does(tmp_path, with_uint64):
+  """Floats, bools, vectors and class labels go through the batch decoder;
+  a feature it leaves to TFDS (uint64, stored bit-cast) turns it off. Either
+  way the batches are tfds.data_source's records, stacked."""
+  features = {"vec": tfds.features.Tensor(shape=(3,), dtype=np.float32),
+              "score": np.float32, "flag": np.bool_,
+              "label": tfds.features.ClassLabel(num_classes=5),
+              "grid": tfds.features.Tensor(shape=(2, 2), dtype=np.int32)}
+  if with_uint64:
+    features["big"] = np.uint64
+
+  def make(i):
+    rng = np.random.default_rng(i)
+    row = {"vec": rng.standard_normal(3).astype(np.float32),
+           "score": np.float32(rng.standard_normal()), "flag": bool(i % 3),
+           "label": i % 5, "grid": rng.integers(-9, 9, (2, 2)).astype(np.int32)}
+    if with_uint64:
+      row["big"] = np.uint64(2**64 - 1 - i)
+    return row
+
+  name = f"elevator_zoo{int(with_uint64)}"
+  _write_feature_zoo(str(tmp_path / "tfds"), name, features, make)
+  (tmp_path / "elevator.toml").write_text(
+      f'[datasets.zoo]\ntfds = "{name}"\ndata_dir = "tfds"\nseed = 4\n')
+  datasets = dataset_lib.Datasets(load_config(tmp_path / "elevator.toml"))
+  assert (datasets.get("zoo")._batch_fn is None) == with_uint64
+  source = tfds.data_source(name, split="train", data_dir=str(tmp_path / "tfds"),
+                            download=False)
+  records = grain.MapDataset.source(source).seed(4).shuffle()
+  expected = list(_oracle_batches(records, 30, 0, 1))
+  with RemoteDataset.embedded(str(tmp_path / "elevator.toml"), "zoo", 30, prefetch=0) as local:
+    assert assert_streams_equal(local, expected) == 5
