@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast fuzz proto clean host-tools
+.PHONY: demo test test-fast fuzz proto clean host-tools beam-venv beam-venv-or-skip
 
 # System tools the tests use beyond Python: iptables (random loss on the
 # netns test's link). Installed with apt where we are root and it is missing;
@@ -24,7 +24,7 @@ demo: $(STAMP)
 
 # Everything: real servers on 127.0.0.1, the slow end-to-end runs, and the
 # network-namespace test where it can run.
-test: $(STAMP) host-tools
+test: $(STAMP) host-tools beam-venv-or-skip
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # The edit loop (under two minutes here): what `make test` runs but the tests
@@ -50,9 +50,37 @@ host-tools:
 	    echo "could not install $$missing; the tests that need it will be skipped"; \
 	fi
 
+# `python -m grain_elevator.tools.convert.beam` (docs/convert.md) runs in a venv
+# of its own: apache-beam wants protobuf<7 and pyarrow<26, the gRPC stubs of
+# .venv protobuf 7. The converter's modules import neither the stubs nor grpc.
+# `make test` tries to build it; where it cannot, the Beam test is skipped.
+BEAM_VENV ?= .venv-beam
+BEAM_STAMP := $(BEAM_VENV)/.installed
+BEAM_PACKAGES := 'apache-beam>=2.60' 'array-record>=0.8.6' 'numpy>=2.0' 'pyarrow>=14' \
+  'google-crc32c>=1.5' 'tqdm>=4.66'
+
+$(BEAM_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(BEAM_VENV)
+	$(BEAM_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(BEAM_VENV)/bin/python -m pip install --quiet $(BEAM_PACKAGES)
+	@# The converter's sources, live, without building the package (an editable
+	@# install would rebuild server/_riegeli*.so in place under running tests):
+	@# grain_elevator.tools is this checkout's tools/, grain_elevator.proto absent.
+	mkdir -p $(BEAM_VENV)/src/grain_elevator
+	ln -sfn $(CURDIR)/tools $(BEAM_VENV)/src/grain_elevator/tools
+	echo $(CURDIR)/$(BEAM_VENV)/src > "$$($(BEAM_VENV)/bin/python -c \
+	  'import sysconfig; print(sysconfig.get_path("purelib"))')/grain_elevator_src.pth"
+	touch $(BEAM_STAMP)
+
+beam-venv: $(BEAM_STAMP)
+
+beam-venv-or-skip:
+	@$(MAKE) --no-print-directory beam-venv || \
+	  echo "could not build $(BEAM_VENV); tests/test_convert_beam.py will be skipped"
+
 # Regenerate the gRPC stubs after editing proto/elevator.proto.
 proto: $(STAMP)
 	$(PY) -m grain_elevator.proto.generate
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(BEAM_VENV) build *.egg-info
