@@ -82,3 +82,42 @@ def test_bench_feed_reports_stall_and_h2d(tmp_path):
     assert 0 <= m["stall_fraction"] <= 1 and m["steps_per_s"] > 0 and m["h2d_gb_per_s"] > 0
     stall = re.search(rf"\| 1 \| {re.escape(system)} \| ([\d.]+)% \|", result.stdout)
     assert stall and float(stall.group(1)) == pytest.approx(100 * m["stall_fraction"], abs=0.06)
+
+
+IMAGE_SYSTEMS = {"grain_t0_mp0", "grain_t0_mp2", "grain_t16_mp0", "grain_t16_mp2",
+                 "service_default", "service_w1"}
+
+
+def test_bench_image_workload_reports_per_image_costs(tmp_path):
+  pytest.importorskip("cv2")
+  pytest.importorskip("simplejpeg")
+  out = tmp_path / "bench.json"
+  result = subprocess.run(
+      [*ELEVATOR, "bench", "--workloads", "image", "--image-records", "96", "--workers", "1",
+       "--repeats", "1", "--seconds", "0.3", "--warmup", "0.1", "--no-tfdata",
+       "--data", str(tmp_path / "data"), "--json", str(out)],
+      capture_output=True, text=True, timeout=600)
+  assert result.returncode == 0, result.stderr[-3000:]
+  wl = json.loads(out.read_text())["workloads"]["image"]
+  w = workloads.WORKLOADS["image"]
+  assert wl["kind"] == "image" and wl["records"] == 96
+  systems = wl["systems"]
+  assert set(systems) == IMAGE_SYSTEMS
+  for key, row in systems.items():
+    (run,) = row["runs"]
+    # Every system delivers G decoded 224x224x3 uint8 images and their labels.
+    assert run["batch_bytes"] == w.global_batch_size * (8 + 224 * 224 * 3), key
+    rate = run["records_per_s"]
+    assert rate > 0, key
+    assert run["client_cpu_s_per_1k"] == pytest.approx(run["client_cores"] / rate * 1000), key
+    if key.startswith("service"):  # the server's processes were measured, and worked
+      assert run["server_cores"] > 0.1, key
+      assert run["images_per_core_s"] == pytest.approx(rate / run["server_cores"]), key
+      assert run["server_cpu_s_per_1k"] == pytest.approx(run["server_cores"] / rate * 1000)
+    else:  # local Grain: the trainer's own cores do the work
+      assert "server_cores" not in run, key
+      assert run["images_per_core_s"] == pytest.approx(rate / run["client_cores"]), key
+  assert "### image: JPEG records" in result.stdout
+  assert "| (c) service, W=1, bench client settings |" in result.stdout
+  assert "(goal ≤ 0.1:" in result.stdout and "(goal ≥ 1:" in result.stdout
+  assert "tf.data service: skipped" in result.stdout

@@ -83,7 +83,8 @@ def _bench(args: argparse.Namespace) -> int:
       data_dir=args.data, workload_names=args.workloads.split(","),
       workers=[int(w) for w in args.workers.split(",")], repeats=args.repeats,
       seconds=args.seconds, warmup_s=args.warmup,
-      records={"small": args.small_records, "large": args.large_records},
+      records={"small": args.small_records, "large": args.large_records,
+               "image": args.image_records},
       tfdata=not args.no_tfdata)
   print(run.table(report))
   if args.json:
@@ -226,7 +227,9 @@ def build_parser() -> argparse.ArgumentParser:
 
   p = sub.add_parser("bench", help="measure against local Grain, tf.data service "
                                    "and the wire's limit")
-  p.add_argument("--workloads", default="small,large", help="small,large (default both)")
+  p.add_argument("--workloads", default="small,large",
+                 help="any of small,large,image (default small,large); image: JPEG "
+                      "decode + random resized crop + flip (needs grain-elevator[images])")
   p.add_argument("--data", default=None,
                  help="folder for the benchmark's shards (default: a temp folder, "
                       "reused across runs)")
@@ -239,6 +242,8 @@ def build_parser() -> argparse.ArgumentParser:
                  help="records in the small workload (default 200,000)")
   p.add_argument("--large-records", type=int, default=0,
                  help="records in the large workload (default 4,000)")
+  p.add_argument("--image-records", type=int, default=0,
+                 help="records in the image workload (default 2,000)")
   p.add_argument("--json", default=None, help="also write the full results here")
   p.add_argument("--plot", default=None, help="also draw a PNG here (needs matplotlib)")
   p.add_argument("--no-tfdata", action="store_true",

@@ -42,11 +42,15 @@ def _grain_local(spec: dict[str, Any]) -> Callable[[], Any]:
   from grain_elevator.tools import examples  # pylint: disable=g-import-not-at-top
   from absl import flags  # pylint: disable=g-import-not-at-top
   flags.FLAGS.mark_as_parsed()
+  pipeline = examples.decode_images  # per record, as a user writes it
+  if spec.get("pipeline") == "image":
+    from grain_elevator.tools import images  # pylint: disable=g-import-not-at-top
+    pipeline = images.train_pipeline
 
   def make():
     ds = grain.MapDataset.source(grain.sources.ArrayRecordDataSource(spec["files"]))
     ds = ds.seed(1).shuffle().repeat(None)
-    ds = examples.decode_images(ds, **spec["options"])  # per record, as a user writes it
+    ds = pipeline(ds, **spec["options"])
     ds = ds.batch(spec["global_batch_size"])
     read = grain.ReadOptions(num_threads=spec["threads"], prefetch_buffer_size=max(
         1, spec["threads"]) * 2 if spec["threads"] else 0)
@@ -73,8 +77,10 @@ def _tfdata(spec: dict[str, Any]) -> Callable[[], Any]:
   from grain_elevator.tools.bench import tfdata  # pylint: disable=g-import-not-at-top
   tfdata.import_tf()  # outside `make`, as Grain's import is: not part of first batch
 
+  build = tfdata.image_dataset if spec.get("pipeline") == "image" else tfdata.dataset
+
   def make():
-    return tfdata.TfDataIterator(tfdata.dataset(
+    return tfdata.TfDataIterator(build(
         spec["files"], spec["options"], spec["global_batch_size"], target=spec.get("target"),
         shuffle_records=spec.get("shuffle_buffer"), compression=spec.get("compression")))
   return make
@@ -123,8 +129,24 @@ def _close(it: Any) -> None:
     close()
 
 
+def _server_cpu(pids: list[int]) -> float:
+  """CPU seconds of the server's processes (and their children) so far."""
+  total = 0.0
+  for pid in pids:
+    try:
+      total += _tree_cpu(psutil.Process(pid))
+    except psutil.Error:
+      pass
+  return total
+
+
 def measure(spec: dict[str, Any]) -> dict[str, Any]:
+  """Builds the system's iterator, warms up, counts `seconds` of batches.
+
+  With "server_pids" in the spec, also the CPU seconds those processes (a
+  server's supervisor and workers) spent in the counted window."""
   kind = spec["system"]
+  server_pids = spec.get("server_pids") or []
   if kind in ("tcp", "floor"):
     make = lambda: _receiver(spec)  # noqa: E731
     size = lambda b: b  # noqa: E731
@@ -140,6 +162,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
   deadline = time.perf_counter() + spec["warmup_s"]
   while time.perf_counter() < deadline:
     next(it)
+  server0 = _server_cpu(server_pids)
   cpu0, t1 = _tree_cpu(proc), time.perf_counter()
   batches, nbytes = 0, 0
   while time.perf_counter() - t1 < spec["seconds"]:
@@ -147,6 +170,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     batches += 1
   wall = time.perf_counter() - t1
   cpu = _tree_cpu(proc) - cpu0
+  server_cpu = _server_cpu(server_pids) - server0
   _close(it)
   records = batches * spec["global_batch_size"]
   result = {
@@ -157,6 +181,8 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
       "first_batch_s": ttfb,
       "batch_bytes": batch_bytes,
   }
+  if server_pids:
+    result["server_cores"] = server_cpu / wall
   if kind == "tfdata":  # tf.data service iterators cannot be saved or restored
     result["resume_first_batch_s"] = None
   elif kind not in ("tcp", "floor"):

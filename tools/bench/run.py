@@ -102,7 +102,11 @@ def _systems(w: workloads_lib.Workload, files: list[str], config: str,
 def _measure(system: System, seconds: float, warmup_s: float) -> dict[str, Any]:
   # Every trainer process gets the same allocator settings (client/malloc.py).
   spec = {**system.spec, "seconds": seconds, "warmup_s": warmup_s, "tune_malloc": True}
-  result = subprocess.run([*CONSUME, json.dumps(spec)], capture_output=True, text=True,
+  consume = CONSUME
+  if system.kind == "tfdata":  # TensorFlow's interpreter, which may be another one
+    from grain_elevator.tools.bench import tfdata  # pylint: disable=g-import-not-at-top
+    consume = [tfdata.python(), *CONSUME[1:]]
+  result = subprocess.run([*consume, json.dumps(spec)], capture_output=True, text=True,
                           timeout=300)
   if result.returncode != 0:
     raise RuntimeError(f"{system.label} failed:\n{result.stderr[-3000:]}")
@@ -117,8 +121,8 @@ def _summary(values: list[float | None]) -> dict[str, float] | None:
 
 
 def _has_tensorflow() -> bool:
-  import importlib.util  # pylint: disable=g-import-not-at-top
-  return importlib.util.find_spec("tensorflow") is not None
+  from grain_elevator.tools.bench import tfdata  # pylint: disable=g-import-not-at-top
+  return tfdata.available()
 
 
 _FLOOR_NOTE = ("(f) floor: W processes that only read random records with the server's "
@@ -151,6 +155,12 @@ def run(*, data_dir: str | None, workload_names: list[str], workers: list[int],
   for name in workload_names:
     w = workloads_lib.WORKLOADS[name]
     n = records.get(name) or w.default_records
+    if w.kind == "image":  # its own systems and figures: bench/images.py
+      from grain_elevator.tools.bench import images  # pylint: disable=g-import-not-at-top
+      report["workloads"][name] = images.run_workload(
+          root, w, n, workers=workers, repeats=repeats, seconds=seconds,
+          warmup_s=warmup_s, tfdata=tfdata)
+      continue
     _log(f"[{name}] preparing {n:,} records of {w.record_bytes:,} B in {root / name} ...")
     config = workloads_lib.prepare(
         root, w, n, progress=lambda i, k: _log(f"[{name}]   shard {i}/{k} written"))
@@ -252,6 +262,10 @@ def table(report: dict[str, Any]) -> str:
   """Markdown tables, one per workload, with ratios to the peers."""
   lines = []
   for name, wl in report["workloads"].items():
+    if wl.get("kind") == "image":
+      from grain_elevator.tools.bench import images  # pylint: disable=g-import-not-at-top
+      lines += images.table(name, wl, report["repeats"])
+      continue
     rows = wl["systems"]
     grain_best = max((r for r in rows.values() if r["kind"] == "grain"),
                      key=lambda r: r["records_per_s"]["median"])
@@ -292,7 +306,8 @@ def plot(report: dict[str, Any], path: str) -> None:
     ax.invert_yaxis()
     ax.set_xlabel("GB/s delivered to the trainer process (median, min–max)")
     wl = report["workloads"][name]
-    ax.set_title(f"{name}: {wl['record_bytes']:,} B records, G={wl['global_batch_size']}")
+    ax.set_title(f"{name}: {wl['record_bytes']:,} B records, G={wl['global_batch_size']}"
+                 + (" (JPEG, decoded and cropped)" if wl.get("kind") == "image" else ""))
   fig.suptitle(f"elevator bench, {report['machine']['cpus']} cores")
   fig.tight_layout()
   fig.savefig(path, dpi=110, bbox_inches="tight")

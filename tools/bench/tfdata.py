@@ -10,6 +10,13 @@ TensorFlow is an optional extra, so nothing here imports it at module level.
 
 TensorFlow's data servers listen on 0.0.0.0 (hard-coded in its server_lib);
 everything here only ever connects to localhost.
+
+TensorFlow may live in another Python environment than grain-elevator's (its
+protobuf pins can clash with ours): ELEVATOR_BENCH_TF_PYTHON names that
+interpreter, and every TensorFlow process of the benchmark (TFRecord writer,
+dispatcher, workers, trainer) runs under it. It must import grain_elevator
+too (for instance a venv with tensorflow-cpu whose .pth file adds this
+environment's site-packages with `site.addsitedir`).
 """
 
 from __future__ import annotations
@@ -33,7 +40,8 @@ if TYPE_CHECKING:
   import tensorflow as tf
   from grain_elevator.tools.bench.workloads import Workload
 
-TFDATA = (sys.executable, "-m", "grain_elevator.tools.bench.tfdata")
+MODULE = "grain_elevator.tools.bench.tfdata"
+TF_PYTHON_ENV = "ELEVATOR_BENCH_TF_PYTHON"
 READY_TIMEOUT_S = 60.0
 SHUFFLE_BUFFER = 10_000
 SHUFFLE_BUFFER_BYTES = 256 << 20
@@ -45,6 +53,27 @@ def import_tf() -> Any:
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
   import tensorflow  # pylint: disable=g-import-not-at-top
   return tensorflow
+
+
+def python() -> str:
+  """The interpreter that runs TensorFlow: $ELEVATOR_BENCH_TF_PYTHON, or this one."""
+  return os.environ.get(TF_PYTHON_ENV) or sys.executable
+
+
+def available() -> bool:
+  """Whether `python()` can import TensorFlow (asked without importing it here)."""
+  if python() == sys.executable:
+    import importlib.util  # pylint: disable=g-import-not-at-top
+    return importlib.util.find_spec("tensorflow") is not None
+  try:
+    return subprocess.run([python(), "-c", "import tensorflow, grain_elevator"],
+                          capture_output=True, timeout=120).returncode == 0
+  except (OSError, subprocess.TimeoutExpired):
+    return False
+
+
+def _tf_here() -> bool:
+  return python() == sys.executable
 
 
 # --- data -------------------------------------------------------------------
@@ -72,6 +101,10 @@ def prepare_tfrecords(root: pathlib.Path, w: Workload) -> list[str]:
     reader.close()
   marker = out / f".complete-{sum(counts)}"
   if marker.exists() and all(os.path.exists(t) for t in targets):
+    return targets
+  if not _tf_here():  # TensorFlow lives in another environment: write them there
+    subprocess.run([python(), "-m", MODULE, "tfrecords", "--data-dir", os.fspath(root),
+                    "--workload", w.name], check=True, stdin=subprocess.DEVNULL)
     return targets
   tf = import_tf()
   out.mkdir(parents=True, exist_ok=True)
@@ -141,6 +174,53 @@ def dataset(files: Sequence[str], options: dict[str, Any], global_batch_size: in
   return ds.prefetch(auto)
 
 
+IMAGE_RECORD_BYTES = 114_000  # tools/images.py's synthetic records, on average
+
+
+def image_dataset(files: Sequence[str], options: dict[str, Any], global_batch_size: int, *,
+                  target: str | None, shuffle_records: int | None = None,
+                  compression: str | None = None) -> tf.data.Dataset:
+  """The image workload as a tf.data user writes it, with TensorFlow's own ops.
+
+  Records are tools/images.py's (int64 label | JPEG bytes). `tf.io.decode_jpeg`
+  (RGB), an Inception-style crop from `tf.image.sample_distorted_bounding_box`
+  (area 0.08-1 of the image, aspect 3/4-4/3, 10 attempts, then the whole
+  image), bilinear `tf.image.resize` to size x size rounded back to uint8,
+  `random_flip_left_right`; {"image": uint8[size, size, 3], "label": int64},
+  batched G. Shuffle, repeat and `distribute` as in `dataset`; the shuffle
+  buffer holds 10,000 records capped at 256 MiB (~2,350 of ~114 KB).
+  """
+  tf = import_tf()
+  size = int(options.get("size", 224))
+  whole = tf.constant([0.0, 0.0, 1.0, 1.0], shape=(1, 1, 4))
+
+  def augment(raw: tf.Tensor) -> dict[str, tf.Tensor]:
+    label = tf.io.decode_raw(tf.strings.substr(raw, 0, 8), tf.int64, little_endian=True)[0]
+    image = tf.io.decode_jpeg(tf.strings.substr(raw, 8, tf.strings.length(raw) - 8),
+                              channels=3)
+    begin, crop, _ = tf.image.sample_distorted_bounding_box(
+        tf.shape(image), bounding_boxes=whole, min_object_covered=0.0,
+        aspect_ratio_range=(3 / 4, 4 / 3), area_range=(0.08, 1.0), max_attempts=10,
+        use_image_if_no_bounding_boxes=True)
+    image = tf.image.resize(tf.slice(image, begin, crop), (size, size), method="bilinear")
+    image = tf.cast(tf.clip_by_value(tf.round(image), 0.0, 255.0), tf.uint8)
+    return {"image": tf.image.random_flip_left_right(image), "label": label}
+
+  buffer = shuffle_records or max(1, min(SHUFFLE_BUFFER,
+                                         SHUFFLE_BUFFER_BYTES // IMAGE_RECORD_BYTES))
+  auto = tf.data.AUTOTUNE
+  ds = tf.data.Dataset.from_tensor_slices(list(files)).shuffle(len(files)).repeat()
+  ds = ds.interleave(tf.data.TFRecordDataset, cycle_length=len(files),
+                     num_parallel_calls=auto, deterministic=False)
+  ds = ds.shuffle(buffer)
+  ds = ds.map(augment, num_parallel_calls=auto, deterministic=False)
+  ds = ds.batch(global_batch_size, drop_remainder=True)
+  if target is not None:
+    ds = ds.apply(tf.data.experimental.service.distribute(
+        processing_mode="parallel_epochs", service=target, compression=compression))
+  return ds.prefetch(auto)
+
+
 class TfDataIterator:
   """Numpy batches of `dataset`; `close` drops the TF iterator, which releases
   its job on the service so workers stop filling buffers for a gone trainer."""
@@ -166,8 +246,11 @@ def consume_spec(w: Workload, target: str, files: list[str]) -> dict[str, Any]:
   "compression" (None, or "AUTO" for Snappy), and "target": None to measure
   the same pipeline as local in-process tf.data.
   """
-  return {"system": "tfdata", "workload": w.name, "target": target, "files": files,
+  spec = {"system": "tfdata", "workload": w.name, "target": target, "files": files,
           "options": w.options, "global_batch_size": w.global_batch_size}
+  if w.kind == "image":
+    spec["pipeline"] = "image"
+  return spec
 
 
 # --- servers ----------------------------------------------------------------
@@ -206,7 +289,7 @@ class TfDataService:
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "1")}
     with open(log, "wb") as err:
       proc = subprocess.Popen(
-          [*TFDATA, name.split("-")[0], "--port-file", str(self._dir / f"{name}.port"),
+          [python(), "-m", MODULE, name.split("-")[0], "--port-file", str(self._dir / f"{name}.port"),
            "--parent-pid", str(os.getpid()), *args],
           stdin=subprocess.DEVNULL, stdout=err, stderr=subprocess.STDOUT, env=env)
     self._procs.append((name, proc, log))
@@ -221,6 +304,10 @@ class TfDataService:
              else f"not ready after {self._timeout_s:.0f} s")
       raise RuntimeError(f"tf.data service {name} {why}; its log ends:\n{_tail(log)}")
     return port
+
+  def pids(self) -> list[int]:
+    """The dispatcher's and workers' process ids (for their CPU time)."""
+    return [proc.pid for _, proc, _ in self._procs]
 
   def logs(self) -> dict[str, str]:
     """Each child's output so far (TensorFlow warnings and errors)."""
@@ -295,7 +382,7 @@ def smoke(data_dir: str, workload: str, workers: int, seconds: float, warmup_s: 
   workloads.warm_page_cache(files)
   with TfDataService(workers) as svc:
     spec = {**consume_spec(w, svc.target, files), "seconds": seconds, "warmup_s": warmup_s}
-    out = subprocess.run([sys.executable, "-m", "grain_elevator.tools.bench.consume",
+    out = subprocess.run([python(), "-m", "grain_elevator.tools.bench.consume",
                           json.dumps(spec)], capture_output=True, text=True, timeout=300)
     if out.returncode != 0:
       raise RuntimeError(f"consume failed:\n{out.stderr[-3000:]}")
@@ -314,9 +401,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     server.add_argument("--port-file", required=True,
                         help="written with the bound port once started")
     server.add_argument("--parent-pid", type=int, default=0, help="exit when this parent dies")
+  rec = sub.add_parser("tfrecords", help="write a prepared workload's shards as TFRecord")
+  rec.add_argument("--data-dir", required=True)
+  rec.add_argument("--workload", choices=("small", "large", "image"), required=True)
   sm = sub.add_parser("smoke", help="one short measurement of system (e), W workers")
   sm.add_argument("--data-dir", required=True)
-  sm.add_argument("--workload", choices=("small", "large"), default="small")
+  sm.add_argument("--workload", choices=("small", "large", "image"), default="small")
   sm.add_argument("--workers", type=int, default=1)
   sm.add_argument("--records", type=int, default=None)
   sm.add_argument("--seconds", type=float, default=3.0)
@@ -326,6 +416,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     serve_dispatcher(a.port_file, a.parent_pid)
   elif a.cmd == "worker":
     serve_worker(a.dispatcher_port, a.port_file, a.parent_pid)
+  elif a.cmd == "tfrecords":
+    from grain_elevator.tools.bench import workloads  # pylint: disable=g-import-not-at-top
+    os.environ.pop(TF_PYTHON_ENV, None)  # this process is the one with TensorFlow
+    prepare_tfrecords(pathlib.Path(a.data_dir), workloads.WORKLOADS[a.workload])
   else:
     print(json.dumps(smoke(a.data_dir, a.workload, a.workers, a.seconds, a.warmup_s,
                            a.records)), flush=True)

@@ -3,12 +3,16 @@
 small: 3,088 B records (16 B id/label header + 32x32x3 uint8 image), decoded
        per record to float32/255 as a user writes it, G=256.
 large: 150 KiB incompressible images (160x320x3 uint8), G=32 (~4.9 MB batches).
-Both repeat forever, so any step (10^6 included) exists.
+image: ImageNet-like JPEGs (~500x375, ~114 KB at quality 90) in tools/images.py's
+       record format, through its train_pipeline (decode, random resized crop to
+       224x224, flip), G=64 (9.6 MB batches of uint8 pixels).
+All repeat forever, so any step (10^6 included) exists.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import pathlib
 import textwrap
@@ -27,26 +31,40 @@ class Workload:
   normalize: bool
   global_batch_size: int
   default_records: int
+  # "pixels": examples.py's fixed-size records; "image": tools/images.py's
+  # encoded images, height x width being the pipeline's output size.
+  kind: str = "pixels"
 
   @property
   def record_bytes(self) -> int:
+    """Bytes of one stored record (the image kind: on average)."""
+    if self.kind == "image":
+      return 8 + IMAGE_JPEG_BYTES
     return 16 + self.height * self.width * self.channels
 
   @property
   def options(self) -> dict[str, object]:
+    if self.kind == "image":
+      return {"size": self.height}
     return {"height": self.height, "width": self.width, "channels": self.channels,
             "normalize": self.normalize}
 
   @property
   def delivered_bytes_per_record(self) -> int:
     """Bytes of one decoded record as the trainer receives it."""
+    if self.kind == "image":
+      return 8 + self.height * self.width * self.channels
     pixel = 4 if self.normalize else 1
     return 16 + self.height * self.width * self.channels * pixel
 
 
+IMAGE_JPEG_BYTES = 114_000  # images.synthetic_jpeg's files, on average
+IMAGE_CLASSES = 1000
+
 WORKLOADS = {
     "small": Workload("small", 32, 32, 3, True, 256, 200_000),
     "large": Workload("large", 160, 320, 3, False, 32, 4_000),
+    "image": Workload("image", 224, 224, 3, False, 64, 2_000, kind="image"),
 }
 
 
@@ -57,17 +75,31 @@ def prepare(root: pathlib.Path, w: Workload, num_records: int, num_shards: int =
   marker = shards / f".complete-{num_records}"
   if not marker.exists():
     shards.mkdir(parents=True, exist_ok=True)
-    for old in shards.glob("*.array_record"):
+    for old in [*shards.glob("*.array_record"), *shards.glob(".complete-*")]:
       old.unlink()
     rng = np.random.default_rng(0)
-    examples.write_shards(
-        str(shards), num_records,
-        lambda i: examples.encode_record(
-            i, i % 10, rng.integers(0, 256, size=(w.height, w.width, w.channels),
-                                    dtype=np.uint8)),
-        num_shards=num_shards, prefix=w.name, progress=progress)
+    if w.kind == "image":
+      from grain_elevator.tools import images  # pylint: disable=g-import-not-at-top
+      record = functools.partial(images.synthetic_record, classes=IMAGE_CLASSES, seed=0)
+    else:
+      record = lambda i: examples.encode_record(  # noqa: E731
+          i, i % 10, rng.integers(0, 256, size=(w.height, w.width, w.channels),
+                                  dtype=np.uint8))
+    examples.write_shards(str(shards), num_records, record, num_shards=num_shards,
+                          prefix=w.name, progress=progress)
     marker.touch()
   config = root / f"{w.name}.toml"
+  if w.kind == "image":
+    config.write_text(textwrap.dedent(f"""\
+        [datasets.{w.name}]
+        paths = ["{w.name}/*.array_record"]
+        pipeline = "grain_elevator.tools.images:train_pipeline"
+        seed = 1
+        num_epochs = 0
+        [datasets.{w.name}.options]
+        size = {w.height}
+        """))
+    return str(config)
   opts = "\n".join(f"{k} = {str(v).lower() if isinstance(v, bool) else v}"
                    for k, v in w.options.items())
   body = textwrap.dedent(f"""\
