@@ -28,6 +28,13 @@ def _beam_python() -> str:
   return str(BEAM_PYTHON)
 
 
+@pytest.fixture(autouse=True)
+def _beam_temp_in_tmp_path(tmp_path, monkeypatch):
+  """The DirectRunner leaves beam-temp-* folders in $TMPDIR: keep them in the test's."""
+  (tmp_path / "beam-tmp").mkdir()
+  monkeypatch.setenv("TMPDIR", str(tmp_path / "beam-tmp"))
+
+
 def run_beam(*args: str) -> subprocess.CompletedProcess:
   return subprocess.run(
       [_beam_python(), "-m", "grain_elevator.tools.convert.beam", *args,
