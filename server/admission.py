@@ -40,6 +40,7 @@ import time
 from typing import Any, Callable, Iterator
 
 from grain_elevator.proto.errors import ResourceExhaustedError, ServiceUnavailableError
+from grain_elevator.server import metrics
 
 log = logging.getLogger("grain_elevator.server")
 
@@ -111,6 +112,9 @@ class Admission:
     self._watchdog: threading.Thread | None = None
     self._logged_at = -_LOG_PERIOD_S
     self._unlogged = 0
+    # Called on every admitted request (the worker notes the time, for
+    # `--idle-exit-s`); health checks are not admitted, so probes do not count.
+    self.on_admit: Callable[[], None] | None = None
 
   @property
   def in_flight(self) -> int:
@@ -144,9 +148,12 @@ class Admission:
         self._tickets.discard(victim)
       ticket = Ticket(self, cancel, long)
       self._tickets.add(ticket)
+      metrics.current().inflight(1)
       self._start_watchdog()
     if victim is not None:
       victim.cancel(f"every slot is taken and {why}: it yields to a newcomer")
+    if self.on_admit is not None:
+      self.on_admit()
     return ticket
 
   @contextlib.contextmanager
@@ -170,6 +177,8 @@ class Admission:
 
   def _forget(self, ticket: Ticket) -> None:
     with self._lock:
+      if not ticket.released:
+        metrics.current().inflight(-1)
       self._tickets.discard(ticket)
       ticket.released = True
       self._lock.notify_all()

@@ -40,6 +40,7 @@ from google.protobuf import message as protobuf_message
 from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.proto import errors
 from grain_elevator.proto import framing
+from grain_elevator.server import metrics
 from grain_elevator.server import sockets
 from grain_elevator.server.admission import Ticket
 from grain_elevator.server.request_path import RequestPath
@@ -76,6 +77,7 @@ def _send_now(sock: socket.socket, data: bytes) -> bool:
 
 def _status_frame(error: errors.ElevatorError) -> bytes:
   code, message, type_name = errors.status_of(error)
+  metrics.current().error(code.name)
   payload = pb.BulkStatus(code=code.value[0], message=message,
                           error_type=type_name).SerializeToString()
   return framing.frame(framing.STATUS, payload)
@@ -307,9 +309,11 @@ class BulkServer:
     """Streams one request; False if the connection is done for."""
     try:
       try:
+        recorded = metrics.current()
         for parts in self._path.encoded_steps(request, lambda: not ticket.released):
           with ticket.waiting():
             framing.send_frame(sock, framing.BATCH, parts)
+          recorded.sent(request.dataset, "bulk", sum(map(len, parts)))
       except errors.ElevatorError as e:
         sock.sendall(_status_frame(e))
       return True

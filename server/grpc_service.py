@@ -16,6 +16,7 @@ import grpc
 
 from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.proto import errors
+from grain_elevator.server import metrics
 from grain_elevator.server.request_path import RequestPath
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Elevator"].full_name
@@ -25,6 +26,7 @@ OPEN_PREFIXES = ("/grpc.health.v1.Health/",)
 def _abort(context: grpc.ServicerContext, error: errors.ElevatorError) -> None:
   """Ends the call with the error's status code, message and class."""
   code, message, type_name = errors.status_of(error)
+  metrics.current().error(code.name)
   context.set_trailing_metadata(((errors.ERROR_TYPE_KEY, type_name),))
   context.abort(code, message)
 
@@ -54,8 +56,10 @@ class GrpcService:
     """Yields serialized `Batch` messages (see `add_to_server`)."""
     admitted = self._path.admission(context.cancel, steps=request.num_steps)
     with _answering(context), admitted as ticket:
+      recorded = metrics.current()
       for parts in self._path.encoded_steps(request, context.is_active):
         message = b"".join(parts)
+        recorded.sent(request.dataset, "grpc", len(message))
         with ticket.waiting():  # gRPC sends it while this generator is suspended
           yield message
 

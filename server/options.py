@@ -52,6 +52,12 @@ class ServerOptions:
       byte). None: offered unless TLS is on; True: required (an error with
       TLS, since it is plaintext); False: off.
     bulk_port: its port; 0 picks a free one, advertised in Describe.
+    idle_exit_s: `serve` stops and exits 0 once no request (health checks
+      aside) has come for this long: a data tier started for one job ends
+      with it. None: never.
+    metrics_port: serve Prometheus metrics of the whole server at
+      http://host:metrics_port/metrics (server/metrics.py); 0 picks a free
+      one; None: no metrics.
   """
 
   host: str = "127.0.0.1"
@@ -70,11 +76,13 @@ class ServerOptions:
   auth_token_file: str | None = None
   bulk: bool | None = None
   bulk_port: int = 0
+  metrics_port: int | None = None
+  idle_exit_s: float | None = None
 
   def __post_init__(self) -> None:
-    for name in ("port", "bulk_port"):
+    for name in ("port", "bulk_port", "metrics_port"):
       value = getattr(self, name)
-      if not 0 <= value < 65536:
+      if value is not None and not 0 <= value < 65536:
         raise ConfigError(f"{name} must be in [0, 65536), got {value}")
     for name in ("max_concurrent_requests", "max_message_bytes", "max_bulk_connections"):
       if getattr(self, name) < 1:
@@ -85,6 +93,8 @@ class ServerOptions:
           f"({self.max_concurrent_requests}): a gRPC request holds a thread while it "
           "runs, and health checks need one free; leave threads unset for "
           f"max_concurrent_requests + {HEALTH_THREADS}")
+    if self.idle_exit_s is not None and not self.idle_exit_s > 0:
+      raise ConfigError(f"idle_exit_s must be > 0, got {self.idle_exit_s}")
     for name in ("write_timeout_s", "idle_timeout_s"):
       if not getattr(self, name) > 0:
         raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")

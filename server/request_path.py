@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import time
 from typing import Any, Callable, Iterator
 
 from grain_elevator.proto import contract
@@ -31,6 +32,7 @@ from grain_elevator.proto.errors import (ElevatorError, InternalError, InvalidRe
                                          StreamMismatchError, UnauthenticatedError)
 from grain_elevator.proto.spec import DatasetInfo
 from grain_elevator.server import collate as collate_lib
+from grain_elevator.server import metrics
 from grain_elevator.server.admission import Admission
 from grain_elevator.server.dataset import Datasets, ElevatorDataset
 from grain_elevator.server.options import DEFAULT_MAX_MESSAGE_BYTES
@@ -118,11 +120,15 @@ class RequestPath:
     False. `stack=False` (the servers' send path) may leave big rows as
     RowStacks for the socket to gather."""
     ds = self.validate(r)
+    recorded = metrics.current()
     for step in range(r.start_step, r.start_step + r.num_steps):
       if not is_active():  # the client went away: stop computing
         return
-      yield step, _named(ds.info.name, step, ds.host_batch_leaves, step,
-                         r.global_batch_size, r.shard_index, r.shard_count, stack=stack)
+      start = time.perf_counter()
+      leaves = _named(ds.info.name, step, ds.host_batch_leaves, step,
+                      r.global_batch_size, r.shard_index, r.shard_count, stack=stack)
+      recorded.batch(ds.info.name, time.perf_counter() - start)
+      yield step, leaves
 
   def encoded_steps(self, r: pb.BatchRequest,
                     is_active: Callable[[], bool] = lambda: True) -> Iterator[list[Any]]:

@@ -53,6 +53,7 @@ from grain_elevator.proto.errors import ElevatorError
 from grain_elevator.server import auth
 from grain_elevator.server import config as config_lib
 from grain_elevator.server import lifeline
+from grain_elevator.server import metrics as metrics_lib
 from grain_elevator.server import restarts
 from grain_elevator.server import shard_identity
 from grain_elevator.server import sockets
@@ -80,17 +81,22 @@ class StartError(ElevatorError):
 
 
 @contextlib.contextmanager
-def _worker_environment() -> Iterator[None]:
-  """WORKER_ENV's defaults in os.environ while a worker is spawned (it
-  inherits them), and this process's own environment as it was after."""
+def _worker_environment(forced: dict[str, str]) -> Iterator[None]:
+  """WORKER_ENV's defaults and `forced` in os.environ while a worker is
+  spawned (it inherits them), and this process's own environment as it was
+  after."""
   with _env_lock:
-    added = [k for k in WORKER_ENV if k not in os.environ]
-    os.environ.update({k: WORKER_ENV[k] for k in added})
+    before = {k: os.environ.get(k) for k in [*WORKER_ENV, *forced]}
+    os.environ.update({k: v for k, v in WORKER_ENV.items() if before[k] is None})
+    os.environ.update(forced)
     try:
       yield
     finally:
-      for k in added:
-        os.environ.pop(k, None)
+      for k, v in before.items():
+        if v is None:
+          os.environ.pop(k, None)
+        else:
+          os.environ[k] = v
 
 
 class Server:
@@ -118,6 +124,10 @@ class Server:
     self._identities: dict[str, shard_identity.ShardIdentity] = {}
     self._stop = threading.Event()
     self._supervisor: threading.Thread | None = None
+    self._metrics: metrics_lib.Exporter | None = None
+    # time.monotonic() of the last admitted request, set by the workers
+    # (CLOCK_MONOTONIC is one clock for every process of the machine).
+    self._last_request = self._ctx.RawValue("d", time.monotonic())
 
   # -- what it serves --------------------------------------------------------
 
@@ -142,6 +152,15 @@ class Server:
   def num_workers(self) -> int:
     return self.options.num_workers
 
+  @property
+  def metrics_port(self) -> int | None:
+    """Where /metrics is served, once started (None: no metrics)."""
+    return self._metrics.port if self._metrics else None
+
+  def idle_s(self) -> float:
+    """Seconds since any worker admitted a request (or since start)."""
+    return max(0.0, time.monotonic() - self._last_request.value)
+
   def worker_pids(self) -> list[int]:
     return [p.pid for p in self._procs.values() if p.is_alive() and p.pid]
 
@@ -159,6 +178,15 @@ class Server:
       auth.server_credentials(opts.tls_cert, opts.tls_key, opts.tls_client_ca)  # readable?
     if opts.auth_token_file:
       auth.read_token(opts.auth_token_file)
+    if opts.metrics_port is not None:
+      self._metrics = metrics_lib.Exporter(self.worker_pids, self.num_workers)
+      try:
+        self._metrics.start(opts.host, opts.metrics_port)
+      except OSError as e:
+        self._metrics.stop()
+        raise sockets.BindError(
+            f"cannot serve metrics on {opts.host}:{opts.metrics_port}: {e}") from e
+    self._last_request.value = time.monotonic()
     self._start_workers()
     self._supervisor = threading.Thread(target=self._supervise, daemon=True,
                                         name="elevator-supervisor")
@@ -190,9 +218,9 @@ class Server:
         target=lifeline.start_worker,
         args=(os.getpid(), self.config_path, self.options, index, self.num_workers,
               self._ready, self._identities),
-        kwargs={"crash_loop": self._crash_loop},
+        kwargs={"crash_loop": self._crash_loop, "last_request": self._last_request},
         name=f"elevator-worker-{index}", daemon=True)
-    with _worker_environment():
+    with _worker_environment(self._metrics.worker_env() if self._metrics else {}):
       p.start()
     self._procs[index] = p
     self._history[index].started(time.monotonic())
@@ -251,6 +279,8 @@ class Server:
     """Logs why worker `index` died; returns the delay before its restart."""
     p = self._procs[index]
     p.join()
+    if self._metrics:
+      self._metrics.worker_died(p.pid)
     history = self._history[index]
     delay = history.died(time.monotonic())
     code = p.exitcode
@@ -294,6 +324,8 @@ class Server:
       if p.is_alive():
         p.kill()
         p.join()
+    if self._metrics:
+      self._metrics.stop()
 
   def __enter__(self) -> "Server":
     return self.start()
@@ -310,8 +342,10 @@ _READY = re.compile(r" on (\S+):(\d+) with \d+ worker processes(?:, bulk port (\
 def ready_line(server: Server) -> str:
   names = ", ".join(sorted(server.config.datasets)) if server.config else ""
   bulk = f", bulk port {server.bulk_port}" if server.bulk_port is not None else ""
+  metrics = (f"; metrics at http://{server.host}:{server.metrics_port}/metrics"
+             if server.metrics_port is not None else "")
   return (f"elevator: serving [{names}] on {server.host}:{server.port} with "
-          f"{server.num_workers} worker processes{bulk} (pid {os.getpid()})")
+          f"{server.num_workers} worker processes{bulk} (pid {os.getpid()}){metrics}")
 
 
 def parse_ready_line(line: str) -> tuple[str, int, int | None] | None:
@@ -331,9 +365,13 @@ def serve(config: str | os.PathLike[str], options: ServerOptions = ServerOptions
   signal.signal(signal.SIGINT, lambda *_: stop.set())
   server.start()
   print(ready_line(server), flush=True)
+  idle_exit_s = options.idle_exit_s
   try:
-    while not stop.wait(1.0):
-      pass
+    while not stop.wait(min(1.0, idle_exit_s or 1.0)):
+      if idle_exit_s is not None and server.idle_s() >= idle_exit_s:
+        print(f"elevator: no request for {idle_exit_s:g}s (--idle-exit-s): stopping",
+              flush=True)
+        break
   finally:
     server.stop()
   print("elevator: stopped", flush=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import signal
 import threading
+import time
 from concurrent import futures
 from typing import Any
 
@@ -25,6 +26,7 @@ from grain_elevator.server import dataset as dataset_lib
 from grain_elevator.server import grpc_service
 from grain_elevator.server import lifeline
 from grain_elevator.server import logs
+from grain_elevator.server import metrics
 from grain_elevator.server import shard_identity
 from grain_elevator.server.options import HEALTH_THREADS, ServerOptions
 from grain_elevator.server.request_path import MAX_REQUEST_BYTES, RequestPath
@@ -118,14 +120,18 @@ def build_servers(datasets: dataset_lib.Datasets, opts: ServerOptions, index: in
 
 def run(config_path: str, opts: ServerOptions, index: int, num_workers: int,
         ready: Any, identities: dict[str, shard_identity.ShardIdentity] | None = None,
-        *, supervisor_pid: int | None = None, crash_loop: Any = None) -> None:
+        *, supervisor_pid: int | None = None, crash_loop: Any = None,
+        last_request: Any = None) -> None:
   """Worker process entry point; reports (index, error or None) on `ready`.
   `identities`: the shards as the supervisor recorded them at start-up.
   `supervisor_pid`: the parent it must not outlive (lifeline.py).
-  `crash_loop`: a restarts.CrashLoopFlag; health is NOT_SERVING while it is on."""
+  `crash_loop`: a restarts.CrashLoopFlag; health is NOT_SERVING while it is on.
+  `last_request`: a shared double this worker sets to time.monotonic() on
+  every admitted request (the supervisor's `--idle-exit-s`)."""
   lifeline.tie(supervisor_pid)  # again, for a worker spawned with `run` as its target
   signal.signal(signal.SIGINT, signal.SIG_IGN)  # The supervisor handles Ctrl-C.
   logs.setup(f"elevator[worker {index}]")
+  metrics.start_recording()  # when the supervisor serves metrics
   stop = threading.Event()
   signal.signal(signal.SIGTERM, lambda *_: stop.set())
   try:
@@ -140,6 +146,10 @@ def run(config_path: str, opts: ServerOptions, index: int, num_workers: int,
   except (ElevatorError, OSError) as e:
     ready.put((index, str(e)))
     return
+  if last_request is not None:
+    def note_request() -> None:
+      last_request.value = time.monotonic()
+    servers.path.admission.on_admit = note_request
   servers.start()
   if crash_loop is not None:
     def show(looping: bool) -> None:

@@ -28,7 +28,8 @@ def _serve(args: argparse.Namespace) -> int:
       idle_timeout_s=args.idle_timeout, max_bulk_connections=args.max_bulk_connections,
       tls_cert=args.tls_cert,
       tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
-      auth_token_file=args.auth_token_file, bulk=bulk, bulk_port=args.bulk_port or 0)
+      auth_token_file=args.auth_token_file, bulk=bulk, bulk_port=args.bulk_port or 0,
+      metrics_port=args.metrics_port, idle_exit_s=args.idle_exit_s)
   return server.serve(args.config, options)
 
 
@@ -53,6 +54,16 @@ def _describe(args: argparse.Namespace) -> int:
     out.append(row)
   print(json.dumps(out, indent=2))
   return 0
+
+
+def _top(args: argparse.Namespace) -> int:
+  from grain_elevator.tools import top  # pylint: disable=g-import-not-at-top
+  try:
+    return top.run(args.target, args.interval, once=args.once)
+  except OSError as e:
+    print(f"elevator: error: cannot scrape {args.target}: {e} (is the server run with "
+          "--metrics-port?)", file=sys.stderr)
+    return 2
 
 
 def _health(args: argparse.Namespace) -> int:
@@ -198,6 +209,12 @@ def build_parser() -> argparse.ArgumentParser:
                       "advertised to clients in Describe; off under TLS)")
   p.add_argument("--no-bulk", action="store_true",
                  help="do not offer the bulk transport (clients use gRPC)")
+  p.add_argument("--metrics-port", type=int, default=None,
+                 help="serve Prometheus metrics of every worker at "
+                      "http://HOST:PORT/metrics (0: a free port; default: off)")
+  p.add_argument("--idle-exit-s", type=float, default=None, metavar="N",
+                 help="exit 0 once no request has come for N seconds (health checks "
+                      "aside): a per-job data tier ends with its job (default: never)")
   p.set_defaults(fn=_serve)
 
   p = sub.add_parser("describe", help="show the datasets a server (or config) offers")
@@ -208,6 +225,12 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--auth-token-file", default=None,
                  help="file holding the bearer token of a server run with one")
   p.set_defaults(fn=_describe)
+
+  p = sub.add_parser("top", help="a live view of a server's metrics (--metrics-port)")
+  p.add_argument("target", help="HOST:METRICS_PORT, or the /metrics URL")
+  p.add_argument("--interval", type=float, default=2.0, help="seconds between scrapes")
+  p.add_argument("--once", action="store_true", help="print one view as text and exit")
+  p.set_defaults(fn=_top)
 
   p = sub.add_parser("health", help="exit 0 if a server answers SERVING (for probes)")
   p.add_argument("target", help="HOST:PORT")

@@ -1,0 +1,214 @@
+"""Prometheus metrics: every worker records its own, the supervisor serves one scrape.
+
+Workers are separate processes that come and go (restarts), so they use
+prometheus_client's multiprocess mode: each writes its samples to files of
+its own in a folder the supervisor creates and names in
+PROMETHEUS_MULTIPROC_DIR before spawning it. The supervisor's `/metrics`
+(`--metrics-port`) sums them. A dead worker's counter files stay, so counters
+survive restarts and never decrease; its live gauges are dropped when the
+supervisor notes its death.
+
+Workers record (labels in braces):
+  elevator_batches_total{dataset}             steps produced
+  elevator_bytes_sent_total{dataset,transport} batch bytes handed to the socket
+  elevator_request_errors_total{code}          requests answered with an error status
+  elevator_batch_seconds{dataset}              histogram: time to produce one step
+  elevator_inflight_requests                   admitted requests, all workers
+
+The supervisor adds:
+  elevator_workers                             live worker processes
+  elevator_worker_restarts_total               workers restarted after dying
+  elevator_utilization                         busy fraction of the workers' capacity
+                                               over the last UTILIZATION_WINDOW_S: their
+                                               CPU seconds / (seconds x workers), in [0, 1]
+
+Utilization is measured from the workers' CPU time (/proc), not from request
+timing, so it counts whatever a worker spends (decode, copies, sends) and
+nothing it waits for; it is the signal to scale the data tier on.
+Without `--metrics-port` (and in embedded mode) recording is a no-op.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import time
+from typing import Any, Callable, Iterator
+
+log = logging.getLogger("grain_elevator.server")
+
+ENV = "PROMETHEUS_MULTIPROC_DIR"
+UTILIZATION_WINDOW_S = 30.0
+_SAMPLE_EVERY_S = 1.0
+# Producing a step takes ~0.1 ms (small rows) to ~1 s (big image batches).
+_BATCH_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+                  2.5, 5.0, 10.0)
+
+
+class _Off:
+  """What a process without metrics records: nothing, cheaply."""
+
+  def batch(self, dataset: str, seconds: float) -> None:
+    pass
+
+  def sent(self, dataset: str, transport: str, nbytes: int) -> None:
+    pass
+
+  def error(self, code: str) -> None:
+    pass
+
+  def inflight(self, delta: int) -> None:
+    pass
+
+
+class _Recording(_Off):
+  """A worker's metrics, written to its files in $PROMETHEUS_MULTIPROC_DIR."""
+
+  def __init__(self) -> None:
+    import prometheus_client as prom  # pylint: disable=g-import-not-at-top
+    self._batches = prom.Counter("elevator_batches", "Steps produced.", ["dataset"])
+    self._bytes = prom.Counter("elevator_bytes_sent", "Batch bytes handed to the socket.",
+                               ["dataset", "transport"])
+    self._errors = prom.Counter("elevator_request_errors",
+                                "Requests answered with an error status.", ["code"])
+    self._seconds = prom.Histogram("elevator_batch_seconds", "Time to produce one step.",
+                                   ["dataset"], buckets=_BATCH_BUCKETS)
+    self._inflight = prom.Gauge("elevator_inflight_requests", "Admitted requests.",
+                                multiprocess_mode="livesum")
+
+  def batch(self, dataset: str, seconds: float) -> None:
+    self._batches.labels(dataset).inc()
+    self._seconds.labels(dataset).observe(seconds)
+
+  def sent(self, dataset: str, transport: str, nbytes: int) -> None:
+    self._bytes.labels(dataset, transport).inc(nbytes)
+
+  def error(self, code: str) -> None:
+    self._errors.labels(code).inc()
+
+  def inflight(self, delta: int) -> None:
+    self._inflight.inc(delta)
+
+
+_current: _Off = _Off()
+
+
+def current() -> _Off:
+  """This process's metrics (a no-op unless `start_recording` ran)."""
+  return _current
+
+
+def start_recording() -> None:
+  """In a worker: record when the supervisor asked for metrics (ENV set)."""
+  global _current
+  if os.environ.get(ENV) and not isinstance(_current, _Recording):
+    _current = _Recording()
+
+
+def _cpu_seconds(pid: int) -> float | None:
+  """utime + stime of a live process, from /proc; None once it is gone."""
+  try:
+    with open(f"/proc/{pid}/stat", "rb") as f:
+      fields = f.read().rsplit(b")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+  except (OSError, IndexError, ValueError):
+    return None
+
+
+class Exporter:
+  """The supervisor's side: the multiprocess folder, the CPU sampler behind
+  utilization, and the HTTP endpoint."""
+
+  def __init__(self, worker_pids: Callable[[], list[int]], num_workers: int):
+    self.folder = tempfile.mkdtemp(prefix="elevator-metrics-")
+    self._worker_pids = worker_pids
+    self._num_workers = num_workers
+    self._restarts = 0
+    self._cpu_of: dict[int, float] = {}  # live pid -> CPU seconds at its last sample
+    self._cpu_gone = 0.0  # CPU seconds of workers that have died
+    self._samples: collections.deque[tuple[float, float]] = collections.deque()
+    self._lock = threading.Lock()
+    self._stop = threading.Event()
+    self._http: Any = None
+    self.port: int | None = None
+
+  # -- what workers need ------------------------------------------------------
+
+  def worker_env(self) -> dict[str, str]:
+    return {ENV: self.folder}
+
+  def worker_died(self, pid: int | None) -> None:
+    """Drops a dead worker's live gauges; its counters stay."""
+    from prometheus_client import multiprocess  # pylint: disable=g-import-not-at-top
+    with self._lock:
+      self._restarts += 1
+      if pid is not None:
+        self._cpu_gone += self._cpu_of.pop(pid, 0.0)
+    if pid is not None:
+      multiprocess.mark_process_dead(pid, self.folder)
+
+  # -- utilization ------------------------------------------------------------
+
+  def _sample(self) -> None:
+    now = time.monotonic()
+    with self._lock:
+      for pid in self._worker_pids():
+        cpu = _cpu_seconds(pid)
+        if cpu is not None:
+          self._cpu_of[pid] = cpu
+      total = self._cpu_gone + sum(self._cpu_of.values())
+      self._samples.append((now, total))
+      while len(self._samples) > 2 and now - self._samples[1][0] >= UTILIZATION_WINDOW_S:
+        self._samples.popleft()
+
+  def utilization(self) -> float:
+    """Busy fraction of the workers' capacity over the sampled window."""
+    with self._lock:
+      if len(self._samples) < 2:
+        return 0.0
+      (t0, c0), (t1, c1) = self._samples[0], self._samples[-1]
+    if t1 <= t0:
+      return 0.0
+    return min(1.0, max(0.0, (c1 - c0) / ((t1 - t0) * self._num_workers)))
+
+  def _sampler(self) -> None:
+    while not self._stop.wait(_SAMPLE_EVERY_S):
+      self._sample()
+
+  # -- the endpoint -----------------------------------------------------------
+
+  def collect(self) -> Iterator[Any]:
+    """The supervisor's own metrics (a prometheus_client collector)."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily  # pylint: disable=g-import-not-at-top
+    yield GaugeMetricFamily("elevator_workers", "Live worker processes.",
+                            value=len(self._worker_pids()))
+    yield CounterMetricFamily("elevator_worker_restarts", "Workers restarted after dying.",
+                              value=self._restarts)
+    yield GaugeMetricFamily(
+        "elevator_utilization", "Busy fraction of the workers' capacity: their CPU "
+        f"seconds over the last {UTILIZATION_WINDOW_S:.0f} s / (seconds x workers).",
+        value=self.utilization())
+
+  def start(self, host: str, port: int) -> int:
+    """Serves /metrics on host:port (0: a free port); returns the port."""
+    import prometheus_client as prom  # pylint: disable=g-import-not-at-top
+    from prometheus_client import multiprocess  # pylint: disable=g-import-not-at-top
+    registry = prom.CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry, path=self.folder)
+    registry.register(self)
+    self._sample()
+    threading.Thread(target=self._sampler, daemon=True, name="elevator-metrics").start()
+    self._http, _ = prom.start_http_server(port, addr=host, registry=registry)
+    self.port = self._http.server_port
+    return self.port
+
+  def stop(self) -> None:
+    self._stop.set()
+    if self._http is not None:
+      self._http.shutdown()
+      self._http.server_close()
+    shutil.rmtree(self.folder, ignore_errors=True)
