@@ -296,6 +296,8 @@ class ConnectionPool:
     self._next_refresh = 0.0
     self._full_log = _Throttled(_FULL_LOG_PERIOD_S)
     self.uses_bulk = False
+    self.retries = 0  # attempts tried again (client/stats.py)
+    self.fallbacks = 0  # bulk requests moved to gRPC, bulk ports given up for gRPC
 
   # -- opening ---------------------------------------------------------------
 
@@ -364,8 +366,13 @@ class ConnectionPool:
       found, failure = self._spread_bulk_host(
           target, host, lambda t, h: self._open_bulk(t, h, port))
       if failure:
-        log.warning("%s: bulk port %s:%d unreachable (%s); using gRPC", target, host,
-                    port, failure.details)
+        self.fallbacks += 1
+        why = ("answered, but not as an elevator bulk port" if "handshake failed"
+               in failure.details else "cannot be reached from here")
+        log.warning("%s: bulk port %s:%d %s (%s); using gRPC, which costs more CPU per "
+                    "byte. Open that port between trainer and server (fix it with "
+                    "`elevator serve --bulk-port`), or pass TransportOptions(kind='grpc')",
+                    target, host, port, why, failure.details)
       groups += found
     self._resolved_at[target] = time.monotonic()
     return groups
@@ -494,6 +501,7 @@ class ConnectionPool:
           deadline = time.monotonic() + timeout_s
           tries = 0
         use = slots
+        self.retries += 1
         if e.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
           use = self._after_full(e, slots, what)
       if time.monotonic() >= deadline:
@@ -521,6 +529,7 @@ class ConnectionPool:
       use, move = slots, "retrying on another replica"
     elif e.over_bulk and slots is self._data and self.transport.kind == "auto":
       use, move = self._control, "no other replica has room: retrying over gRPC"
+      self.fallbacks += 1
     else:
       use, move = slots, "no other replica has room: retrying after a backoff"
     replica = _replica_name(e.replica)

@@ -13,12 +13,14 @@ import collections
 import concurrent.futures
 import dataclasses
 import threading
+import time
 import weakref
 from typing import Any, Sequence
 
 import grain
 
 from grain_elevator.client import connections, device, state as state_lib
+from grain_elevator.client import stats as stats_lib
 from grain_elevator.client.embedded import EmbeddedBackend
 from grain_elevator.client.options import RetryPolicy, Security, TransportOptions
 from grain_elevator.client.transport import CancelToken
@@ -108,6 +110,8 @@ class RemoteDataset(grain.IterDataset):
       connections per replica, steps per request, compression).
     retry: when to try again and when to give up (RetryPolicy).
     security: TLS and the bearer token (Security).
+    stats_log_s: log each iterator's `Stats` line (time waited for data,
+      throughput, retries, fallbacks) at INFO every this many seconds; 0: never.
 
   Raises:
     InvalidRequestError (a ValueError too): bad geometry (G < 1, G % H != 0,
@@ -119,7 +123,8 @@ class RemoteDataset(grain.IterDataset):
                global_batch_size: int, *, shard_index: int | None = None,
                shard_count: int | None = None, prefetch: int = 8,
                transport: TransportOptions = TransportOptions(),
-               retry: RetryPolicy = RetryPolicy(), security: Security = Security()):
+               retry: RetryPolicy = RetryPolicy(), security: Security = Security(),
+               stats_log_s: float = 60.0):
     super().__init__()
     if shard_index is None and shard_count is None:
       shard_index, shard_count = device.jax_process_layout() or (0, 1)
@@ -142,6 +147,7 @@ class RemoteDataset(grain.IterDataset):
     self.transport = transport
     self.retry = retry
     self.security = security
+    self.stats_log_s = stats_log_s
     self._iterators: weakref.WeakSet[_RemoteIterator] = weakref.WeakSet()
     self._embedded: EmbeddedBackend | None = None
     self._embedded_lock = threading.Lock()
@@ -166,6 +172,11 @@ class RemoteDataset(grain.IterDataset):
     it = _RemoteIterator(self)
     self._iterators.add(it)
     return it
+
+  def stats(self) -> stats_lib.Stats:
+    """Whether the trainer waits on data: `Stats` summed over this dataset's
+    live iterators (client/stats.py)."""
+    return sum((it.stats() for it in list(self._iterators)), stats_lib.Stats())
 
   def close(self) -> None:
     """Cancels every iterator's in-flight requests and closes its connections."""
@@ -207,6 +218,12 @@ class _RemoteIterator(grain.DatasetIterator):
     self._lock = threading.Lock()
     self._arrived = threading.Condition()  # a step arrived or a fetch ended
     self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+    self._meter = stats_lib.Meter(str(ds), ds.stats_log_s, lambda: (
+        getattr(self._backend, "retries", 0), getattr(self._backend, "fallbacks", 0)))
+
+  def stats(self) -> stats_lib.Stats:
+    """Time waited for data, throughput, retries and fallbacks so far."""
+    return self._meter.stats()
 
   # -- fetching -------------------------------------------------------------
 
@@ -264,6 +281,7 @@ class _RemoteIterator(grain.DatasetIterator):
     self._requested = self._step
 
   def __next__(self) -> Any:
+    called_at = time.monotonic()
     with self._lock:
       if self._closed:
         raise ElevatorError(f"{self._ds} iterator is closed")
@@ -281,6 +299,9 @@ class _RemoteIterator(grain.DatasetIterator):
       self._step += 1
       if self._ds.prefetch:
         self._fill()  # keep the window full while the trainer works
+    # The whole call counts as waiting for data: the trainer did nothing else.
+    self._meter.delivered(called_at, time.monotonic(),
+                          sum(getattr(x, "nbytes", 0) for x in leaves))
     return tree.unflatten(self._structure, leaves)
 
   # -- checkpointing --------------------------------------------------------

@@ -99,4 +99,6 @@ def test_the_only_replica_full_over_bulk_is_retried_over_grpc(config_path, caplo
       with _every_slot_held(full, for_s=3.0):
         got += list(it)  # the hold ends while the client retries, within its timeout
       assert assert_streams_equal(got, local) == 250
+      stats = it.stats()  # what the trainer's author sees of it
+      assert stats.retries >= 1 and stats.fallbacks >= 1, stats
   assert _warnings(caplog, "retrying over gRPC"), caplog.text

@@ -1,0 +1,88 @@
+"""Is the trainer waiting on data? The client's answer, kept per iterator.
+
+The one figure that says whether the data tier keeps up is the share of
+the trainer's time spent blocked in `next()`: near 0, the input pipeline is
+not the bottleneck; growing, add server workers or replicas (or prefetch).
+`RemoteDataset.stats()` returns it with throughput, retries and transport
+fallbacks, and the iterator logs it as one line every `stats_log_s`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from typing import Callable
+
+log = logging.getLogger("grain_elevator.client")
+
+
+@dataclasses.dataclass(frozen=True)
+class Stats:
+  """Counts since an iterator's first `next()` (summed over iterators by
+  `RemoteDataset.stats()`)."""
+  steps: int = 0
+  bytes: int = 0  # of the arrays delivered
+  wall_s: float = 0.0  # from the first next() to now
+  wait_s: float = 0.0  # of it, blocked in next() waiting for a step
+  retries: int = 0  # failed attempts tried again (another replica, a backoff)
+  fallbacks: int = 0  # requests moved from the bulk transport to gRPC
+
+  @property
+  def wait_ratio(self) -> float:
+    """Share of the wall time the trainer waited for data, in [0, 1]."""
+    return min(1.0, self.wait_s / self.wall_s) if self.wall_s > 0 else 0.0
+
+  @property
+  def bytes_per_s(self) -> float:
+    return self.bytes / self.wall_s if self.wall_s > 0 else 0.0
+
+  def __add__(self, other: "Stats") -> "Stats":
+    return Stats(*(a + b for a, b in zip(dataclasses.astuple(self),
+                                          dataclasses.astuple(other))))
+
+  def line(self) -> str:
+    """One line for a log: what a trainer's author reads first."""
+    return (f"{self.steps:,} steps in {self.wall_s:.1f}s; waited {self.wait_s:.2f}s for "
+            f"data ({self.wait_ratio:.1%} of the time); {self.bytes_per_s / 1e6:,.1f} MB/s; "
+            f"{self.retries} retries, {self.fallbacks} fallbacks to gRPC")
+
+
+class Meter:
+  """Times one iterator's `next()` calls; logs `Stats.line` every `log_every_s`."""
+
+  def __init__(self, name: str, log_every_s: float,
+               counters: Callable[[], tuple[int, int]] = lambda: (0, 0)):
+    """`counters`: the connections' (retries, fallbacks) so far."""
+    self._name = name
+    self._counters = counters
+    self._log_every_s = log_every_s
+    self._lock = threading.Lock()
+    self._start: float | None = None
+    self._next_log = 0.0
+    self._steps = 0
+    self._bytes = 0
+    self._wait_s = 0.0
+
+  def delivered(self, called_at: float, got_at: float, nbytes: int) -> None:
+    """A step left `next()`, called at `called_at` and ready at `got_at`
+    (time.monotonic()); logs the summary when one is due."""
+    with self._lock:
+      if self._start is None:
+        self._start = called_at
+        self._next_log = called_at + self._log_every_s
+      self._steps += 1
+      self._bytes += nbytes
+      self._wait_s += got_at - called_at
+      due = self._log_every_s > 0 and got_at >= self._next_log
+      if due:
+        self._next_log = got_at + self._log_every_s
+    if due:
+      log.info("%s: %s", self._name, self.stats().line())
+
+  def stats(self) -> Stats:
+    retries, fallbacks = self._counters()
+    with self._lock:
+      wall = time.monotonic() - self._start if self._start is not None else 0.0
+      return Stats(self._steps, self._bytes, wall, self._wait_s, retries, fallbacks)
