@@ -222,8 +222,10 @@ def run(steps: int = 200, workers: int = 2, data_dir: str | None = None,
       manager.wait_until_finished()
       remote.close()
       state = (root / "checkpoints" / str(half) / "data" / "process_0-of-1.json").read_text()
+      kept = ("" if tmp is None else
+              " (a temporary folder, deleted when the demo ends: --data-dir DIR keeps it)")
       print(f"[stop]   trainer stopped at step {half}; orbax checkpoint of params + "
-            f"data cursor in {manager.directory}: {' '.join(state.split())}")
+            f"data cursor in {manager.directory}{kept}: {' '.join(state.split())}")
 
       trainer = _Trainer()  # a fresh process would start from scratch like this
       remote, it = device_fed()
