@@ -1,0 +1,132 @@
+"""Client settings side by side: a default `RemoteDataset` against tuned ones.
+
+Users run defaults, so the default must be near the best hand-tuned setting.
+One server per workload (W workers, `elevator serve`'s defaults), then each
+client setting measured in a fresh process for `--seconds`, interleaved over
+`--rounds`, with and without `tune_malloc`, next to a plain TCP socket moving
+the same bytes:
+
+    python -m grain_elevator.tools.bench.clients [--workloads small,large] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+from grain_elevator.tools.bench import portfile
+from grain_elevator.tools.bench import run as run_lib
+from grain_elevator.tools.bench import workloads as workloads_lib
+from grain_elevator.tools.launcher import LocalServer
+
+CONSUME = (sys.executable, "-m", "grain_elevator.tools.bench.consume")
+
+
+EXPLORE: dict[str, dict[str, Any]] = {}  # more label -> client settings (--explore)
+
+
+def settings(w: workloads_lib.Workload, workers: int) -> dict[str, dict[str, Any]]:
+  """label -> RemoteDataset arguments (plus "tune_malloc")."""
+  tuned = run_lib._client_settings(w, workers)  # pylint: disable=protected-access
+  return {
+      "default": {"client": {}},
+      "default + tune_malloc": {"client": {}, "tune_malloc": True},
+      **{k: {"client": v} for k, v in EXPLORE.items()},
+      "tuned (elevator bench's)": {"client": tuned},
+      "tuned + tune_malloc": {"client": tuned, "tune_malloc": True},
+  }
+
+
+def _measure(spec: dict[str, Any]) -> dict[str, Any]:
+  out = subprocess.run([*CONSUME, json.dumps(spec)], capture_output=True, text=True,
+                       timeout=300)
+  if out.returncode != 0:
+    raise RuntimeError(out.stderr[-3000:])
+  return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def run(data: pathlib.Path, names: list[str], workers: int, rounds: int, seconds: float,
+        warmup_s: float, records: int | None = None) -> dict[str, Any]:
+  report: dict[str, Any] = {}
+  for name in names:
+    w = workloads_lib.WORKLOADS[name]
+    config = workloads_lib.prepare(data, w, records or w.default_records)
+    workloads_lib.warm_page_cache(workloads_lib.shard_files(data, w))
+    batch = w.global_batch_size * w.delivered_bytes_per_record
+    rows: dict[str, list[float]] = {k: [] for k in [*settings(w, workers), "plain TCP"]}
+    cpu: dict[str, list[float]] = {k: [] for k in rows}
+    port_file = data / f"clients-tcp-port-{name}"
+    port_file.unlink(missing_ok=True)
+    sender = subprocess.Popen([*run_lib.TCP, str(port_file), str(batch)])
+    tcp_port = portfile.wait(port_file, sender, time.monotonic() + 30)
+    with LocalServer(config, workers=workers) as server:
+      base = {"workload": name, "global_batch_size": w.global_batch_size,
+              "seconds": seconds, "warmup_s": warmup_s}
+      for rnd in range(rounds):
+        for label, s in settings(w, workers).items():
+          spec = {**base, "system": "service", "target": server.target, "dataset": name,
+                  "client": s["client"], "tune_malloc": s.get("tune_malloc", False)}
+          r = _measure(spec)
+          rows[label].append(r["gb_per_s"])
+          cpu[label].append(r["client_cpu_s_per_gb"])
+        r = _measure({**base, "system": "tcp", "tcp_port": tcp_port, "batch_bytes": batch})
+        rows["plain TCP"].append(r["gb_per_s"])
+        cpu["plain TCP"].append(r["client_cpu_s_per_gb"])
+        print(f"[{name}] round {rnd + 1}/{rounds}: " + ", ".join(
+            f"{k} {v[-1]:.2f}" for k, v in rows.items()), file=sys.stderr, flush=True)
+    sender.kill()
+    sender.wait()
+    report[name] = {k: {"median": statistics.median(v), "runs": v,
+                        "client_cpu_s_per_gb": statistics.median(cpu[k]),
+                        "client_cpu_runs": cpu[k]} for k, v in rows.items()}
+  return report
+
+
+def table(report: dict[str, Any]) -> str:
+  lines = ["| workload | client | GB/s (median, min–max) | × tuned + tune_malloc | × plain TCP "
+           "| client CPU s / GB |", "|---|---|---|---|---|---|"]
+  for name, rows in report.items():
+    best = rows["tuned + tune_malloc"]["median"]
+    wire = rows["plain TCP"]["median"]
+    for label, r in rows.items():
+      lines.append(f"| {name} | {label} | {r['median']:.2f} "
+                   f"({min(r['runs']):.2f}–{max(r['runs']):.2f}) | "
+                   f"{r['median'] / best:.2f} | {r['median'] / wire:.2f} | "
+                   f"{r['client_cpu_s_per_gb']:.3f} |")
+  return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+  p = argparse.ArgumentParser(prog="python -m grain_elevator.tools.bench.clients",
+                              description=__doc__.split("\n\n")[0])
+  p.add_argument("--data", default=str(pathlib.Path(tempfile.gettempdir()) / "elevator-bench"))
+  p.add_argument("--workloads", default="small,large")
+  p.add_argument("--workers", type=int, default=2)
+  p.add_argument("--rounds", type=int, default=3)
+  p.add_argument("--seconds", type=float, default=3.0)
+  p.add_argument("--warmup", type=float, default=1.0)
+  p.add_argument("--records", type=int, default=None,
+                 help="records per workload (default: the bench's)")
+  p.add_argument("--json", default=None)
+  p.add_argument("--explore", default=None,
+                 help='more settings, JSON: {"label": {"prefetch": 16, "transport": {...}}}')
+  a = p.parse_args(argv)
+  if a.explore:
+    EXPLORE.update(json.loads(a.explore))
+  report = run(pathlib.Path(a.data), a.workloads.split(","), a.workers, a.rounds, a.seconds,
+               a.warmup, a.records)
+  print(table(report))
+  if a.json:
+    pathlib.Path(a.json).write_text(json.dumps(report, indent=1))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
