@@ -8,9 +8,9 @@ started either way refuses the same mistakes with the same message.
 from __future__ import annotations
 
 import dataclasses
-import os
 
 from grain_elevator.proto.errors import ConfigError
+from grain_elevator.server import cpus
 
 # A host's rows for one step are one message; bounded so that no request
 # (G = 10^9, say) makes a worker allocate without limit.
@@ -27,7 +27,8 @@ class ServerOptions:
   Attributes:
     host: address to listen on; "0.0.0.0" for every interface.
     port: the gRPC port; 0 picks a free one (`Server.port` says which).
-    workers: worker processes sharing the port; None: one per core.
+    workers: worker processes sharing the port; None: one per usable CPU
+      (affinity, capped by the container's cgroup CPU limit: server/cpus.py).
     threads: gRPC handler threads of one worker; None: max_concurrent_requests
       + HEALTH_THREADS. Must exceed max_concurrent_requests, so that a
       health check or Describe finds a thread while every slot is held.
@@ -125,4 +126,4 @@ class ServerOptions:
 
   @property
   def num_workers(self) -> int:
-    return self.workers or os.cpu_count() or 1
+    return self.workers or cpus.usable_cpus()

@@ -18,6 +18,15 @@ from grain_elevator.server import logs
 from grain_elevator.server.options import ServerOptions
 
 
+def _workers(text: str) -> int | None:
+  if text == "auto":
+    return None
+  try:
+    return int(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected a number or 'auto', got {text!r}") from None
+
+
 def _serve(args: argparse.Namespace) -> int:
   from grain_elevator import server  # pylint: disable=g-import-not-at-top
   bulk = False if args.no_bulk else (True if args.bulk_port is not None else None)
@@ -172,8 +181,9 @@ def build_parser() -> argparse.ArgumentParser:
                  help=f"address to listen on (default {d.host}; 0.0.0.0 for all)")
   p.add_argument("--port", type=int, default=d.port,
                  help=f"port (default {d.port}; 0 picks a free one and prints it)")
-  p.add_argument("--workers", type=int, default=None,
-                 help="worker processes (default: number of cores)")
+  p.add_argument("--workers", type=_workers, default=None, metavar="N|auto",
+                 help="worker processes (default auto: one per usable CPU, honouring "
+                      "the container's CPU limit)")
   p.add_argument("--threads", type=int, default=d.threads,
                  help="gRPC handler threads per worker; must exceed "
                       "--max-concurrent-requests (default: that + 4)")
