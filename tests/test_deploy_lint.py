@@ -59,3 +59,29 @@ def test_the_manifests_agree_with_the_server_flags_and_each_other():
   assert hpa["spec"]["scaleTargetRef"]["name"] == deployment["metadata"]["name"]
   (metric,) = hpa["spec"]["metrics"]
   assert metric["pods"]["metric"]["name"] == "elevator_utilization"
+
+
+def test_the_pods_run_locked_down_and_are_reachable_only_as_intended():
+  objects = _objects()
+  deployment = objects[("Deployment", "grain-elevator")]
+  spec = deployment["spec"]["template"]["spec"]
+  (container,) = spec["containers"]
+  assert not container["image"].endswith(":latest") and ":" in container["image"]
+  dockerfile = (DEPLOY / "Dockerfile").read_text()
+  assert f"USER {spec['securityContext']['runAsUser']}:" in dockerfile
+  assert spec["securityContext"]["runAsNonRoot"] is True
+  assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+  sc = container["securityContext"]
+  assert sc["readOnlyRootFilesystem"] and not sc["allowPrivilegeEscalation"]
+  assert sc["capabilities"] == {"drop": ["ALL"]}
+  assert cli.build_parser().parse_args(container["args"]).workers is None  # auto
+  assert container["resources"]["limits"]["cpu"] == container["resources"]["requests"]["cpu"]
+  labels = deployment["spec"]["selector"]["matchLabels"]
+  assert objects[("PodDisruptionBudget", "grain-elevator")]["spec"]["selector"][
+      "matchLabels"] == labels
+  policy = objects[("NetworkPolicy", "grain-elevator")]["spec"]
+  assert policy["podSelector"]["matchLabels"] == labels
+  allowed = {p["port"] for rule in policy["ingress"] for p in rule["ports"]}
+  assert allowed == {p["containerPort"] for p in container["ports"]}
+  service = objects[("Service", "grain-elevator")]["spec"]
+  assert service["clusterIP"] == "None" and service["selector"] == labels

@@ -71,11 +71,16 @@ def test_the_image_serves_the_embedded_stream_and_stops_cleanly(image, tmp_path)
       "10001:10001")
   port, bulk, metrics = _free_port(), _free_port(), _free_port()
   name = f"elevator-test-{os.getpid()}"
+  # Locked down as deploy/k8s/elevator.yaml runs it: read-only root with a
+  # /tmp of its own, no capabilities, no privilege gain, and a CPU limit of
+  # one that `--workers auto` must read from the container's cgroup.
   _docker("run", "-d", "--name", name, "--network", "host", "-v", f"{data}:/data:ro",
+          "--read-only", "--tmpfs", "/tmp", "--cap-drop", "ALL",
+          "--security-opt", "no-new-privileges", "--cpus", "1",
           "-e", f"ELEVATOR_HEALTH_TARGET=127.0.0.1:{port}", image,
           "serve", "--config", "/data/elevator.toml", "--host", "127.0.0.1",
           "--port", str(port), "--bulk-port", str(bulk), "--metrics-port", str(metrics),
-          "--workers", "2")
+          "--workers", "auto")
   try:
     target = f"127.0.0.1:{port}"
     deadline = time.monotonic() + 180
@@ -92,6 +97,7 @@ def test_the_image_serves_the_embedded_stream_and_stops_cleanly(image, tmp_path)
       assert assert_streams_equal(got, [next(want) for _ in range(40)]) == 40
     with socket.create_connection(("127.0.0.1", metrics), timeout=10):
       pass  # the metrics port answers from inside the container
+    assert "with 1 worker processes" in _docker("logs", name).stdout
     _docker("stop", "-t", "20", name, timeout=60)
     code = _docker("inspect", "-f", "{{.State.ExitCode}}", name).stdout.strip()
     assert code == "0", _docker("logs", name).stderr[-3000:]
