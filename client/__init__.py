@@ -11,7 +11,7 @@ from grain_elevator.client import checkpoint
 from grain_elevator.client.device import to_device
 from grain_elevator.client.options import RetryPolicy, Security, TransportOptions
 from grain_elevator.client.remote_dataset import RemoteDataset, describe
-from grain_elevator.client.stats import Stats
+from grain_elevator.client.stats import Stats, start_metrics_server
 from grain_elevator.proto.errors import (Cancelled, ConfigError, DataLossError, ElevatorError,
                                          EndOfDataError, InternalError, InvalidRequestError,
                                          ResourceExhaustedError, ServiceUnavailableError,
@@ -23,7 +23,7 @@ from grain_elevator.proto.spec import DatasetInfo
 
 __all__ = [
     "RemoteDataset", "describe", "to_device", "checkpoint", "tune_malloc",
-    "TransportOptions", "RetryPolicy", "Security", "DatasetInfo", "Stats",
+    "TransportOptions", "RetryPolicy", "Security", "DatasetInfo", "Stats", "start_metrics_server",
     "ElevatorError", "Cancelled", "ConfigError", "DataLossError", "EndOfDataError",
     "InternalError", "InvalidRequestError", "ResourceExhaustedError",
     "ServiceUnavailableError", "ShardChangedError", "StreamMismatchError",

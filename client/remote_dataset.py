@@ -219,7 +219,8 @@ class _RemoteIterator(grain.DatasetIterator):
     self._arrived = threading.Condition()  # a step arrived or a fetch ended
     self._pool: concurrent.futures.ThreadPoolExecutor | None = None
     self._meter = stats_lib.Meter(str(ds), ds.stats_log_s, lambda: (
-        getattr(self._backend, "retries", 0), getattr(self._backend, "fallbacks", 0)))
+        getattr(self._backend, "retries", 0), getattr(self._backend, "fallbacks", 0)),
+        dataset=ds.dataset)
 
   def stats(self) -> stats_lib.Stats:
     """Time waited for data, throughput, retries and fallbacks so far."""

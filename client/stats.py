@@ -5,6 +5,8 @@ the trainer's time spent blocked in `next()`: near 0, the input pipeline is
 not the bottleneck; growing, add server workers or replicas (or prefetch).
 `RemoteDataset.stats()` returns it with throughput, retries and transport
 fallbacks, and the iterator logs it as one line every `stats_log_s`.
+`start_metrics_server(port)` also serves every live iterator's figures to
+Prometheus, per dataset, from the trainer process.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ import dataclasses
 import logging
 import threading
 import time
-from typing import Callable
+import weakref
+from typing import Any, Callable, Iterator
 
 log = logging.getLogger("grain_elevator.client")
 
@@ -53,9 +56,11 @@ class Meter:
   """Times one iterator's `next()` calls; logs `Stats.line` every `log_every_s`."""
 
   def __init__(self, name: str, log_every_s: float,
-               counters: Callable[[], tuple[int, int]] = lambda: (0, 0)):
+               counters: Callable[[], tuple[int, int]] = lambda: (0, 0), dataset: str = ""):
     """`counters`: the connections' (retries, fallbacks) so far."""
     self._name = name
+    self.dataset = dataset
+    _METERS.add(self)
     self._counters = counters
     self._log_every_s = log_every_s
     self._lock = threading.Lock()
@@ -86,3 +91,52 @@ class Meter:
     with self._lock:
       wall = time.monotonic() - self._start if self._start is not None else 0.0
       return Stats(self._steps, self._bytes, wall, self._wait_s, retries, fallbacks)
+
+
+_METERS: "weakref.WeakSet[Meter]" = weakref.WeakSet()
+
+
+class _Collector:
+  """Every live iterator's Stats, summed per dataset (a prometheus_client collector)."""
+
+  def collect(self) -> Iterator[Any]:
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily  # pylint: disable=g-import-not-at-top
+    per: dict[str, Stats] = {}
+    for meter in list(_METERS):
+      per[meter.dataset] = per.get(meter.dataset, Stats()) + meter.stats()
+    families = {
+        "steps": CounterMetricFamily("elevator_client_steps", "Steps delivered.",
+                                     labels=["dataset"]),
+        "bytes": CounterMetricFamily("elevator_client_bytes", "Bytes of arrays delivered.",
+                                     labels=["dataset"]),
+        "wait_s": CounterMetricFamily("elevator_client_wait_seconds",
+                                      "Time the trainer was blocked in next().",
+                                      labels=["dataset"]),
+        "wall_s": CounterMetricFamily("elevator_client_wall_seconds",
+                                      "Time since each iterator's first next().",
+                                      labels=["dataset"]),
+        "retries": CounterMetricFamily("elevator_client_retries", "Attempts tried again.",
+                                       labels=["dataset"]),
+        "fallbacks": CounterMetricFamily("elevator_client_fallbacks",
+                                         "Requests moved from bulk to gRPC.",
+                                         labels=["dataset"]),
+    }
+    ratio = GaugeMetricFamily("elevator_client_wait_ratio",
+                              "Share of the wall time spent waiting for data.",
+                              labels=["dataset"])
+    for dataset, stats in per.items():
+      for field, family in families.items():
+        family.add_metric([dataset], getattr(stats, field))
+      ratio.add_metric([dataset], stats.wait_ratio)
+    yield from families.values()
+    yield ratio
+
+
+def start_metrics_server(port: int, host: str = "127.0.0.1") -> int:
+  """Serves this process's iterators' stats at http://host:port/metrics
+  (0: a free port); returns the port. Needs prometheus_client."""
+  import prometheus_client as prom  # pylint: disable=g-import-not-at-top
+  registry = prom.CollectorRegistry()
+  registry.register(_Collector())
+  server, _ = prom.start_http_server(port, addr=host, registry=registry)
+  return server.server_port

@@ -53,3 +53,23 @@ def test_stats_add_up():
   a = Stats(1, 10, 1.0, 0.5, 1, 0)
   assert a + a == Stats(2, 20, 2.0, 1.0, 2, 0)
   assert (a + a).wait_ratio == 0.5 and Stats().wait_ratio == 0.0
+
+
+def test_the_trainers_metrics_port_serves_every_iterators_stats(server):
+  import urllib.request  # pylint: disable=g-import-not-at-top
+  from prometheus_client.parser import text_string_to_metric_families  # pylint: disable=g-import-not-at-top
+  from grain_elevator.client import start_metrics_server  # pylint: disable=g-import-not-at-top
+  port = start_metrics_server(0)
+  with RemoteDataset(server.target, "plain", 100, stats_log_s=0) as ds:
+    it = iter(ds)
+    for _ in range(4):
+      next(it)
+    s = it.stats()
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+      text = r.read().decode()
+  samples = {(x.name, x.labels.get("dataset")): x.value
+             for f in text_string_to_metric_families(text) for x in f.samples}
+  assert samples[("elevator_client_steps_total", "plain")] >= 4
+  assert samples[("elevator_client_bytes_total", "plain")] >= s.bytes
+  assert 0 <= samples[("elevator_client_wait_ratio", "plain")] <= 1
+  assert samples[("elevator_client_fallbacks_total", "plain")] == 0
