@@ -17,7 +17,7 @@ from grain_elevator.tools.launcher import ELEVATOR
 pytestmark = pytest.mark.slow
 
 SYSTEMS = {"grain_t0_mp0", "grain_t0_mp2", "grain_t16_mp0", "grain_t16_mp2", "embedded",
-           "service_w1", "service_w1_grpc", "service_w1_zstd", "service_w1_per_record",
+           "service_w1", "service_w1_default", "service_w1_grpc", "service_w1_zstd", "service_w1_per_record",
            "service_w1_arrayrecord", "tcp", "floor"}
 
 

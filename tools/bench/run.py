@@ -72,6 +72,8 @@ def _systems(w: workloads_lib.Workload, files: list[str], config: str,
         "client": _client_settings(w, workers)}, "service"))
   top = max(servers)
   service = {**base, "system": "service", "target": servers[top].target, "dataset": w.name}
+  out.append(System(f"service_w{top}_default", f"(c) service, W={top}, default RemoteDataset",
+                    {**service, "client": {}}, "service"))
   out.append(System(f"service_w{top}_grpc", f"(c) service, W={top}, gRPC transport", {
       **service, "client": _client_settings(w, top, kind="grpc")}, "service"))
   out.append(System(f"service_w{top}_zstd", f"(c) service, W={top}, zstd compression", {
