@@ -13,20 +13,16 @@ import urllib.request
 
 import numpy as np
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from grain_elevator.client import RemoteDataset, TransportOptions, UnknownDatasetError
 from grain_elevator.server import ConfigError, Server, ServerOptions, metrics, supervisor
+from grain_elevator.tools import top
 from grain_elevator.tools.launcher import ELEVATOR
 
 
-def scrape(server: Server) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+def scrape(server: Server) -> top.Samples:
   """{(sample name, sorted labels): value} of one scrape of /metrics."""
-  url = f"http://127.0.0.1:{server.metrics_port}/metrics"
-  with urllib.request.urlopen(url, timeout=10) as r:
-    text = r.read().decode()
-  return {(s.name, tuple(sorted(s.labels.items()))): s.value
-          for family in text_string_to_metric_families(text) for s in family.samples}
+  return top.scrape(f"127.0.0.1:{server.metrics_port}", timeout_s=10)
 
 
 def read_all(server: Server, dataset: str, g: int, kind: str) -> int:
