@@ -18,11 +18,10 @@ from grain_elevator.proto.errors import (Cancelled, ConfigError, DataLossError, 
                                          ShardChangedError, StreamMismatchError,
                                          UnauthenticatedError,
                                          UnknownDatasetError)
-from grain_elevator.proto.malloc import tune_malloc
 from grain_elevator.proto.spec import DatasetInfo
 
 __all__ = [
-    "RemoteDataset", "describe", "to_device", "checkpoint", "tune_malloc",
+    "RemoteDataset", "describe", "to_device", "checkpoint",
     "TransportOptions", "RetryPolicy", "Security", "DatasetInfo", "Stats", "start_metrics_server",
     "ElevatorError", "Cancelled", "ConfigError", "DataLossError", "EndOfDataError",
     "InternalError", "InvalidRequestError", "ResourceExhaustedError",

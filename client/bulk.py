@@ -1,8 +1,9 @@
 """The bulk transport's client: one request at a time over a plain socket.
 
-Each batch is read straight into a new buffer with `recv_into` and decoded
-as views of it: one copy from the kernel, no protobuf objects, no gRPC
-buffers. A frame longer than the step the request can produce is refused
+Each batch is read straight into a buffer with `recv_into` and decoded as
+views of it: one copy from the kernel, no protobuf objects, no gRPC buffers.
+Buffers come from a pool and are reused once the trainer has dropped the
+batch (client/buffers.py), so their pages are not faulted in afresh. A frame longer than the step the request can produce is refused
 before anything is allocated (proto/framing.py). Failures surface as a
 `TransportError` with the status code gRPC would have given, so the pool
 treats both transports alike.
@@ -15,6 +16,7 @@ import socket
 import grpc
 from google.protobuf.message import DecodeError
 
+from grain_elevator.client.buffers import BufferPool
 from grain_elevator.client.transport import CancelToken, Steps, TransportError
 from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.proto import errors
@@ -31,7 +33,7 @@ class BulkConnection:
   capacity = 1
 
   def __init__(self, target: str, host: str, port: int, *, connect_timeout_s: float,
-               auth_token: str | None = None):
+               auth_token: str | None = None, buffers: BufferPool | None = None):
     self.target, self.host = target, host
     self._auth_token = auth_token or ""
     self.address = f"{host}:{port}"
@@ -41,6 +43,7 @@ class BulkConnection:
       raise TransportError(grpc.StatusCode.UNAVAILABLE,
                            f"bulk transport {self.address}: {e}") from e
     self.broken = False
+    self._buffers = buffers or BufferPool()
     try:
       self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
       framing.exchange_magic(self._sock)
@@ -62,7 +65,8 @@ class BulkConnection:
       framing.send_frame(self._sock, framing.REQUEST, [message.SerializeToString()])
       for _ in range(request.num_steps):
         kind, payload = framing.recv_frame(self._sock, (framing.BATCH, framing.STATUS),
-                                           max(max_frame_bytes, _MAX_SMALL_FRAME_BYTES))
+                                           max(max_frame_bytes, _MAX_SMALL_FRAME_BYTES),
+                                           self._buffers.take)
         if kind == framing.STATUS:
           status = pb.BulkStatus.FromString(payload.tobytes())
           raise TransportError(errors.code_from_number(status.code), status.message,

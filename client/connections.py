@@ -42,6 +42,7 @@ from typing import Any, Callable, Sequence, TypeVar
 import grpc
 import numpy as np
 
+from grain_elevator.client.buffers import BufferPool
 from grain_elevator.client.bulk import BulkConnection
 from grain_elevator.client.options import RETRIABLE, RetryPolicy, Security, TransportOptions
 from grain_elevator.client.transport import (CancelToken, Connection, GrpcConnection,
@@ -295,6 +296,9 @@ class ConnectionPool:
     self._resolved_at: dict[str, float] = {}
     self._next_refresh = 0.0
     self._full_log = _Throttled(_FULL_LOG_PERIOD_S)
+    # One pool for all bulk connections: the buffer the trainer dropped last
+    # is the one still in cache, whichever connection reads next.
+    self._buffers = BufferPool()
     self.uses_bulk = False
     self.retries = 0  # attempts tried again (client/stats.py)
     self.fallbacks = 0  # bulk requests moved to gRPC, bulk ports given up for gRPC
@@ -327,7 +331,7 @@ class ConnectionPool:
 
   def _open_bulk(self, target: str, host: str, port: int) -> BulkConnection:
     return BulkConnection(target, host, port, connect_timeout_s=self.retry.connect_timeout_s,
-                          auth_token=self._security.auth_token)
+                          auth_token=self._security.auth_token, buffers=self._buffers)
 
   def _spread_grpc(self, target: str, first: GrpcConnection | None) -> list[list[Any]]:
     opened = [first] if first else []

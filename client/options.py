@@ -44,9 +44,10 @@ class TransportOptions:
       worker processes. A bulk connection carries one request at a time, so
       this also bounds the requests in flight; about two per server worker
       keeps every worker busy.
-    steps_per_request: consecutive steps asked for in one request. The
-      window is topped up a whole request at a time; each step reaches the
-      trainer as soon as it arrives.
+    steps_per_request: consecutive steps asked for in one request; None
+      (the default): about 12 MB of steps, from the dataset's step size
+      (client/window.py). The window is topped up a whole request at a
+      time; each step reaches the trainer as soon as it arrives.
     compression: "none", or "zstd": the server compresses each tensor of
       4 KiB or more. Costs CPU on both ends; pays only on a network slower
       than the codec (not on loopback or a fast datacenter link).
@@ -61,7 +62,7 @@ class TransportOptions:
 
   kind: str = "auto"
   connections_per_target: int = 4
-  steps_per_request: int = 1
+  steps_per_request: int | None = None
   compression: str = "none"
   dns_refresh_s: float = 30.0
 
@@ -72,8 +73,10 @@ class TransportOptions:
     if self.compression not in COMPRESSIONS:
       raise InvalidRequestError(f"compression must be one of {', '.join(COMPRESSIONS)}, "
                        f"got {self.compression!r}")
-    if self.connections_per_target < 1 or self.steps_per_request < 1:
-      raise InvalidRequestError("need connections_per_target >= 1 and steps_per_request >= 1")
+    if self.connections_per_target < 1 or (self.steps_per_request is not None
+                                           and self.steps_per_request < 1):
+      raise InvalidRequestError("need connections_per_target >= 1 and steps_per_request >= 1 "
+                                "(or None: sized from the step)")
     if not self.dns_refresh_s > 0:
       raise InvalidRequestError(f"need dns_refresh_s > 0, got {self.dns_refresh_s}")
 

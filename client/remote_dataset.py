@@ -21,6 +21,7 @@ import grain
 
 from grain_elevator.client import connections, device, state as state_lib
 from grain_elevator.client import stats as stats_lib
+from grain_elevator.client import window as window_lib
 from grain_elevator.client.embedded import EmbeddedBackend
 from grain_elevator.client.options import RetryPolicy, Security, TransportOptions
 from grain_elevator.client.transport import CancelToken
@@ -105,7 +106,9 @@ class RemoteDataset(grain.IterDataset):
       `jax.process_index()` when JAX runs as several processes, else 0.
     shard_count: H, the number of hosts; must divide G. Default:
       `jax.process_count()` when JAX runs as several processes, else 1.
-    prefetch: steps kept in flight ahead of the trainer (0: fetch on demand).
+    prefetch: steps kept in flight ahead of the trainer (0: fetch on demand);
+      None (the default): one request per connection, at most 256 MB of
+      steps (client/window.py).
     transport: how batches travel (TransportOptions: bulk or gRPC,
       connections per replica, steps per request, compression).
     retry: when to try again and when to give up (RetryPolicy).
@@ -121,7 +124,7 @@ class RemoteDataset(grain.IterDataset):
 
   def __init__(self, target: str | Sequence[str], dataset: str,
                global_batch_size: int, *, shard_index: int | None = None,
-               shard_count: int | None = None, prefetch: int = 8,
+               shard_count: int | None = None, prefetch: int | None = None,
                transport: TransportOptions = TransportOptions(),
                retry: RetryPolicy = RetryPolicy(), security: Security = Security(),
                stats_log_s: float = 60.0):
@@ -131,7 +134,7 @@ class RemoteDataset(grain.IterDataset):
     elif shard_index is None or shard_count is None:
       raise InvalidRequestError("give both shard_index and shard_count, or neither")
     contract.check_geometry(global_batch_size, shard_index, shard_count)
-    if prefetch < 0:
+    if prefetch is not None and prefetch < 0:
       raise InvalidRequestError(f"need prefetch >= 0, got {prefetch}")
     for name, value, cls in (("transport", transport, TransportOptions),
                              ("retry", retry, RetryPolicy), ("security", security, Security)):
@@ -211,6 +214,10 @@ class _RemoteIterator(grain.DatasetIterator):
       raise UnknownDatasetError(f"server answered for {self._info.name!r}, "
                                 f"not {ds.dataset!r}")
     self._total = self._info.total_steps(ds.global_batch_size)
+    self._window = window_lib.plan(
+        ds.global_batch_size // ds.shard_count * self._info.element_spec.record_bytes,
+        len(ds.targets) * ds.transport.connections_per_target, prefetch=ds.prefetch,
+        steps_per_request=ds.transport.steps_per_request)
     self._structure = self._info.element_spec.structure
     self._step = 0  # next step the trainer receives
     self._requested = 0  # first step not yet requested
@@ -239,12 +246,12 @@ class _RemoteIterator(grain.DatasetIterator):
 
   def _fill(self) -> None:
     """Requests steps until `prefetch` (at least 1) are in flight."""
-    limit = self._step + max(1, self._ds.prefetch)
+    prefetch, per_request = self._window.prefetch, self._window.steps_per_request
+    limit = self._step + max(1, prefetch)
     if self._total is not None:
       limit = min(limit, self._total)
-    per_request = self._ds.transport.steps_per_request
     if self._requested < limit and self._pool is None:
-      workers = max(1, -(-self._ds.prefetch // per_request))
+      workers = max(1, -(-prefetch // per_request))
       self._pool = concurrent.futures.ThreadPoolExecutor(
           max_workers=workers, thread_name_prefix="grain-elevator-fetch")
     while self._requested < limit:
@@ -270,7 +277,8 @@ class _RemoteIterator(grain.DatasetIterator):
       while len(chunk.steps) <= i and not chunk.future.done():
         self._arrived.wait()
     if len(chunk.steps) > i:
-      return chunk.steps[i]
+      leaves, chunk.steps[i] = chunk.steps[i], None  # the trainer's now, not the window's
+      return leaves
     chunk.future.result()  # raises what ended the fetch
     raise ElevatorError(f"{self._ds}: step {chunk.start + i} was not received")
 
@@ -298,7 +306,7 @@ class _RemoteIterator(grain.DatasetIterator):
       if self._step == chunk.start + chunk.num_steps - 1:
         self._chunks.popleft()
       self._step += 1
-      if self._ds.prefetch:
+      if self._window.prefetch:
         self._fill()  # keep the window full while the trainer works
     # The whole call counts as waiting for data: the trainer did nothing else.
     self._meter.delivered(called_at, time.monotonic(),

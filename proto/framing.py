@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import socket
 import struct
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -72,12 +72,12 @@ def recv_into(sock: socket.socket, view: memoryview) -> None:
     got += r
 
 
-def recv_frame(sock: socket.socket, expect: Sequence[int],
-               limit: int) -> tuple[int, np.ndarray]:
-  """The next frame's (kind, payload); the payload is a new uint8 array
-  (uninitialised before the read, so no memset is paid). A frame of another
-  kind, or longer than `limit` bytes, is a ProtocolError raised before its
-  payload is read or allocated."""
+def recv_frame(sock: socket.socket, expect: Sequence[int], limit: int,
+               alloc: Callable[[int], np.ndarray] | None = None) -> tuple[int, np.ndarray]:
+  """The next frame's (kind, payload); the payload is a uint8 array from
+  `alloc(size)` (default: a new one, uninitialised before the read, so no
+  memset is paid). A frame of another kind, or longer than `limit` bytes, is
+  a ProtocolError raised before its payload is read or allocated."""
   header = bytearray(_HEADER.size)
   recv_into(sock, memoryview(header))
   kind, size = _HEADER.unpack(header)
@@ -87,7 +87,7 @@ def recv_frame(sock: socket.socket, expect: Sequence[int],
   if size > limit:
     raise ProtocolError(f"{KINDS[kind]} frame of {size} bytes is over this end's "
                         f"limit of {limit}")
-  payload = np.empty(size, dtype=np.uint8)
+  payload = alloc(size) if alloc is not None else np.empty(size, dtype=np.uint8)
   if size:
     recv_into(sock, memoryview(payload))
   return kind, payload

@@ -192,8 +192,8 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
 
 def main() -> int:
   spec = json.loads(sys.argv[1])
-  if spec.get("tune_malloc"):
-    from grain_elevator.client import tune_malloc  # pylint: disable=g-import-not-at-top
+  if spec.get("tune_malloc"):  # glibc's tunables, as the server's workers get them
+    from grain_elevator.proto.malloc import tune_malloc  # pylint: disable=g-import-not-at-top
     assert tune_malloc()
   print(json.dumps(measure(spec)), flush=True)
   return 0

@@ -102,8 +102,7 @@ def _systems(w: workloads_lib.Workload, files: list[str], config: str,
 
 
 def _measure(system: System, seconds: float, warmup_s: float) -> dict[str, Any]:
-  # Every trainer process gets the same allocator settings (client/malloc.py).
-  spec = {**system.spec, "seconds": seconds, "warmup_s": warmup_s, "tune_malloc": True}
+  spec = {**system.spec, "seconds": seconds, "warmup_s": warmup_s}
   consume = CONSUME
   if system.kind == "tfdata":  # TensorFlow's interpreter, which may be another one
     from grain_elevator.tools.bench import tfdata  # pylint: disable=g-import-not-at-top
