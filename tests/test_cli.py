@@ -48,4 +48,4 @@ def test_make_dataset_writes_a_servable_config(tmp_path, fmt):
   result = subprocess.run([*ELEVATOR, "describe", f"local:{tmp_path}/elevator.toml"],
                           capture_output=True, text=True, timeout=120)
   (info,) = json.loads(result.stdout)
-  assert info["name"] == "digits" and info["num_records"] == 10_000
+  assert info["name"] == "generated" and info["num_records"] == 10_000

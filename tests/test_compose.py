@@ -73,8 +73,8 @@ def test_compose_up_serves_the_demo_dataset_and_comes_down(tmp_path):
       time.sleep(1)
     config = work / "demo-data" / "elevator.toml"
     assert config.exists() and os.stat(config).st_uid == os.getuid()
-    with RemoteDataset("127.0.0.1:50051", "digits", 64) as remote, \
-         RemoteDataset.embedded(str(config), "digits", 64) as local:
+    with RemoteDataset("127.0.0.1:50051", "generated", 64) as remote, \
+         RemoteDataset.embedded(str(config), "generated", 64) as local:
       it = iter(remote)
       assert it._backend.uses_bulk  # pylint: disable=protected-access
       got = [next(it) for _ in range(30)]

@@ -88,8 +88,8 @@ def test_the_image_serves_the_embedded_stream_and_stops_cleanly(image, tmp_path)
                          timeout=30).returncode:
       assert time.monotonic() < deadline, _docker("logs", name).stderr[-3000:]
       time.sleep(1)
-    with RemoteDataset(target, "digits", 64) as remote, \
-         RemoteDataset.embedded(str(data / "elevator.toml"), "digits", 64) as local:
+    with RemoteDataset(target, "generated", 64) as remote, \
+         RemoteDataset.embedded(str(data / "elevator.toml"), "generated", 64) as local:
       it = iter(remote)
       assert it._backend.uses_bulk  # pylint: disable=protected-access
       got = [next(it) for _ in range(40)]

@@ -92,8 +92,8 @@ def _health(args: argparse.Namespace) -> int:
 
 def _make_dataset(args: argparse.Namespace) -> int:
   from grain_elevator.tools import demo  # pylint: disable=g-import-not-at-top
-  config, _ = demo.write_dataset(pathlib.Path(args.dir), args.source, args.format)
-  print(f"wrote {config}")
+  written = demo.write_dataset(pathlib.Path(args.dir), args.source, args.format)
+  print(f"wrote {written.config}: dataset {written.dataset!r}")
   return 0
 
 

@@ -16,20 +16,28 @@ import pathlib
 import tempfile
 import textwrap
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from grain_elevator.proto.errors import ConfigError
 from grain_elevator.tools import examples
 
-DATASET = "digits"
 IMAGE_SIDE = 8
 GLOBAL_BATCH = 128
 
 
-def _load_images(source: str) -> tuple[np.ndarray, np.ndarray, str]:
-  """(uint8 images [N,8,8,1], labels [N], what they are)."""
+class DemoData(NamedTuple):
+  """What `write_dataset` wrote: the config, and the dataset it registers,
+  named for its source ("digits" or "generated")."""
+
+  config: str
+  dataset: str
+  num_records: int
+
+
+def _load_images(source: str) -> tuple[np.ndarray, np.ndarray, str, str]:
+  """(uint8 images [N,8,8,1], labels [N], what they are, the source used)."""
   if source == "auto":
     try:
       import sklearn  # pylint: disable=g-import-not-at-top,unused-import
@@ -40,18 +48,19 @@ def _load_images(source: str) -> tuple[np.ndarray, np.ndarray, str]:
     from sklearn.datasets import load_digits  # pylint: disable=g-import-not-at-top
     digits = load_digits()  # bundled with scikit-learn: no download
     images = (digits.images * (255 / 16)).round().astype(np.uint8)[..., None]
-    return images, digits.target, f"scikit-learn's {len(images)} bundled 8x8 digit images"
+    return (images, digits.target, f"scikit-learn's {len(images)} bundled 8x8 digit images",
+            source)
   num_records = 10_000
   rng = np.random.default_rng(0)
   templates = rng.integers(64, 192, size=(10, IMAGE_SIDE, IMAGE_SIDE, 1))
   labels = rng.integers(10, size=num_records)
   noise = rng.integers(-128, 129, size=(num_records, IMAGE_SIDE, IMAGE_SIDE, 1))
   images = np.clip(templates[labels] + noise, 0, 255).astype(np.uint8)
-  return images, labels, f"{num_records} generated 8x8 images of 10 classes"
+  return images, labels, f"{num_records} generated 8x8 images of 10 classes", "generated"
 
 
-def write_dataset(root: pathlib.Path, source: str, fmt: str = "auto") -> tuple[str, int]:
-  """Writes the dataset + config; returns (config path, records per epoch).
+def write_dataset(root: pathlib.Path, source: str, fmt: str = "auto") -> DemoData:
+  """Writes the dataset + config.
 
   fmt "tfds": a TFDS dataset `elevator_digits` (what `tfds build
   --file_format=array_record` writes), served by name; "arrayrecord":
@@ -70,7 +79,7 @@ def write_dataset(root: pathlib.Path, source: str, fmt: str = "auto") -> tuple[s
     except ImportError as e:
       raise ConfigError("--format tfds needs tensorflow-datasets: pip install "
                         "'grain-elevator[tfds]'") from e
-  images, labels, what = _load_images(source)
+  images, labels, what, dataset = _load_images(source)
   num_records = len(images)
   config = root / "elevator.toml"
   common = f"""\
@@ -84,30 +93,30 @@ def write_dataset(root: pathlib.Path, source: str, fmt: str = "auto") -> tuple[s
         str(root / "tfds"), "elevator_digits", {"train": (images, labels)},
         num_classes=10, shards_per_split=4)
     config.write_text(textwrap.dedent(f"""\
-        [datasets.{DATASET}]      # a TFDS dataset by name, read without TensorFlow
+        [datasets.{dataset}]      # a TFDS dataset by name, read without TensorFlow
         tfds = "elevator_digits"
         split = "train"
         data_dir = "tfds"
         """) + textwrap.dedent(common))
     print(f"[data]   wrote {what} as a TFDS dataset (ArrayRecord, 4 shards) in {folder}")
-    return str(config), num_records
+    return DemoData(str(config), dataset, num_records)
   shards = root / "shards"
   examples.write_shards(
       str(shards), num_records,
       lambda i: examples.encode_record(i, int(labels[i]), images[i]),
       num_shards=4, prefix="digits")
   config.write_text(textwrap.dedent(f"""\
-      [datasets.{DATASET}]
+      [datasets.{dataset}]
       paths = ["shards/digits-*.array_record"]
       pipeline = "grain_elevator.tools.examples:decode_images"
       """) + textwrap.dedent(common) + textwrap.dedent(f"""\
-      [datasets.{DATASET}.options]
+      [datasets.{dataset}.options]
       height = {IMAGE_SIDE}
       width = {IMAGE_SIDE}
       channels = 1
       """))
   print(f"[data]   wrote {what} as 4 ArrayRecord shards in {shards}")
-  return str(config), num_records
+  return DemoData(str(config), dataset, num_records)
 
 
 class _Trainer:
@@ -197,7 +206,7 @@ def run(steps: int = 200, workers: int = 2, data_dir: str | None = None,
     data_dir = tmp.name
   root = pathlib.Path(data_dir)
   try:
-    config, _ = write_dataset(root, source, fmt)
+    config, dataset, _ = write_dataset(root, source, fmt)
     print(f"[server] starting `elevator serve --config {config} --workers {workers}` ...")
     with LocalServer(config, workers=workers) as server:
       print(f"[server] serving on {server.target} with {workers} worker processes")
@@ -210,7 +219,7 @@ def run(steps: int = 200, workers: int = 2, data_dir: str | None = None,
       seen: list[np.ndarray] = []
 
       def device_fed() -> tuple[RemoteDataset, Any]:
-        remote = RemoteDataset(server.target, DATASET, GLOBAL_BATCH, prefetch=8)
+        remote = RemoteDataset(server.target, dataset, GLOBAL_BATCH)
         return remote, iter(to_device(remote, trainer.batch_sharding))
 
       remote, it = device_fed()
@@ -240,7 +249,7 @@ def run(steps: int = 200, workers: int = 2, data_dir: str | None = None,
       remote.close()
 
     # The uninterrupted stream, computed in-process (embedded mode).
-    with RemoteDataset.embedded(config, DATASET, GLOBAL_BATCH, prefetch=0) as oracle:
+    with RemoteDataset.embedded(config, dataset, GLOBAL_BATCH, prefetch=0) as oracle:
       oracle_it = iter(oracle)
       expected = [next(oracle_it)["id"] for _ in range(steps)]
     got = np.concatenate(seen)

@@ -47,7 +47,7 @@ from grain_elevator.proto import elevator_pb2_grpc as pb_grpc
 from grain_elevator.proto import framing
 
 KINDS = ("grpc-unread", "bulk-unread", "bulk-idle", "oversize", "slowloris")
-ENDLESS = pb.BatchRequest(dataset="digits", global_batch_size=128, shard_count=1,
+ENDLESS = pb.BatchRequest(dataset="generated", global_batch_size=128, shard_count=1,
                           start_step=0, num_steps=10**9)
 
 
@@ -210,8 +210,8 @@ def _sample_rss(server: psutil.Process, stop: threading.Event, out: list[float])
 def _read(target: str, config: str, steps: int) -> float:
   """Steps/s of a default client over `steps` steps, each checked exactly."""
   from grain_elevator.client import RemoteDataset  # pylint: disable=g-import-not-at-top
-  with RemoteDataset(target, "digits", 128) as remote, \
-       RemoteDataset.embedded(config, "digits", 128) as local:
+  with RemoteDataset(target, "generated", 128) as remote, \
+       RemoteDataset.embedded(config, "generated", 128) as local:
     start = time.monotonic()
     for k, (got, want) in enumerate(zip(remote, local)):
       for name in want:
@@ -272,7 +272,7 @@ def main() -> int:
   from grain_elevator.tools import demo  # pylint: disable=g-import-not-at-top
   from grain_elevator.tools.launcher import LocalServer  # pylint: disable=g-import-not-at-top
   with tempfile.TemporaryDirectory() as root:
-    config, _ = demo.write_dataset(pathlib.Path(root), "generated")
+    config = demo.write_dataset(pathlib.Path(root), "generated").config
     with LocalServer(config, workers=args.workers) as server:
       rows = [_phase("alone", server, config, args.steps, [])]
       for kind in kinds:
