@@ -58,9 +58,11 @@ def frame(kind: int, payload: bytes) -> bytes:
   return header(kind, len(payload)) + payload
 
 
-def send_frame(sock: socket.socket, kind: int, parts: Sequence[Any]) -> None:
-  """One frame; `parts` as for send_parts."""
-  send_parts(sock, [header(kind, sum(len(p) for p in parts)), *parts])
+def send_frame(sock: socket.socket, kind: int, parts: Sequence[Any]) -> int:
+  """One frame; `parts` as for send_parts. Returns the payload's bytes."""
+  size = sum(len(p) for p in parts)
+  send_parts(sock, [header(kind, size), *parts])
+  return size
 
 
 def recv_into(sock: socket.socket, view: memoryview) -> None:

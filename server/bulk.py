@@ -312,8 +312,8 @@ class BulkServer:
         recorded = metrics.current()
         for parts in self._path.encoded_steps(request, lambda: not ticket.released):
           with ticket.waiting():
-            framing.send_frame(sock, framing.BATCH, parts)
-          recorded.sent(request.dataset, "bulk", sum(map(len, parts)))
+            size = framing.send_frame(sock, framing.BATCH, parts)
+          recorded.sent(request.dataset, "bulk", size)
       except errors.ElevatorError as e:
         sock.sendall(_status_frame(e))
       return True
