@@ -213,6 +213,7 @@ class _RemoteIterator(grain.DatasetIterator):
     if self._info.name != ds.dataset:
       raise UnknownDatasetError(f"server answered for {self._info.name!r}, "
                                 f"not {ds.dataset!r}")
+    self._offset = 0  # records before step 0: nonzero once G changed at a checkpoint
     self._total = self._info.total_steps(ds.global_batch_size)
     self._window = window_lib.plan(
         ds.global_batch_size // ds.shard_count * self._info.element_spec.record_bytes,
@@ -240,7 +241,7 @@ class _RemoteIterator(grain.DatasetIterator):
     return pb.BatchRequest(
         dataset=ds.dataset, global_batch_size=ds.global_batch_size,
         shard_index=ds.shard_index, shard_count=ds.shard_count,
-        start_step=start, num_steps=num_steps,
+        start_step=start, num_steps=num_steps, record_offset=self._offset,
         config_fingerprint=self._info.config_fingerprint,
         compression=COMPRESSIONS[ds.transport.compression])
 
@@ -316,14 +317,17 @@ class _RemoteIterator(grain.DatasetIterator):
   # -- checkpointing --------------------------------------------------------
 
   def get_state(self) -> dict[str, Any]:
-    return state_lib.make(self._step, self._info, self._ds.global_batch_size)
+    return state_lib.make(state_lib.Cursor(self._step, self._offset), self._info,
+                          self._ds.global_batch_size)
 
   def set_state(self, state: dict[str, Any]) -> None:
-    step = state_lib.check(state, self._info, self._ds.global_batch_size,
-                           self._total)
+    cursor = state_lib.check(state, self._info, self._ds.global_batch_size)
     with self._lock:
       self._cancel_all()
-      self._step = self._requested = step
+      self._step = self._requested = cursor.step
+      self._offset = cursor.record_offset
+      self._total = state_lib.total_steps(self._info, self._ds.global_batch_size,
+                                          self._offset)
 
   # -- lifecycle ------------------------------------------------------------
 

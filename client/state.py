@@ -3,54 +3,94 @@
 The cursor is the next *global* step, so one state is valid on every host
 and for any number of hosts H: a job restored on fewer hosts resumes at the
 same step. The other fields let `check` refuse a cursor from another stream.
+
+The global batch size G may change at a checkpoint (a batch-size ramp-up,
+256 -> 512): the records are the same whatever G, so a state saved at step k
+under G0 resumes at record k*G0, and steps count afresh from there under the
+new G ("record_offset", present only once that has happened; the contract,
+proto/contract.py). Nothing is skipped or repeated.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
-from grain_elevator.proto.spec import DatasetInfo
+from grain_elevator.proto import contract
 from grain_elevator.proto.errors import InvalidRequestError, StreamMismatchError
+from grain_elevator.proto.spec import DatasetInfo
 
-# Fields that define the global stream; H and h deliberately are not among them.
-_STREAM_KEYS = ("dataset", "global_batch_size", "seed", "config_fingerprint")
+# Fields that define the record stream; G, H and h deliberately are not among them.
+_STREAM_KEYS = ("dataset", "seed", "config_fingerprint")
 
 
-def make(step: int, info: DatasetInfo, global_batch_size: int) -> dict[str, Any]:
-  """The JSON-safe state for "next global step is `step`"."""
-  return {
-      "step": step,
+@dataclasses.dataclass(frozen=True)
+class Cursor:
+  """Next global step, counted from `record_offset` records into the stream."""
+
+  step: int
+  record_offset: int = 0
+
+
+def make(cursor: Cursor, info: DatasetInfo, global_batch_size: int) -> dict[str, Any]:
+  """The JSON-safe state for `cursor`."""
+  state = {
+      "step": cursor.step,
       "dataset": info.name,
       "global_batch_size": global_batch_size,
       "seed": info.seed,
       "config_fingerprint": info.config_fingerprint,
   }
+  if cursor.record_offset:
+    state["record_offset"] = cursor.record_offset
+  return state
 
 
-def check(state: Any, info: DatasetInfo, global_batch_size: int,
-          total_steps: int | None) -> int:
-  """Validates a saved state for this stream; returns its step."""
+def _int(state: dict[str, Any], key: str, default: int | None = None) -> int:
+  value = state.get(key, default)
+  if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+    raise InvalidRequestError(f"state {key} must be an integer >= 0, got {value!r}")
+  return value
+
+
+def check(state: Any, info: DatasetInfo, global_batch_size: int) -> Cursor:
+  """Validates a saved state for this stream; returns where it resumes under
+  `global_batch_size` (which may differ from the one it was saved with)."""
   if not isinstance(state, dict):
     raise InvalidRequestError(
         f"a grain-elevator state must be a dict, got {type(state).__name__}")
-  missing = [k for k in ("step",) + _STREAM_KEYS if k not in state]
+  missing = [k for k in ("step", "global_batch_size") + _STREAM_KEYS if k not in state]
   if missing:
     raise InvalidRequestError(
         f"not a grain-elevator state: missing {', '.join(missing)} (got keys "
         f"{sorted(state)})")
-  expected = make(0, info, global_batch_size)
+  expected = make(Cursor(0), info, global_batch_size)
   diffs = [f"{k}: saved {state[k]!r}, this stream has {expected[k]!r}"
            for k in _STREAM_KEYS if state[k] != expected[k]]
   if diffs:
     raise StreamMismatchError(
         "this state was saved for another stream and cannot resume it ("
         + "; ".join(diffs) + "). A cursor is valid only for the same dataset "
-        "config, seed and global batch size; any number of hosts is fine.")
-  step = state["step"]
-  if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-    raise InvalidRequestError(f"state step must be an integer >= 0, got {step!r}")
-  if total_steps is not None and step > total_steps:
+        "config and seed; any global batch size and number of hosts is fine.")
+  step, offset = _int(state, "step"), _int(state, "record_offset", 0)
+  saved_g = state["global_batch_size"]
+  if not isinstance(saved_g, int) or isinstance(saved_g, bool) or saved_g < 1:
+    raise InvalidRequestError(f"state global_batch_size must be an integer >= 1, "
+                              f"got {saved_g!r}")
+  position = offset + step * saved_g  # the next record
+  if not info.repeats_forever and position > info.stream_length:
+    steps = contract.total_steps(info.stream_length, saved_g, offset)
     raise InvalidRequestError(
         f"state step {step} is past the end of dataset {info.name!r}, which has "
-        f"{total_steps} steps of global batch size {global_batch_size}")
-  return step
+        f"{steps} steps of global batch size {saved_g}"
+        + (f" after record {offset}" if offset else ""))
+  if saved_g == global_batch_size:
+    return Cursor(step, offset)
+  return Cursor(0, position)  # a new G: steps count afresh from the record reached
+
+
+def total_steps(info: DatasetInfo, global_batch_size: int, record_offset: int) -> int | None:
+  """Steps left in the stream from `record_offset`, or None if it repeats forever."""
+  if info.repeats_forever:
+    return None
+  return contract.total_steps(info.stream_length, global_batch_size, record_offset)

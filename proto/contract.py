@@ -3,8 +3,12 @@
 The one home of that mapping; the server, embedded mode and the client's
 device feeding all call it, so they cannot disagree:
 
-    global batch k = records[k*G : (k+1)*G]          (the final partial batch is dropped)
+    global batch k = records[R + k*G : R + (k+1)*G]  (the final partial batch is dropped)
     host h of H    = rows [h*G/H, (h+1)*G/H) of global batch k
+
+R, the record offset, is 0 unless a job changed its global batch size at a
+checkpoint: then R is the record it had reached (step k under G0: R = k*G0)
+and steps count afresh from there under the new G.
 
 Nothing else (replicas, worker processes, timing, retries) enters. What
 defines `records` itself is written down once too: `stream_fingerprint`
@@ -49,10 +53,10 @@ def host_rows(global_batch_size: int, shard_index: int, shard_count: int) -> ran
 
 
 def host_positions(step: int, global_batch_size: int, shard_index: int,
-                   shard_count: int) -> range:
+                   shard_count: int, record_offset: int = 0) -> range:
   """Record positions of host h's rows of global batch `step`."""
   rows = host_rows(global_batch_size, shard_index, shard_count)
-  first = step * global_batch_size
+  first = record_offset + step * global_batch_size
   return range(first + rows.start, first + rows.stop)
 
 
@@ -61,23 +65,28 @@ def steps_per_epoch(num_records: int, global_batch_size: int) -> int:
   return num_records // global_batch_size
 
 
-def total_steps(stream_length: int, global_batch_size: int) -> int:
-  """Whole global batches in a stream; the final partial batch is dropped."""
-  return stream_length // global_batch_size
+def total_steps(stream_length: int, global_batch_size: int, record_offset: int = 0) -> int:
+  """Whole global batches in a stream from `record_offset` on; the final
+  partial batch is dropped."""
+  return max(0, stream_length - record_offset) // global_batch_size
 
 
 def check_steps(start_step: int, num_steps: int, stream_length: int,
-                global_batch_size: int) -> None:
+                global_batch_size: int, record_offset: int = 0) -> None:
   """Raises unless steps [start, start+num) all exist in the stream."""
   if start_step < 0:
     raise InvalidRequestError(f"start_step must be >= 0, got {start_step}")
   if num_steps < 1:
     raise InvalidRequestError(f"num_steps must be >= 1, got {num_steps}")
-  end = total_steps(stream_length, global_batch_size)
+  if not 0 <= record_offset <= stream_length:
+    raise InvalidRequestError(f"record_offset must be in [0, {stream_length}] (the "
+                              f"stream's records), got {record_offset}")
+  end = total_steps(stream_length, global_batch_size, record_offset)
   if start_step + num_steps > end:
+    after = f" after record {record_offset}" if record_offset else ""
     raise EndOfDataError(
         f"steps [{start_step}, {start_step + num_steps}) reach past the end: the "
-        f"stream has {end} steps of global batch size {global_batch_size} "
+        f"stream has {end} steps of global batch size {global_batch_size}{after} "
         f"(the final partial batch is dropped)")
 
 

@@ -83,7 +83,7 @@ class LeafSpec(_message.Message):
     def __init__(self, path: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class BatchRequest(_message.Message):
-    __slots__ = ("dataset", "global_batch_size", "shard_index", "shard_count", "start_step", "num_steps", "config_fingerprint", "compression")
+    __slots__ = ("dataset", "global_batch_size", "shard_index", "shard_count", "start_step", "num_steps", "config_fingerprint", "compression", "record_offset")
     DATASET_FIELD_NUMBER: _ClassVar[int]
     GLOBAL_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -92,6 +92,7 @@ class BatchRequest(_message.Message):
     NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     COMPRESSION_FIELD_NUMBER: _ClassVar[int]
+    RECORD_OFFSET_FIELD_NUMBER: _ClassVar[int]
     dataset: str
     global_batch_size: int
     shard_index: int
@@ -100,7 +101,8 @@ class BatchRequest(_message.Message):
     num_steps: int
     config_fingerprint: str
     compression: Compression
-    def __init__(self, dataset: _Optional[str] = ..., global_batch_size: _Optional[int] = ..., shard_index: _Optional[int] = ..., shard_count: _Optional[int] = ..., start_step: _Optional[int] = ..., num_steps: _Optional[int] = ..., config_fingerprint: _Optional[str] = ..., compression: _Optional[_Union[Compression, str]] = ...) -> None: ...
+    record_offset: int
+    def __init__(self, dataset: _Optional[str] = ..., global_batch_size: _Optional[int] = ..., shard_index: _Optional[int] = ..., shard_count: _Optional[int] = ..., start_step: _Optional[int] = ..., num_steps: _Optional[int] = ..., config_fingerprint: _Optional[str] = ..., compression: _Optional[_Union[Compression, str]] = ..., record_offset: _Optional[int] = ...) -> None: ...
 
 class Tensor(_message.Message):
     __slots__ = ("dtype", "shape", "data", "compression")

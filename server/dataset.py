@@ -252,16 +252,17 @@ class ElevatorDataset:
                                    stack=stack)
 
   def host_batch_leaves(self, step: int, global_batch_size: int,
-                        shard_index: int, shard_count: int, *,
+                        shard_index: int, shard_count: int, *, record_offset: int = 0,
                         stack: bool = True) -> list[collate_lib.Leaf]:
-    """Host h's rows of global batch `step`, one stacked array per leaf.
+    """Host h's rows of global batch `step` (counted from `record_offset`),
+    one stacked array per leaf.
 
     `stack=False` (the servers' send path) may leave leaves of big rows as
     RowStacks, which the socket gathers without a stacking copy
     (proto/rows.py); the bytes sent are the same.
     """
     positions = list(contract.host_positions(step, global_batch_size, shard_index,
-                                             shard_count))
+                                             shard_count, record_offset))
     if self._batch_fn is not None:
       return self._transform_batch(positions, stack)
     return self._collate_records(positions, stack)

@@ -95,7 +95,7 @@ class RequestPath:
           f"--max-message-bytes of {self._max_message_bytes}; use a smaller "
           "global_batch_size or more shards")
     contract.check_steps(r.start_step, r.num_steps, info.stream_length,
-                         r.global_batch_size)
+                         r.global_batch_size, r.record_offset)
     if r.compression not in (wire.COMPRESSION_NONE, wire.COMPRESSION_ZSTD):
       raise InvalidRequestError(f"unknown compression {r.compression}")
     return ds
@@ -126,7 +126,8 @@ class RequestPath:
         return
       start = time.perf_counter()
       leaves = _named(ds.info.name, step, ds.host_batch_leaves, step,
-                      r.global_batch_size, r.shard_index, r.shard_count, stack=stack)
+                      r.global_batch_size, r.shard_index, r.shard_count,
+                      record_offset=r.record_offset, stack=stack)
       recorded.batch(ds.info.name, time.perf_counter() - start)
       yield step, leaves
 

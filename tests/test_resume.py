@@ -73,7 +73,6 @@ def test_set_state_mid_stream_discards_read_ahead(server, oracle):
 
 
 @pytest.mark.parametrize("field,value,message", [
-    ("global_batch_size", 48, "global_batch_size: saved 48, this stream has 96"),
     ("dataset", "plain", "dataset: saved 'plain', this stream has 'aug2'"),
     ("seed", 8, "seed: saved 8, this stream has 7"),
     ("config_fingerprint", "0123456789abcdef", "config_fingerprint: saved"),
