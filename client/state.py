@@ -77,20 +77,25 @@ def check(state: Any, info: DatasetInfo, global_batch_size: int) -> Cursor:
   if not isinstance(saved_g, int) or isinstance(saved_g, bool) or saved_g < 1:
     raise InvalidRequestError(f"state global_batch_size must be an integer >= 1, "
                               f"got {saved_g!r}")
-  position = offset + step * saved_g  # the next record
-  if not info.repeats_forever and position > info.stream_length:
-    steps = contract.total_steps(info.stream_length, saved_g, offset)
-    raise InvalidRequestError(
-        f"state step {step} is past the end of dataset {info.name!r}, which has "
-        f"{steps} steps of global batch size {saved_g}"
-        + (f" after record {offset}" if offset else ""))
+  if not info.repeats_forever:
+    if offset > info.stream_length:
+      raise InvalidRequestError(f"state record_offset {offset} is past the end of dataset "
+                                f"{info.name!r}, which has {info.stream_length} records")
+    steps = contract.total_steps(info.stream_length, saved_g, offset, info.drop_remainder)
+    if step > steps:
+      raise InvalidRequestError(
+          f"state step {step} is past the end of dataset {info.name!r}, which has "
+          f"{steps} steps of global batch size {saved_g}"
+          + (f" after record {offset}" if offset else ""))
   if saved_g == global_batch_size:
     return Cursor(step, offset)
-  return Cursor(0, position)  # a new G: steps count afresh from the record reached
+  # A new G: steps count afresh from the record reached (the end, at most).
+  return Cursor(0, min(offset + step * saved_g, info.stream_length))
 
 
 def total_steps(info: DatasetInfo, global_batch_size: int, record_offset: int) -> int | None:
   """Steps left in the stream from `record_offset`, or None if it repeats forever."""
   if info.repeats_forever:
     return None
-  return contract.total_steps(info.stream_length, global_batch_size, record_offset)
+  return contract.total_steps(info.stream_length, global_batch_size, record_offset,
+                              info.drop_remainder)

@@ -10,6 +10,10 @@ R, the record offset, is 0 unless a job changed its global batch size at a
 checkpoint: then R is the record it had reached (step k under G0: R = k*G0)
 and steps count afresh from there under the new G.
 
+Evaluation mode (a dataset with drop_remainder = false) keeps the final
+partial batch: it is padded with zero rows to G, and every batch carries a
+bool leaf "_mask", True for the rows that are records (MASK_KEY).
+
 Nothing else (replicas, worker processes, timing, retries) enters. What
 defines `records` itself is written down once too: `stream_fingerprint`
 hashes it, and a cursor or request for another stream is refused.
@@ -25,6 +29,8 @@ from typing import Any, Mapping
 from grain_elevator.proto.errors import EndOfDataError, InvalidRequestError
 
 MAX_SHARD_COUNT = 1 << 20
+# The leaf evaluation mode adds to every batch: True for real rows, False for padding.
+MASK_KEY = "_mask"
 # Length Grain gives a stream that repeats forever (`repeat(None)`).
 FOREVER_LENGTH = sys.maxsize
 
@@ -65,14 +71,20 @@ def steps_per_epoch(num_records: int, global_batch_size: int) -> int:
   return num_records // global_batch_size
 
 
-def total_steps(stream_length: int, global_batch_size: int, record_offset: int = 0) -> int:
-  """Whole global batches in a stream from `record_offset` on; the final
-  partial batch is dropped."""
-  return max(0, stream_length - record_offset) // global_batch_size
+def total_steps(stream_length: int, global_batch_size: int, record_offset: int = 0,
+                drop_remainder: bool = True) -> int:
+  """Global batches in a stream from `record_offset` on: whole ones (the
+  final partial batch dropped), or with `drop_remainder=False` every one,
+  the last padded."""
+  records = max(0, stream_length - record_offset)
+  if drop_remainder:
+    return records // global_batch_size
+  return -(-records // global_batch_size)
 
 
 def check_steps(start_step: int, num_steps: int, stream_length: int,
-                global_batch_size: int, record_offset: int = 0) -> None:
+                global_batch_size: int, record_offset: int = 0,
+                drop_remainder: bool = True) -> None:
   """Raises unless steps [start, start+num) all exist in the stream."""
   if start_step < 0:
     raise InvalidRequestError(f"start_step must be >= 0, got {start_step}")
@@ -81,13 +93,15 @@ def check_steps(start_step: int, num_steps: int, stream_length: int,
   if not 0 <= record_offset <= stream_length:
     raise InvalidRequestError(f"record_offset must be in [0, {stream_length}] (the "
                               f"stream's records), got {record_offset}")
-  end = total_steps(stream_length, global_batch_size, record_offset)
+  end = total_steps(stream_length, global_batch_size, record_offset, drop_remainder)
   if start_step + num_steps > end:
     after = f" after record {record_offset}" if record_offset else ""
+    last = ("the final partial batch is dropped" if drop_remainder
+            else "the last one padded")
     raise EndOfDataError(
         f"steps [{start_step}, {start_step + num_steps}) reach past the end: the "
         f"stream has {end} steps of global batch size {global_batch_size}{after} "
-        f"(the final partial batch is dropped)")
+        f"({last})")
 
 
 def stream_fingerprint(definition: Mapping[str, Any]) -> str:

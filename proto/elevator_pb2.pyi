@@ -41,7 +41,7 @@ class ServerInfo(_message.Message):
     def __init__(self, worker_index: _Optional[int] = ..., num_workers: _Optional[int] = ..., bulk_port: _Optional[int] = ...) -> None: ...
 
 class DatasetInfo(_message.Message):
-    __slots__ = ("name", "num_records", "num_epochs", "shuffle", "seed", "config_fingerprint", "element_spec", "global_batch_size", "steps_per_epoch", "total_steps")
+    __slots__ = ("name", "num_records", "num_epochs", "shuffle", "seed", "config_fingerprint", "element_spec", "global_batch_size", "steps_per_epoch", "total_steps", "pad_remainder")
     NAME_FIELD_NUMBER: _ClassVar[int]
     NUM_RECORDS_FIELD_NUMBER: _ClassVar[int]
     NUM_EPOCHS_FIELD_NUMBER: _ClassVar[int]
@@ -52,6 +52,7 @@ class DatasetInfo(_message.Message):
     GLOBAL_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     STEPS_PER_EPOCH_FIELD_NUMBER: _ClassVar[int]
     TOTAL_STEPS_FIELD_NUMBER: _ClassVar[int]
+    PAD_REMAINDER_FIELD_NUMBER: _ClassVar[int]
     name: str
     num_records: int
     num_epochs: int
@@ -62,7 +63,8 @@ class DatasetInfo(_message.Message):
     global_batch_size: int
     steps_per_epoch: int
     total_steps: int
-    def __init__(self, name: _Optional[str] = ..., num_records: _Optional[int] = ..., num_epochs: _Optional[int] = ..., shuffle: _Optional[bool] = ..., seed: _Optional[int] = ..., config_fingerprint: _Optional[str] = ..., element_spec: _Optional[_Union[ElementSpec, _Mapping]] = ..., global_batch_size: _Optional[int] = ..., steps_per_epoch: _Optional[int] = ..., total_steps: _Optional[int] = ...) -> None: ...
+    pad_remainder: bool
+    def __init__(self, name: _Optional[str] = ..., num_records: _Optional[int] = ..., num_epochs: _Optional[int] = ..., shuffle: _Optional[bool] = ..., seed: _Optional[int] = ..., config_fingerprint: _Optional[str] = ..., element_spec: _Optional[_Union[ElementSpec, _Mapping]] = ..., global_batch_size: _Optional[int] = ..., steps_per_epoch: _Optional[int] = ..., total_steps: _Optional[int] = ..., pad_remainder: _Optional[bool] = ...) -> None: ...
 
 class ElementSpec(_message.Message):
     __slots__ = ("structure", "leaves")

@@ -65,6 +65,7 @@ class DatasetInfo:
   config_fingerprint: str
   element_spec: ElementSpec
   stream_length: int  # records in the whole stream; FOREVER_LENGTH if forever
+  drop_remainder: bool = True  # False: evaluation mode (contract.MASK_KEY)
 
   @property
   def repeats_forever(self) -> bool:
@@ -77,7 +78,8 @@ class DatasetInfo:
     """Steps in the stream, or None if it repeats forever."""
     if self.repeats_forever:
       return None
-    return contract.total_steps(self.stream_length, global_batch_size)
+    return contract.total_steps(self.stream_length, global_batch_size,
+                                drop_remainder=self.drop_remainder)
 
   def to_proto(self, global_batch_size: int = 0) -> pb.DatasetInfo:
     msg = pb.DatasetInfo(
@@ -85,7 +87,7 @@ class DatasetInfo:
         shuffle=self.shuffle, seed=self.seed,
         config_fingerprint=self.config_fingerprint,
         element_spec=self.element_spec.to_proto(),
-        global_batch_size=global_batch_size)
+        global_batch_size=global_batch_size, pad_remainder=not self.drop_remainder)
     if global_batch_size > 0:
       msg.steps_per_epoch = self.steps_per_epoch(global_batch_size)
       total = self.total_steps(global_batch_size)
@@ -100,4 +102,4 @@ class DatasetInfo:
     return cls(name=msg.name, num_records=msg.num_records,
                num_epochs=msg.num_epochs, shuffle=msg.shuffle, seed=msg.seed,
                config_fingerprint=msg.config_fingerprint, element_spec=spec,
-               stream_length=length)
+               stream_length=length, drop_remainder=not msg.pad_remainder)

@@ -10,6 +10,8 @@ batch_transform = "package.module:fn"    # optional, the same on a whole batch
 seed = 42
 shuffle = true
 num_epochs = 1                           # 0 = repeat forever
+drop_remainder = true                    # false: evaluation mode, every record
+                                         # once, the last batch padded + "_mask"
 [datasets.NAME.options]                  # keyword arguments for `pipeline`
 ```
 
@@ -32,7 +34,7 @@ if TYPE_CHECKING:
   from grain_elevator.server.tfds_source import TfdsSplit
 
 _KEYS = {"paths", "tfds", "split", "data_dir", "pipeline", "batch_transform", "seed",
-         "shuffle", "num_epochs", "options"}
+         "shuffle", "num_epochs", "drop_remainder", "options"}
 _TFDS_KEYS = {"split", "data_dir"}
 _TOP_KEYS = {"datasets"}
 
@@ -50,6 +52,8 @@ class DatasetConfig:
   seed: int = 0
   shuffle: bool = True
   num_epochs: int = 1  # 0 = forever
+  # False: evaluation mode, the final partial batch padded (proto/contract.py).
+  drop_remainder: bool = True
   options: dict[str, Any] = dataclasses.field(default_factory=dict)
   tfds: TfdsSplit | None = None  # a TFDS split in place of `paths`
 
@@ -178,6 +182,12 @@ def parse_dataset(name: str, table: Any, base_dir: pathlib.Path) -> DatasetConfi
     raise ConfigError(
         f"dataset {name!r}: key 'num_epochs' must be >= 0 (0 = forever), got {num_epochs}"
     )
+  drop_remainder = table.get("drop_remainder", True)
+  _expect(name, "drop_remainder", drop_remainder, bool, "true or false")
+  if not drop_remainder and num_epochs == 0:
+    raise ConfigError(
+        f"dataset {name!r}: drop_remainder = false (evaluation mode) needs a finite "
+        "num_epochs: a stream that repeats forever has no final batch to pad")
   pipeline = table.get("pipeline")
   if pipeline is not None:
     _expect(name, "pipeline", pipeline, str, "a 'package.module:function' string")
@@ -193,7 +203,8 @@ def parse_dataset(name: str, table: Any, base_dir: pathlib.Path) -> DatasetConfi
   config = DatasetConfig(
       name=name, files=tuple(sorted(files)), pipeline=pipeline,
       batch_transform=batch_transform, seed=seed,
-      shuffle=shuffle, num_epochs=num_epochs, options=dict(options), tfds=tfds_split,
+      shuffle=shuffle, num_epochs=num_epochs, drop_remainder=drop_remainder,
+      options=dict(options), tfds=tfds_split,
   )
   config.pipeline_fn()  # Fail at start-up, not on the first request.
   config.batch_transform_fn()

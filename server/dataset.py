@@ -17,6 +17,7 @@ import threading
 from typing import Any, Mapping, Sequence
 
 import grain
+import numpy as np
 
 from grain_elevator.proto import contract
 from grain_elevator.proto import tree
@@ -107,6 +108,8 @@ def fingerprint(config: DatasetConfig, num_records: int,
   fields: dict[str, Any] = {}
   if config.tfds is not None:  # absent otherwise: other datasets' cursors stay valid
     fields["tfds"] = config.tfds.fingerprint_fields()
+  if not config.drop_remainder:  # likewise
+    fields["drop_remainder"] = False
   return contract.stream_fingerprint({
       **fields,
       "name": config.name,
@@ -168,18 +171,34 @@ class ElevatorDataset:
       raise ConfigError(
           f"dataset {config.name!r}: the pipeline fails on record 0: "
           f"{type(e).__name__}: {e}") from e
-    spec = ElementSpec.of(first)
-    self._leaf_specs = [(l.path, l.dtype, l.shape) for l in spec.leaves]
+    # The spec of a record; a batch's is the same, plus the mask in evaluation mode.
+    self._record_spec = ElementSpec.of(first)
+    self._leaf_specs = [(l.path, l.dtype, l.shape) for l in self._record_spec.leaves]
     self.info = DatasetInfo(
         name=config.name, num_records=num_records,
         num_epochs=config.num_epochs, shuffle=config.shuffle, seed=config.seed,
         config_fingerprint=fingerprint(config, num_records, self.identities),
-        element_spec=spec, stream_length=len(self.records))
+        element_spec=self._batch_spec(first), stream_length=len(self.records),
+        drop_remainder=config.drop_remainder)
     self._batch_fn = config.batch_transform_fn()
     if self._batch_fn is not None:
       self._verify_batch_transform(min(num_records, 64))
     elif config.tfds is not None and config.pipeline is None:
       self._use_tfds_batch_decoder(min(num_records, 64))
+
+  def _batch_spec(self, first: Any) -> ElementSpec:
+    """The record spec, with evaluation mode's mask leaf where it applies."""
+    if self.config.drop_remainder:
+      return self._record_spec
+    if not isinstance(first, dict) or contract.MASK_KEY in first:
+      raise ConfigError(
+          f"dataset {self.config.name!r}: drop_remainder = false (evaluation mode) "
+          f"needs records that are dicts without a {contract.MASK_KEY!r} key, for the "
+          f"mask it adds; record 0 is {type(first).__name__}"
+          + (f" with keys {sorted(first)}" if isinstance(first, dict) else ""))
+    spec = ElementSpec.of({**first, contract.MASK_KEY: np.bool_(True)})
+    self._mask_index = [l.path for l in spec.leaves].index(contract.MASK_KEY)
+    return spec
 
   def _use_tfds_batch_decoder(self, rows: int) -> None:
     """A TFDS dataset served as decoded (no pipeline): where its features
@@ -225,7 +244,7 @@ class ElevatorDataset:
   def _collate_records(self, positions: list[int], stack: bool = True
                        ) -> list[collate_lib.Leaf]:
     rows = self.records._getitems(positions)  # pylint: disable=protected-access
-    return collate_lib.collate(rows, self.info.element_spec.structure, self._leaf_specs,
+    return collate_lib.collate(rows, self._record_spec.structure, self._leaf_specs,
                                stack=stack)
 
   def raw_batch(self, positions: Sequence[int]) -> Sequence[bytes]:
@@ -248,7 +267,7 @@ class ElevatorDataset:
       return self._collate_records(positions, stack)
     leaves, structure, _ = tree.flatten(out)
     return collate_lib.check_batch(leaves, structure, len(positions),
-                                   self.info.element_spec.structure, self._leaf_specs,
+                                   self._record_spec.structure, self._leaf_specs,
                                    stack=stack)
 
   def host_batch_leaves(self, step: int, global_batch_size: int,
@@ -263,6 +282,23 @@ class ElevatorDataset:
     """
     positions = list(contract.host_positions(step, global_batch_size, shard_index,
                                              shard_count, record_offset))
+    if self.config.drop_remainder:
+      return self._rows(positions, stack)
+    # Evaluation mode: positions past the stream are zero rows, masked out.
+    real = sum(1 for p in positions if p < self.info.stream_length)  # a prefix
+    if real == len(positions):
+      leaves = self._rows(positions, stack)
+    else:
+      leaves = [np.zeros((len(positions), *shape), dtype) for _, dtype, shape in self._leaf_specs]
+      if real:
+        for padded, rows in zip(leaves, self._rows(positions[:real], stack=True)):
+          padded[:real] = rows
+    mask = np.zeros(len(positions), dtype=np.bool_)
+    mask[:real] = True
+    leaves.insert(self._mask_index, mask)
+    return leaves
+
+  def _rows(self, positions: list[int], stack: bool) -> list[collate_lib.Leaf]:
     if self._batch_fn is not None:
       return self._transform_batch(positions, stack)
     return self._collate_records(positions, stack)

@@ -95,7 +95,7 @@ class RequestPath:
           f"--max-message-bytes of {self._max_message_bytes}; use a smaller "
           "global_batch_size or more shards")
     contract.check_steps(r.start_step, r.num_steps, info.stream_length,
-                         r.global_batch_size, r.record_offset)
+                         r.global_batch_size, r.record_offset, info.drop_remainder)
     if r.compression not in (wire.COMPRESSION_NONE, wire.COMPRESSION_ZSTD):
       raise InvalidRequestError(f"unknown compression {r.compression}")
     return ds

@@ -74,9 +74,19 @@ CONFIG = textwrap.dedent("""\
     [datasets.raw]           # no pipeline: raw record bytes
     paths = ["shards/*.array_record"]
     seed = 5
+
+    [datasets.eval]          # evaluation mode: every record once, the last batch padded
+    paths = ["shards/*.array_record"]
+    pipeline = "grain_elevator.tools.examples:decode_images"
+    seed = 13
+    drop_remainder = false
+    [datasets.eval.options]
+    height = 4
+    width = 4
+    channels = 3
     """)
 
-DATASETS = ("aug2", "plain", "seed3", "seed3fast", "forever", "raw")
+DATASETS = ("aug2", "plain", "seed3", "seed3fast", "forever", "raw", "eval")
 
 
 @pytest.fixture(scope="session")

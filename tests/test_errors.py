@@ -24,7 +24,7 @@ def stub(server):
 
 @pytest.mark.parametrize("change,code,message", [
     (dict(dataset="nope"), grpc.StatusCode.NOT_FOUND,
-     "unknown dataset 'nope'; this server offers: aug2, forever, plain, raw, seed3, seed3fast"),
+     "unknown dataset 'nope'; this server offers: aug2, eval, forever, plain, raw, seed3, seed3fast"),
     (dict(global_batch_size=0), grpc.StatusCode.INVALID_ARGUMENT,
      "global_batch_size must be >= 1, got 0"),
     (dict(global_batch_size=-3), grpc.StatusCode.INVALID_ARGUMENT,
