@@ -65,7 +65,7 @@ def test_bad_request_gets_its_status(stub, oracle, change, code, message):
 
 def test_describe(stub):
   names = [d.name for d in stub.Describe(pb.DescribeRequest()).datasets]
-  assert names == ["aug2", "forever", "plain", "raw", "seed3", "seed3fast"]
+  assert names == ["aug2", "eval", "forever", "plain", "raw", "seed3", "seed3fast"]
   (info,) = stub.Describe(pb.DescribeRequest(dataset="aug2", global_batch_size=96)).datasets
   assert (info.num_records, info.num_epochs, info.shuffle, info.seed) == (1000, 2, True, 7)
   assert (info.steps_per_epoch, info.total_steps) == (10, 20)
