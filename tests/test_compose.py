@@ -63,7 +63,7 @@ def test_compose_up_serves_the_demo_dataset_and_comes_down(tmp_path):
   (work / "demo-data").mkdir()
   env = {**os.environ, "UID": str(os.getuid()), "BASE_IMAGE": base}
   project = ["-p", f"elevatortest{os.getpid()}"]
-  up = _run([*compose, *project, "up", "-d"], timeout=1800, cwd=work, env=env)
+  up = _run([*compose, *project, "up", "-d", "--build"], timeout=1800, cwd=work, env=env)
   try:
     assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-3000:]
     deadline = time.monotonic() + 180
