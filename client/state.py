@@ -39,7 +39,7 @@ def make(cursor: Cursor, info: DatasetInfo, global_batch_size: int) -> dict[str,
       "dataset": info.name,
       "global_batch_size": global_batch_size,
       "seed": info.seed,
-      "config_fingerprint": info.config_fingerprint,
+      "config_fingerprint": info.cursor_fingerprint(cursor.step),
   }
   if cursor.record_offset:
     state["record_offset"] = cursor.record_offset
@@ -64,15 +64,21 @@ def check(state: Any, info: DatasetInfo, global_batch_size: int) -> Cursor:
     raise InvalidRequestError(
         f"not a grain-elevator state: missing {', '.join(missing)} (got keys "
         f"{sorted(state)})")
-  expected = make(Cursor(0), info, global_batch_size)
+  step = _int(state, "step")
+  expected = make(Cursor(step), info, global_batch_size)
   diffs = [f"{k}: saved {state[k]!r}, this stream has {expected[k]!r}"
            for k in _STREAM_KEYS if state[k] != expected[k]]
+  if len(info.segment_steps) > 1 and state["global_batch_size"] != global_batch_size:
+    diffs.append(f"global_batch_size: saved {state['global_batch_size']!r}, this iterator "
+                 f"has {global_batch_size}, and a scheduled mixture counts its segments in "
+                 "steps of it")
   if diffs:
     raise StreamMismatchError(
         "this state was saved for another stream and cannot resume it ("
         + "; ".join(diffs) + "). A cursor is valid only for the same dataset "
-        "config and seed; any global batch size and number of hosts is fine.")
-  step, offset = _int(state, "step"), _int(state, "record_offset", 0)
+        "config and seed (for a mixture: the schedule up to the saved step); "
+        "any number of hosts is fine.")
+  offset = _int(state, "record_offset", 0)
   saved_g = state["global_batch_size"]
   if not isinstance(saved_g, int) or isinstance(saved_g, bool) or saved_g < 1:
     raise InvalidRequestError(f"state global_batch_size must be an integer >= 1, "

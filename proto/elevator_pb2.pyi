@@ -41,7 +41,7 @@ class ServerInfo(_message.Message):
     def __init__(self, worker_index: _Optional[int] = ..., num_workers: _Optional[int] = ..., bulk_port: _Optional[int] = ...) -> None: ...
 
 class DatasetInfo(_message.Message):
-    __slots__ = ("name", "num_records", "num_epochs", "shuffle", "seed", "config_fingerprint", "element_spec", "global_batch_size", "steps_per_epoch", "total_steps", "pad_remainder")
+    __slots__ = ("name", "num_records", "num_epochs", "shuffle", "seed", "config_fingerprint", "element_spec", "global_batch_size", "steps_per_epoch", "total_steps", "pad_remainder", "segment_steps", "segment_fingerprints")
     NAME_FIELD_NUMBER: _ClassVar[int]
     NUM_RECORDS_FIELD_NUMBER: _ClassVar[int]
     NUM_EPOCHS_FIELD_NUMBER: _ClassVar[int]
@@ -53,6 +53,8 @@ class DatasetInfo(_message.Message):
     STEPS_PER_EPOCH_FIELD_NUMBER: _ClassVar[int]
     TOTAL_STEPS_FIELD_NUMBER: _ClassVar[int]
     PAD_REMAINDER_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_STEPS_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_FINGERPRINTS_FIELD_NUMBER: _ClassVar[int]
     name: str
     num_records: int
     num_epochs: int
@@ -64,7 +66,9 @@ class DatasetInfo(_message.Message):
     steps_per_epoch: int
     total_steps: int
     pad_remainder: bool
-    def __init__(self, name: _Optional[str] = ..., num_records: _Optional[int] = ..., num_epochs: _Optional[int] = ..., shuffle: _Optional[bool] = ..., seed: _Optional[int] = ..., config_fingerprint: _Optional[str] = ..., element_spec: _Optional[_Union[ElementSpec, _Mapping]] = ..., global_batch_size: _Optional[int] = ..., steps_per_epoch: _Optional[int] = ..., total_steps: _Optional[int] = ..., pad_remainder: _Optional[bool] = ...) -> None: ...
+    segment_steps: _containers.RepeatedScalarFieldContainer[int]
+    segment_fingerprints: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., num_records: _Optional[int] = ..., num_epochs: _Optional[int] = ..., shuffle: _Optional[bool] = ..., seed: _Optional[int] = ..., config_fingerprint: _Optional[str] = ..., element_spec: _Optional[_Union[ElementSpec, _Mapping]] = ..., global_batch_size: _Optional[int] = ..., steps_per_epoch: _Optional[int] = ..., total_steps: _Optional[int] = ..., pad_remainder: _Optional[bool] = ..., segment_steps: _Optional[_Iterable[int]] = ..., segment_fingerprints: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ElementSpec(_message.Message):
     __slots__ = ("structure", "leaves")

@@ -66,6 +66,18 @@ class DatasetInfo:
   element_spec: ElementSpec
   stream_length: int  # records in the whole stream; FOREVER_LENGTH if forever
   drop_remainder: bool = True  # False: evaluation mode (contract.MASK_KEY)
+  # A mixture's schedule (server/mixture.py): segment first steps, and what
+  # a cursor inside each segment names in place of config_fingerprint.
+  segment_steps: tuple[int, ...] = ()
+  segment_fingerprints: tuple[str, ...] = ()
+
+  def cursor_fingerprint(self, step: int) -> str:
+    """What a cursor at `step` names: the whole config's fingerprint, or for a
+    mixture only what decided the steps before it."""
+    if not self.segment_steps:
+      return self.config_fingerprint
+    i = max([0] + [k for k, s in enumerate(self.segment_steps) if s < step])
+    return self.segment_fingerprints[i]
 
   @property
   def repeats_forever(self) -> bool:
@@ -87,7 +99,8 @@ class DatasetInfo:
         shuffle=self.shuffle, seed=self.seed,
         config_fingerprint=self.config_fingerprint,
         element_spec=self.element_spec.to_proto(),
-        global_batch_size=global_batch_size, pad_remainder=not self.drop_remainder)
+        global_batch_size=global_batch_size, pad_remainder=not self.drop_remainder,
+        segment_steps=self.segment_steps, segment_fingerprints=self.segment_fingerprints)
     if global_batch_size > 0:
       msg.steps_per_epoch = self.steps_per_epoch(global_batch_size)
       total = self.total_steps(global_batch_size)
@@ -102,4 +115,6 @@ class DatasetInfo:
     return cls(name=msg.name, num_records=msg.num_records,
                num_epochs=msg.num_epochs, shuffle=msg.shuffle, seed=msg.seed,
                config_fingerprint=msg.config_fingerprint, element_spec=spec,
-               stream_length=length, drop_remainder=not msg.pad_remainder)
+               stream_length=length, drop_remainder=not msg.pad_remainder,
+               segment_steps=tuple(msg.segment_steps),
+               segment_fingerprints=tuple(msg.segment_fingerprints))

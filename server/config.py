@@ -15,6 +15,20 @@ drop_remainder = true                    # false: evaluation mode, every record
 [datasets.NAME.options]                  # keyword arguments for `pipeline`
 ```
 
+A dataset may instead mix other registered datasets (server/mixture.py):
+
+```toml
+[datasets.mix]
+mixture = { a = 0.7, b = 0.3 }           # weights, normalised
+# or, in place of `mixture`, weights that change at global steps:
+[[datasets.mix.schedule]]
+step = 0
+weights = { a = 0.7, b = 0.3 }
+[[datasets.mix.schedule]]
+step = 50
+weights = { a = 0.2, b = 0.8 }
+```
+
 Clients only name a dataset; paths and code come from this file alone.
 """
 
@@ -34,8 +48,9 @@ if TYPE_CHECKING:
   from grain_elevator.server.tfds_source import TfdsSplit
 
 _KEYS = {"paths", "tfds", "split", "data_dir", "pipeline", "batch_transform", "seed",
-         "shuffle", "num_epochs", "drop_remainder", "options"}
+         "shuffle", "num_epochs", "drop_remainder", "options", "mixture", "schedule"}
 _TFDS_KEYS = {"split", "data_dir"}
+_MIXTURE_KEYS = {"mixture", "schedule"}
 _TOP_KEYS = {"datasets"}
 
 
@@ -56,6 +71,9 @@ class DatasetConfig:
   drop_remainder: bool = True
   options: dict[str, Any] = dataclasses.field(default_factory=dict)
   tfds: TfdsSplit | None = None  # a TFDS split in place of `paths`
+  # A mixture in place of a source: (first global step, ((component, weight), ...))
+  # per segment, steps increasing from 0, weights normalised (server/mixture.py).
+  schedule: tuple[tuple[int, tuple[tuple[str, float], ...]], ...] | None = None
 
   def pipeline_fn(self) -> Callable[..., Any] | None:
     return None if self.pipeline is None else import_function(
@@ -153,10 +171,70 @@ def _parse_tfds(name: str, table: dict[str, Any], base_dir: pathlib.Path) -> Tfd
   return tfds_source.resolve(name, tfds_name.strip(), split, data_dir)
 
 
+def _parse_weights(name: str, where: str, weights: Any) -> tuple[tuple[str, float], ...]:
+  if not isinstance(weights, dict) or not weights:
+    raise ConfigError(f"dataset {name!r}: {where} must be a table of component = weight, "
+                      f"got {weights!r}")
+  for component, w in weights.items():
+    if not isinstance(w, (int, float)) or isinstance(w, bool) or not w >= 0 or w == float("inf"):
+      raise ConfigError(f"dataset {name!r}: {where}: weight of {component!r} must be a "
+                        f"finite number >= 0, got {w!r}")
+  total = sum(weights.values())
+  if total <= 0:
+    raise ConfigError(f"dataset {name!r}: {where}: the weights are all zero")
+  return tuple((c, w / total) for c, w in weights.items())
+
+
+def _parse_mixture(name: str, table: dict[str, Any]) -> DatasetConfig:
+  other = sorted(set(table) - _MIXTURE_KEYS)
+  if other or len(_MIXTURE_KEYS & set(table)) != 1:
+    raise ConfigError(
+        f"dataset {name!r}: a mixture has 'mixture' or 'schedule', not both, and no other "
+        f"key (its components keep their own); got {', '.join(map(repr, sorted(table)))}")
+  if "mixture" in table:
+    return DatasetConfig(name=name, files=(), schedule=(
+        (0, _parse_weights(name, "key 'mixture'", table["mixture"])),))
+  entries = table["schedule"]
+  if not isinstance(entries, list) or not entries:
+    raise ConfigError(f"dataset {name!r}: 'schedule' must be [[datasets.{name}.schedule]] "
+                      "entries with 'step' and 'weights'")
+  segments, last = [], -1
+  for i, entry in enumerate(entries):
+    where = f"schedule entry {i}"
+    if not isinstance(entry, dict) or set(entry) != {"step", "weights"}:
+      raise ConfigError(f"dataset {name!r}: {where} must have exactly 'step' and 'weights', "
+                        f"got {entry!r}")
+    step = entry["step"]
+    _expect(name, f"{where}: 'step'", step, int, "an integer >= 0")
+    if i == 0 and step != 0:
+      raise ConfigError(f"dataset {name!r}: the schedule must start at step 0, got {step}")
+    if step <= last:
+      raise ConfigError(f"dataset {name!r}: schedule steps must increase: entry {i} has "
+                        f"step {step} after {last}")
+    last = step
+    segments.append((step, _parse_weights(name, where + ": 'weights'", entry["weights"])))
+  return DatasetConfig(name=name, files=(), schedule=tuple(segments))
+
+
+def check_mixtures(datasets: dict[str, DatasetConfig]) -> None:
+  """Every mixture's components are registered datasets that are not mixtures."""
+  for name, config in datasets.items():
+    for _, weights in config.schedule or ():
+      for component, _ in weights:
+        target = datasets.get(component)
+        if target is None:
+          raise ConfigError(f"dataset {name!r}: unknown component {component!r}; registered: "
+                            f"{', '.join(sorted(n for n in datasets if n != name))}")
+        if target.schedule is not None:
+          raise ConfigError(f"dataset {name!r}: component {component!r} is itself a mixture")
+
+
 def parse_dataset(name: str, table: Any, base_dir: pathlib.Path) -> DatasetConfig:
   """Validates one dataset table; every error names the dataset and key."""
   if not isinstance(table, dict):
     raise ConfigError(f"dataset {name!r}: [datasets.{name}] must be a table")
+  if _MIXTURE_KEYS & set(table):
+    return _parse_mixture(name, table)
   unknown = sorted(set(table) - _KEYS)
   if unknown:
     raise ConfigError(
@@ -233,4 +311,5 @@ def load_config(path: str | os.PathLike[str]) -> ServerConfig:
   datasets = {
       name: parse_dataset(name, table, path.parent) for name, table in tables.items()
   }
+  check_mixtures(datasets)
   return ServerConfig(path=str(path), datasets=datasets)

@@ -11,6 +11,7 @@ started, and shards are read only while they still have it
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -298,6 +299,10 @@ class ElevatorDataset:
     leaves.insert(self._mask_index, mask)
     return leaves
 
+  def component_rows(self, positions: list[int]) -> list[np.ndarray]:
+    """Stacked rows at these stream positions, for a mixture (server/mixture.py)."""
+    return self._rows(positions, stack=True)
+
   def _rows(self, positions: list[int], stack: bool) -> list[collate_lib.Leaf]:
     if self._batch_fn is not None:
       return self._transform_batch(positions, stack)
@@ -318,7 +323,8 @@ class Datasets:
                identities: Mapping[str, ShardIdentity] | None = None):
     self.config = config
     self._identities = identities
-    self._opened: dict[str, ElevatorDataset] = {}
+    self._opened: dict[str, Any] = {}
+    self._forever: dict[str, ElevatorDataset] = {}  # mixtures' components
     self._lock = threading.Lock()
     if open_now:
       for name in config.datasets:
@@ -328,7 +334,7 @@ class Datasets:
   def names(self) -> list[str]:
     return sorted(self.config.datasets)
 
-  def get(self, name: str) -> ElevatorDataset:
+  def get(self, name: str) -> Any:
     """The opened dataset; UnknownDatasetError (NOT_FOUND) naming what exists."""
     with self._lock:
       ds = self._opened.get(name)
@@ -338,5 +344,19 @@ class Datasets:
           raise UnknownDatasetError(
               f"unknown dataset {name!r}; this server offers: "
               f"{', '.join(self.names) or '(none)'}")
-        ds = self._opened[name] = ElevatorDataset(dataset_config, self._identities)
+        if dataset_config.schedule is not None:
+          from grain_elevator.server.mixture import MixtureDataset  # pylint: disable=g-import-not-at-top
+          ds = MixtureDataset(dataset_config, self._open_forever)
+        else:
+          ds = ElevatorDataset(dataset_config, self._identities)
+        self._opened[name] = ds
       return ds
+
+  def _open_forever(self, name: str) -> ElevatorDataset:
+    """A mixture's component: its own stream, repeated forever."""
+    ds = self._forever.get(name)
+    if ds is None:
+      config = dataclasses.replace(self.config.datasets[name], num_epochs=0,
+                                   drop_remainder=True)
+      ds = self._forever[name] = ElevatorDataset(config, self._identities)
+    return ds
