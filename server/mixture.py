@@ -25,11 +25,41 @@ from grain_elevator.proto.spec import DatasetInfo
 from grain_elevator.server.config import DatasetConfig
 
 
+# Grain's selection repeats every sum(proportions) records, each component's
+# key advancing by its proportion per period; a period up to this long is
+# tabulated once, so a batch is located with a few numpy operations.
+_MAX_TABLE = 1 << 20
+
+
 @dataclasses.dataclass(frozen=True)
 class _Segment:
   first_step: int
   components: tuple[int, ...]  # indices into the mixture's component list, weight > 0
   proportions: tuple[int, ...]  # Grain's integer proportions of those
+
+  @functools.cached_property
+  def table(self) -> tuple[np.ndarray, np.ndarray] | None:
+    """(which, key) of each record of one period, from Grain's own function."""
+    period = sum(self.proportions)
+    if period > _MAX_TABLE:
+      return None
+    picks = [grain_mix._dataset_and_key_of_next_element(r, self.proportions)  # pylint: disable=protected-access
+             for r in range(period)]
+    return (np.array([w for w, _ in picks], np.int64), np.array([k for _, k in picks], np.int64))
+
+  def locate(self, records: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(component, key in its segment stream) of records counted from the segment's start."""
+    table = self.table
+    if table is None:
+      picks = [grain_mix._dataset_and_key_of_next_element(int(r), self.proportions)  # pylint: disable=protected-access
+               for r in records]
+      which = np.array([w for w, _ in picks], np.int64)
+      keys = np.array([k for _, k in picks], np.int64)
+    else:
+      period = len(table[0])
+      which = table[0][records % period]
+      keys = table[1][records % period] + records // period * np.asarray(self.proportions)[which]
+    return np.asarray(self.components, np.int64)[which], keys
 
 
 def _counts(records: int, proportions: Sequence[int]) -> list[int]:
@@ -93,15 +123,19 @@ class MixtureDataset:
           used[j] += n
     return tuple(out)
 
-  def locate(self, position: int, global_batch_size: int) -> tuple[int, int]:
-    """(component, index in its stream) of the mixture's record `position`."""
-    starts = [s.first_step * global_batch_size for s in self._segments]
-    i = max(k for k, start in enumerate(starts) if start <= position)
-    seg = self._segments[i]
-    which, key = grain_mix._dataset_and_key_of_next_element(  # pylint: disable=protected-access
-        position - starts[i], seg.proportions)
-    j = seg.components[which]
-    return j, self._offsets(global_batch_size)[i][j] + key
+  def locate(self, positions: np.ndarray, global_batch_size: int
+             ) -> tuple[np.ndarray, np.ndarray]:
+    """(component, index in its stream) of each of the mixture's records at `positions`."""
+    starts = np.array([s.first_step * global_batch_size for s in self._segments], np.int64)
+    segment = np.searchsorted(starts, positions, side="right") - 1
+    offsets = np.array(self._offsets(global_batch_size), np.int64)
+    component = np.empty(len(positions), np.int64)
+    index = np.empty(len(positions), np.int64)
+    for i in np.unique(segment):
+      rows = segment == i
+      c, k = self._segments[i].locate(positions[rows] - starts[i])
+      component[rows], index[rows] = c, offsets[i][c] + k
+    return component, index
 
   def host_batch_leaves(self, step: int, global_batch_size: int, shard_index: int,
                         shard_count: int, *, record_offset: int = 0,
@@ -113,16 +147,14 @@ class MixtureDataset:
           "steps of the global batch size, so it cannot change at a checkpoint")
     positions = contract.host_positions(step, global_batch_size, shard_index, shard_count,
                                         record_offset)
-    picks = [self.locate(p, global_batch_size) for p in positions]
-    specs = self.info.element_spec.leaves
-    out = [np.empty((len(picks), *l.shape), l.dtype) for l in specs]
+    component, index = self.locate(np.arange(positions.start, positions.stop, dtype=np.int64),
+                                   global_batch_size)
+    out = [np.empty((len(positions), *l.shape), l.dtype) for l in self.info.element_spec.leaves]
     for j, ds in enumerate(self.components):
-      rows = [r for r, (c, _) in enumerate(picks) if c == j]
-      if not rows:
-        continue
-      leaves = ds.component_rows([picks[r][1] for r in rows])
-      for dst, src in zip(out, leaves):
-        dst[rows] = src
+      rows = np.flatnonzero(component == j)
+      if len(rows):
+        for dst, src in zip(out, ds.component_rows(index[rows].tolist())):
+          dst[rows] = src
     return out
 
 

@@ -112,8 +112,11 @@ def test_resuming_a_scheduled_mixture_mid_segment(mix_server, mix_config):
   oracle = EmbeddedBackend(mix_config)
   want = _expected(oracle, "scheduled", 6, 0, 1)
   with RemoteDataset(mix_server.target, "scheduled", G) as ds:
+    first = iter(ds)
+    for _ in range(3):
+      next(first)
     it = iter(ds)
-    it.set_state({**it.get_state(), "step": 3})
+    it.set_state(first.get_state())  # names segment 1's entries: steps 0-2 were read
     for step in (3, 4, 5):
       assert_trees_equal(next(it), want[step], f"step {step}")
 
@@ -170,3 +173,20 @@ def test_an_entry_added_after_a_checkpoint_keeps_it_valid(data_dir, tmp_path):
     it = iter(ds)
     with pytest.raises(StreamMismatchError, match="config_fingerprint: saved"):
       it.set_state(saved)
+
+
+def test_the_period_table_matches_grains_function_record_by_record(monkeypatch):
+  """Batches are located from one tabulated period of Grain's selection;
+  a period too long to tabulate falls back to Grain's function per record."""
+  from grain_elevator.server import mixture  # pylint: disable=import-outside-toplevel
+  records = np.arange(0, 20_000, 7, dtype=np.int64)
+  tabulated = mixture._Segment(0, (0, 2, 1), (250, 150, 100)).locate(records)
+  monkeypatch.setattr(mixture, "_MAX_TABLE", 0)
+  direct = mixture._Segment(0, (0, 2, 1), (250, 150, 100)).locate(records)
+  np.testing.assert_array_equal(tabulated[0], direct[0])
+  np.testing.assert_array_equal(tabulated[1], direct[1])
+  mixed = grain.MapDataset.mix([grain.MapDataset.range(j * BIG, (j + 1) * BIG) for j in range(3)],
+                               [0.5, 0.3, 0.2])
+  want = [mixed[int(r)] for r in records]
+  assert [(0, 2, 1)[v // BIG] for v in want] == tabulated[0].tolist()
+  assert [v % BIG for v in want] == tabulated[1].tolist()
