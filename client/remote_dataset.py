@@ -326,8 +326,7 @@ class _RemoteIterator(grain.DatasetIterator):
       self._cancel_all()
       self._step = self._requested = cursor.step
       self._offset = cursor.record_offset
-      self._total = state_lib.total_steps(self._info, self._ds.global_batch_size,
-                                          self._offset)
+      self._total = self._info.total_steps(self._ds.global_batch_size, self._offset)
 
   # -- lifecycle ------------------------------------------------------------
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from grain_elevator.proto import contract
 from grain_elevator.proto.errors import InvalidRequestError, StreamMismatchError
 from grain_elevator.proto.spec import DatasetInfo
 
@@ -46,10 +45,10 @@ def make(cursor: Cursor, info: DatasetInfo, global_batch_size: int) -> dict[str,
   return state
 
 
-def _int(state: dict[str, Any], key: str, default: int | None = None) -> int:
+def _int(state: dict[str, Any], key: str, default: int | None = None, minimum: int = 0) -> int:
   value = state.get(key, default)
-  if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-    raise InvalidRequestError(f"state {key} must be an integer >= 0, got {value!r}")
+  if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+    raise InvalidRequestError(f"state {key} must be an integer >= {minimum}, got {value!r}")
   return value
 
 
@@ -79,29 +78,18 @@ def check(state: Any, info: DatasetInfo, global_batch_size: int) -> Cursor:
         "config and seed (for a mixture: the schedule up to the saved step); "
         "any number of hosts is fine.")
   offset = _int(state, "record_offset", 0)
-  saved_g = state["global_batch_size"]
-  if not isinstance(saved_g, int) or isinstance(saved_g, bool) or saved_g < 1:
-    raise InvalidRequestError(f"state global_batch_size must be an integer >= 1, "
-                              f"got {saved_g!r}")
-  if not info.repeats_forever:
-    if offset > info.stream_length:
-      raise InvalidRequestError(f"state record_offset {offset} is past the end of dataset "
-                                f"{info.name!r}, which has {info.stream_length} records")
-    steps = contract.total_steps(info.stream_length, saved_g, offset, info.drop_remainder)
-    if step > steps:
-      raise InvalidRequestError(
-          f"state step {step} is past the end of dataset {info.name!r}, which has "
-          f"{steps} steps of global batch size {saved_g}"
-          + (f" after record {offset}" if offset else ""))
+  saved_g = _int(state, "global_batch_size", minimum=1)
+  if not info.repeats_forever and offset > info.stream_length:
+    raise InvalidRequestError(f"state record_offset {offset} is past the end of dataset "
+                              f"{info.name!r}, which has {info.stream_length} records")
+  steps = info.total_steps(saved_g, offset)
+  if steps is not None and step > steps:
+    raise InvalidRequestError(
+        f"state step {step} is past the end of dataset {info.name!r}, which has "
+        f"{steps} steps of global batch size {saved_g}"
+        + (f" after record {offset}" if offset else ""))
   if saved_g == global_batch_size:
     return Cursor(step, offset)
   # A new G: steps count afresh from the record reached (the end, at most).
   return Cursor(0, min(offset + step * saved_g, info.stream_length))
 
-
-def total_steps(info: DatasetInfo, global_batch_size: int, record_offset: int) -> int | None:
-  """Steps left in the stream from `record_offset`, or None if it repeats forever."""
-  if info.repeats_forever:
-    return None
-  return contract.total_steps(info.stream_length, global_batch_size, record_offset,
-                              info.drop_remainder)

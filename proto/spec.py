@@ -86,12 +86,12 @@ class DatasetInfo:
   def steps_per_epoch(self, global_batch_size: int) -> int:
     return contract.steps_per_epoch(self.num_records, global_batch_size)
 
-  def total_steps(self, global_batch_size: int) -> int | None:
-    """Steps in the stream, or None if it repeats forever."""
+  def total_steps(self, global_batch_size: int, record_offset: int = 0) -> int | None:
+    """Steps in the stream from `record_offset` on, or None if it repeats forever."""
     if self.repeats_forever:
       return None
-    return contract.total_steps(self.stream_length, global_batch_size,
-                                drop_remainder=self.drop_remainder)
+    return contract.total_steps(self.stream_length, global_batch_size, record_offset,
+                                self.drop_remainder)
 
   def to_proto(self, global_batch_size: int = 0) -> pb.DatasetInfo:
     msg = pb.DatasetInfo(

@@ -286,7 +286,7 @@ class ElevatorDataset:
     if self.config.drop_remainder:
       return self._rows(positions, stack)
     # Evaluation mode: positions past the stream are zero rows, masked out.
-    real = sum(1 for p in positions if p < self.info.stream_length)  # a prefix
+    real = min(len(positions), max(0, self.info.stream_length - positions[0]))  # a prefix
     if real == len(positions):
       leaves = self._rows(positions, stack)
     else:
