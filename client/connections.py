@@ -167,18 +167,24 @@ class Slots:
   def __iter__(self):
     return iter(list(self._slots))
 
-  def checkout(self, cancelled: Callable[[], bool]) -> Slot | None:
-    """A slot with room (None once cancelled or closed), round-robin,
-    preferring replicas not failing lately: waits for a healthy one rather
-    than take a failing one, unless all fail."""
+  def checkout(self, cancelled: Callable[[], bool], route: int | None = None) -> Slot | None:
+    """A slot with room (None once cancelled or closed), preferring replicas
+    not failing lately: waits for a healthy one rather than take a failing
+    one, unless all fail. `route` (a chunk number): a slot of the worker
+    that owns it (`owner_of`), waiting for one of its slots to be free,
+    unless that worker has none or its replica is failing; else round-robin."""
     with self._free:
       while True:
         if cancelled() or self._closed:
           return None
         now = time.monotonic()
         live = [s for s in self._slots if not s.retired]
-        healthy = [s for s in live if s.shunned_until <= now]
-        free = [s for s in (healthy or live) if s.in_use < s.conn.capacity]
+        owners = owner_of(live, route) if route is not None else []
+        if owners and all(s.shunned_until <= now for s in owners):
+          free = [s for s in owners if s.in_use < s.conn.capacity]
+        else:
+          healthy = [s for s in live if s.shunned_until <= now]
+          free = [s for s in (healthy or live) if s.in_use < s.conn.capacity]
         if free:
           chosen = free[next(self._next) % len(free)]
           chosen.in_use += 1
@@ -241,6 +247,24 @@ class Slots:
       for slot in self._slots:
         slot.conn.close()
       self._free.notify_all()
+
+
+def owner_of(slots: Sequence[Slot], chunk: int) -> list[Slot]:
+  """The slots to the worker that owns `chunk`, a function of the chunk and
+  the replicas alone, so every trainer sends the same chunk to the same
+  worker, whose cache then serves it to all (server/batch_cache.py).
+  Chunk c goes to replica c mod R of the replicas sorted by address, and
+  there to worker (c // R) mod W: consecutive chunks spread over all."""
+  replicas = sorted({s.replica for s in slots})
+  if not replicas:
+    return []
+  replica = replicas[chunk % len(replicas)]
+  mine = [s for s in slots if s.replica == replica and getattr(s.conn, "server", None)]
+  workers = max((s.conn.server.num_workers for s in mine), default=0)
+  if not workers:
+    return []
+  worker = chunk // len(replicas) % workers
+  return [s for s in mine if s.conn.server.worker_index == worker]
 
 
 def _spread_over_workers(open_one: Callable[[], Any | None], per_target: int) -> list[list[Any]]:
@@ -542,11 +566,13 @@ class ConnectionPool:
     return use
 
   def _with_slot(self, slots: Slots, use: Callable[[Slot], T],
-                 cancelled: Callable[[], bool] = lambda: False) -> T:
-    """`use(slot)` on a checked-out slot, reopened first if it broke; a
-    retriable failure shuns the slot's replica. A TransportError leaves
-    saying where it happened."""
-    slot = slots.checkout(lambda: cancelled() or self._closed)
+                 cancelled: Callable[[], bool] = lambda: False,
+                 route: int | None = None) -> T:
+    """`use(slot)` on a checked-out slot (of the worker owning chunk
+    `route`, if given), reopened first if it broke; a retriable failure
+    shuns the slot's replica. A TransportError leaves saying where it
+    happened."""
+    slot = slots.checkout(lambda: cancelled() or self._closed, route)
     if slot is None:
       raise TransportError(grpc.StatusCode.CANCELLED, "cancelled")
     failed = False
@@ -578,7 +604,10 @@ class ConnectionPool:
     """Steps [start, start+num) of `request`, in order, from any replica.
 
     Each step is appended to `out` (a new list by default) as it arrives, so
-    a caller may take early steps before the request ends."""
+    a caller may take early steps before the request ends. The request goes
+    to the worker owning its chunk (`owner_of`); the iterator cuts requests
+    at multiples of their size, so start_step // num_steps numbers them
+    alike for every trainer."""
     self._balance()
     self._refresh_if_due()
     out = [] if out is None else out
@@ -601,7 +630,8 @@ class ConnectionPool:
           slot.served += 1
 
       try:
-        self._with_slot(slots, stream, lambda: token.cancelled)
+        self._with_slot(slots, stream, lambda: token.cancelled,
+                        route=request.start_step // max(1, request.num_steps))
       except TransportError:
         if len(out) == request.num_steps:  # it failed after its last step: all here
           return out

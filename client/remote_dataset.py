@@ -256,8 +256,12 @@ class _RemoteIterator(grain.DatasetIterator):
       self._pool = concurrent.futures.ThreadPoolExecutor(
           max_workers=workers, thread_name_prefix="grain-elevator-fetch")
     while self._requested < limit:
-      n = min(per_request, limit - self._requested)
-      if n < per_request and self._requested > self._step and (
+      # Requests end at multiples of their size, whatever step the trainer
+      # resumed at: trainers then ask for the same chunks, which the same
+      # worker serves once (server/batch_cache.py).
+      whole = per_request - self._requested % per_request
+      n = min(whole, limit - self._requested)
+      if n < whole and self._requested > self._step and (
           self._total is None or self._requested + n < self._total):
         break  # steps are in flight: wait until a whole request fits the window
       token = CancelToken()

@@ -9,11 +9,14 @@ survive restarts and never decrease; its live gauges are dropped when the
 supervisor notes its death.
 
 Workers record (labels in braces):
-  elevator_batches_total{dataset}             steps produced
+  elevator_batches_total{dataset}             steps served (produced or cached)
+  elevator_batch_cache_hits_total{dataset}     of those, steps served from the cache of
+                                               steps shared between trainers
   elevator_bytes_sent_total{dataset,transport} batch bytes handed to the socket
   elevator_request_errors_total{code}          requests answered with an error status
   elevator_batch_seconds{dataset}              histogram: time to produce one step
   elevator_inflight_requests                   admitted requests, all workers
+  elevator_batch_cache_bytes                   bytes the workers' caches hold
 
 The supervisor adds:
   elevator_workers                             live worker processes
@@ -52,7 +55,13 @@ _BATCH_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.
 class _Off:
   """What a process without metrics records: nothing, cheaply."""
 
-  def batch(self, dataset: str, seconds: float) -> None:
+  def produced(self, dataset: str, seconds: float) -> None:
+    pass
+
+  def served(self, dataset: str, *, cached: bool) -> None:
+    pass
+
+  def cache_bytes(self, nbytes: int) -> None:
     pass
 
   def sent(self, dataset: str, transport: str, nbytes: int) -> None:
@@ -70,7 +79,14 @@ class _Recording(_Off):
 
   def __init__(self) -> None:
     import prometheus_client as prom  # pylint: disable=g-import-not-at-top
-    self._batches = prom.Counter("elevator_batches", "Steps produced.", ["dataset"])
+    self._batches = prom.Counter("elevator_batches", "Steps served (produced or cached).",
+                                 ["dataset"])
+    self._hits = prom.Counter("elevator_batch_cache_hits",
+                              "Steps served from the cache shared between trainers.",
+                              ["dataset"])
+    self._cache_bytes = prom.Gauge("elevator_batch_cache_bytes",
+                                   "Bytes the workers' batch caches hold.",
+                                   multiprocess_mode="livesum")
     self._bytes = prom.Counter("elevator_bytes_sent", "Batch bytes handed to the socket.",
                                ["dataset", "transport"])
     self._errors = prom.Counter("elevator_request_errors",
@@ -80,9 +96,16 @@ class _Recording(_Off):
     self._inflight = prom.Gauge("elevator_inflight_requests", "Admitted requests.",
                                 multiprocess_mode="livesum")
 
-  def batch(self, dataset: str, seconds: float) -> None:
-    self._batches.labels(dataset).inc()
+  def produced(self, dataset: str, seconds: float) -> None:
     self._seconds.labels(dataset).observe(seconds)
+
+  def served(self, dataset: str, *, cached: bool) -> None:
+    self._batches.labels(dataset).inc()
+    if cached:
+      self._hits.labels(dataset).inc()
+
+  def cache_bytes(self, nbytes: int) -> None:
+    self._cache_bytes.set(nbytes)
 
   def sent(self, dataset: str, transport: str, nbytes: int) -> None:
     self._bytes.labels(dataset, transport).inc(nbytes)

@@ -10,11 +10,15 @@ from __future__ import annotations
 import dataclasses
 
 from grain_elevator.proto.errors import ConfigError
-from grain_elevator.server import cpus
+from grain_elevator.server import cgroup
 
 # A host's rows for one step are one message; bounded so that no request
 # (G = 10^9, say) makes a worker allocate without limit.
 DEFAULT_MAX_MESSAGE_BYTES = 256 << 20
+# The default batch cache (server/batch_cache.py): this fraction of the
+# container's memory limit, at most DEFAULT_BATCH_CACHE_CAP, shared by the workers.
+BATCH_CACHE_MEMORY_FRACTION = 1 / 16
+DEFAULT_BATCH_CACHE_CAP = 512 << 20
 # gRPC threads beyond the request slots, and the health service's own pool:
 # probes answer while every slot is held by requests.
 HEALTH_THREADS = 4
@@ -28,7 +32,7 @@ class ServerOptions:
     host: address to listen on; "0.0.0.0" for every interface.
     port: the gRPC port; 0 picks a free one (`Server.port` says which).
     workers: worker processes sharing the port; None: one per usable CPU
-      (affinity, capped by the container's cgroup CPU limit: server/cpus.py).
+      (affinity, capped by the container's cgroup CPU limit: server/cgroup.py).
     threads: gRPC handler threads of one worker; None: max_concurrent_requests
       + HEALTH_THREADS. Must exceed max_concurrent_requests, so that a
       health check or Describe finds a thread while every slot is held.
@@ -59,6 +63,10 @@ class ServerOptions:
     metrics_port: serve Prometheus metrics of the whole server at
       http://host:metrics_port/metrics (server/metrics.py); 0 picks a free
       one; None: no metrics.
+    batch_cache_mb: MiB of recently served steps the workers keep (split
+      evenly), so that trainers reading the same stream get each step
+      produced once (server/batch_cache.py); 0: off. None: 1/16 of the
+      container's memory limit (server/cgroup.py), at most 512 MiB.
   """
 
   host: str = "127.0.0.1"
@@ -79,6 +87,7 @@ class ServerOptions:
   bulk_port: int = 0
   metrics_port: int | None = None
   idle_exit_s: float | None = None
+  batch_cache_mb: int | None = None
 
   def __post_init__(self) -> None:
     for name in ("port", "bulk_port", "metrics_port"):
@@ -99,6 +108,8 @@ class ServerOptions:
     for name in ("write_timeout_s", "idle_timeout_s"):
       if not getattr(self, name) > 0:
         raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+    if self.batch_cache_mb is not None and self.batch_cache_mb < 0:
+      raise ConfigError(f"batch_cache_mb must be >= 0, got {self.batch_cache_mb}")
     if self.workers is not None and self.workers < 1:
       raise ConfigError(f"workers must be >= 1, got {self.workers}")
     if self.grace_s < 0:
@@ -126,4 +137,12 @@ class ServerOptions:
 
   @property
   def num_workers(self) -> int:
-    return self.workers or cpus.usable_cpus()
+    return self.workers or cgroup.usable_cpus()
+
+  @property
+  def batch_cache_bytes(self) -> int:
+    """The whole server's batch cache budget, in bytes."""
+    if self.batch_cache_mb is not None:
+      return self.batch_cache_mb << 20
+    return min(DEFAULT_BATCH_CACHE_CAP,
+               int(cgroup.memory_bytes() * BATCH_CACHE_MEMORY_FRACTION))

@@ -10,7 +10,9 @@ embedded mode (client/embedded.py) are thin adapters around one
      requests whose client does not read yield their slot (server/admission.py);
   3. validate: dataset, fingerprint, geometry, steps, compression, and the
      batch size limit, all before a record is read;
-  4. produce each step's rows (errors name the dataset and step);
+  4. produce each step's rows (errors name the dataset and step), or take
+     the encoded step from the worker's cache of steps served lately, which
+     trainers reading the same stream share (server/batch_cache.py);
   5. map errors to statuses: every failure leaves as an `ElevatorError`,
      whose class and code the transports send (proto/errors.py).
 
@@ -32,6 +34,7 @@ from grain_elevator.proto.errors import (ElevatorError, InternalError, InvalidRe
                                          StreamMismatchError, UnauthenticatedError)
 from grain_elevator.proto.spec import DatasetInfo
 from grain_elevator.server import collate as collate_lib
+from grain_elevator.server.batch_cache import BatchCache
 from grain_elevator.server import metrics
 from grain_elevator.server.admission import Admission
 from grain_elevator.server.dataset import Datasets, ElevatorDataset
@@ -52,8 +55,9 @@ class RequestPath:
                max_concurrent: int | None = None,
                max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
                write_timeout_s: float | None = None,
-               server_info: pb.ServerInfo | None = None):
+               server_info: pb.ServerInfo | None = None, batch_cache_bytes: int = 0):
     self.datasets = datasets
+    self.cache = BatchCache(batch_cache_bytes)
     self.server_info = server_info or pb.ServerInfo(num_workers=1)
     self.admission = Admission(max_concurrent, write_timeout_s=write_timeout_s)
     self._expected_token = auth_token.encode() if auth_token else None
@@ -114,29 +118,46 @@ class RequestPath:
         datasets=[i.to_proto(request.global_batch_size) for i in self.describe(request)],
         server=self.server_info)
 
-  def steps(self, r: pb.BatchRequest, is_active: Callable[[], bool] = lambda: True, *,
-            stack: bool = True) -> Iterator[tuple[int, list[collate_lib.Leaf]]]:
+  def steps(self, r: pb.BatchRequest, is_active: Callable[[], bool] = lambda: True
+            ) -> Iterator[tuple[int, list[collate_lib.Leaf]]]:
     """(step, leaves) for each step of `r`, in order, until `is_active()` is
-    False. `stack=False` (the servers' send path) may leave big rows as
-    RowStacks for the socket to gather."""
+    False (embedded mode)."""
     ds = self.validate(r)
-    recorded = metrics.current()
     for step in range(r.start_step, r.start_step + r.num_steps):
       if not is_active():  # the client went away: stop computing
         return
-      start = time.perf_counter()
-      leaves = _named(ds.info.name, step, ds.host_batch_leaves, step,
-                      r.global_batch_size, r.shard_index, r.shard_count,
-                      record_offset=r.record_offset, stack=stack)
-      recorded.batch(ds.info.name, time.perf_counter() - start)
+      leaves = self._produce(ds, r, step, stack=True)
+      metrics.current().served(ds.info.name, cached=False)
       yield step, leaves
 
   def encoded_steps(self, r: pb.BatchRequest,
                     is_active: Callable[[], bool] = lambda: True) -> Iterator[list[Any]]:
-    """Each step of `r` as the buffers of one serialized Batch."""
-    for step, leaves in self.steps(r, is_active, stack=False):
-      yield wire.encode_batch_parts(step, leaves, r.compression)
+    """Each step of `r` as the buffers of one serialized Batch (the servers'
+    send path): from the cache when a request served it lately."""
+    ds = self.validate(r)
+    info = ds.info
+    stream = (info.name, info.config_fingerprint, r.global_batch_size, r.shard_index,
+              r.shard_count, r.record_offset, r.compression)
+    recorded = metrics.current()
+    for step in range(r.start_step, r.start_step + r.num_steps):
+      if not is_active():
+        return
+      parts, cached = self.cache.get((*stream, step), lambda: wire.encode_batch_parts(
+          step, self._produce(ds, r, step, stack=False), r.compression))
+      recorded.served(info.name, cached=cached)
+      recorded.cache_bytes(self.cache.bytes)
+      yield parts
 
+  @staticmethod
+  def _produce(ds: ElevatorDataset, r: pb.BatchRequest, step: int, *,
+               stack: bool) -> list[collate_lib.Leaf]:
+    """Step `step`'s leaves; `stack=False` may leave big rows as RowStacks
+    for the socket to gather."""
+    start = time.perf_counter()
+    leaves = _named(ds.info.name, step, ds.host_batch_leaves, step, r.global_batch_size,
+                    r.shard_index, r.shard_count, record_offset=r.record_offset, stack=stack)
+    metrics.current().produced(ds.info.name, time.perf_counter() - start)
+    return leaves
 
 def _named(dataset: str, step: int, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
   """`fn(...)`, its failure re-raised as an ElevatorError of the same class

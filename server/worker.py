@@ -83,7 +83,8 @@ def build_servers(datasets: dataset_lib.Datasets, opts: ServerOptions, index: in
                      max_concurrent=opts.max_concurrent_requests,
                      max_message_bytes=opts.max_message_bytes,
                      write_timeout_s=opts.write_timeout_s,
-                     server_info=pb.ServerInfo(worker_index=index, num_workers=num_workers))
+                     server_info=pb.ServerInfo(worker_index=index, num_workers=num_workers),
+                     batch_cache_bytes=opts.batch_cache_bytes // max(1, num_workers))
   server = grpc.server(
       futures.ThreadPoolExecutor(max_workers=opts.grpc_threads,
                                  thread_name_prefix="elevator-rpc"),

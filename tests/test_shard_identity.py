@@ -196,7 +196,9 @@ def test_rewrite_in_place_is_refused_rename_after_open_serves_the_old_bytes(data
       else:
         same(worker, step, answer)
 
-    _ask_every_worker(server, range(10, 30, 3), structure, judge)
+    # Steps not asked before the change: those asked (10, 13, 16) may come
+    # from a worker's batch cache, which holds the bytes read at the time.
+    _ask_every_worker(server, range(11, 30, 3), structure, judge)
 
     victim = worker_pids(server)[0]
     os.kill(victim, signal.SIGKILL)
@@ -217,7 +219,8 @@ def test_rewrite_in_place_is_refused_rename_after_open_serves_the_old_bytes(data
       else:
         same(worker, step, answer)
 
-    _ask_every_worker(server, range(10, 30, 2), structure, after_restart)
+    # Again steps not asked before (the survivor's cache holds those it served).
+    _ask_every_worker(server, range(12, 30, 3), structure, after_restart)
 
 
 def test_a_server_restarted_on_changed_files_has_another_fingerprint(data):

@@ -38,7 +38,8 @@ def _serve(args: argparse.Namespace) -> int:
       tls_cert=args.tls_cert,
       tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
       auth_token_file=args.auth_token_file, bulk=bulk, bulk_port=args.bulk_port or 0,
-      metrics_port=args.metrics_port, idle_exit_s=args.idle_exit_s)
+      metrics_port=args.metrics_port, idle_exit_s=args.idle_exit_s,
+      batch_cache_mb=args.batch_cache_mb)
   return server.serve(args.config, options)
 
 
@@ -225,6 +226,10 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--idle-exit-s", type=float, default=None, metavar="N",
                  help="exit 0 once no request has come for N seconds (health checks "
                       "aside): a per-job data tier ends with its job (default: never)")
+  p.add_argument("--batch-cache-mb", type=int, default=None, metavar="MB",
+                 help="MiB of recently served steps kept, so trainers reading the same "
+                      "stream share each step (0: off; default: 1/16 of the memory "
+                      "limit, at most 512)")
   p.set_defaults(fn=_serve)
 
   p = sub.add_parser("describe", help="show the datasets a server (or config) offers")

@@ -3,7 +3,7 @@
 Scrapes `/metrics` (`elevator serve --metrics-port`) every `--interval`
 seconds and shows what an operator asks first: how busy the workers are,
 how many batches and bytes go out per second (per dataset, per transport),
-how long a batch takes to produce, and which errors clients get. Rates are
+what share of the batches the cache shared between trainers served, how long a batch takes to produce, and which errors clients get. Rates are
 differences between two scrapes, so the first view comes after one interval.
 """
 
@@ -57,6 +57,7 @@ class View:
   errors_per_s: dict[str, float]
   p50_s: dict[str, float | None]
   p99_s: dict[str, float | None]
+  cache_hits_per_s: dict[str, float] = dataclasses.field(default_factory=dict)
 
   @classmethod
   def between(cls, a: Samples, b: Samples, seconds: float) -> "View":
@@ -84,7 +85,8 @@ class View:
     return cls(seconds, get("elevator_workers"), get("elevator_worker_restarts_total"),
                get("elevator_utilization"), get("elevator_inflight_requests"),
                rate("elevator_batches_total", "dataset"), mb,
-               rate("elevator_request_errors_total", "code"), p50, p99)
+               rate("elevator_request_errors_total", "code"), p50, p99,
+               rate("elevator_batch_cache_hits_total", "dataset"))
 
   def lines(self) -> Iterator[str]:
     """The view as plain text (also what `--once` prints)."""
@@ -94,7 +96,9 @@ class View:
       p50, p99 = self.p50_s.get(d), self.p99_s.get(d)
       lat = (f"   batch time p50 ≤ {p50 * 1e3:g} ms, p99 ≤ {p99 * 1e3:g} ms"
              if p50 is not None and p99 is not None else "")
-      yield f"dataset {d}: {r:,.1f} batches/s{lat}"
+      hits = self.cache_hits_per_s.get(d, 0.0)
+      shared = f" ({hits / r:.0%} from the cache)" if r > 0 and hits > 0 else ""
+      yield f"dataset {d}: {r:,.1f} batches/s{shared}{lat}"
     for k, r in sorted(self.mb_per_s.items()):
       yield f"sent {k}: {r:,.1f} MB/s"
     for code, r in sorted(self.errors_per_s.items()):

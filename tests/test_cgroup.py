@@ -8,7 +8,7 @@ import pathlib
 
 import pytest
 
-from grain_elevator.server import ServerOptions, cpus
+from grain_elevator.server import ServerOptions, cgroup
 from grain_elevator.tools import cli
 
 
@@ -26,19 +26,19 @@ def test_v2_quota_is_the_tightest_up_the_tree(tmp_path):
   root, proc = _v2(tmp_path, {"kubepods": "max 100000",
                               "kubepods/pod1": "250000 100000",
                               "kubepods/pod1/c1": "max 100000"})
-  assert cpus.cgroup_quota(root, proc) == 2.5
-  assert cpus.usable_cpus(root, proc) == min(2, len(os.sched_getaffinity(0)))
+  assert cgroup.cgroup_quota(root, proc) == 2.5
+  assert cgroup.usable_cpus(root, proc) == min(2, len(os.sched_getaffinity(0)))
 
 
 def test_no_quota_means_the_affinity(tmp_path):
   root, proc = _v2(tmp_path, {"kubepods/pod1/c1": "max 100000"})
-  assert cpus.cgroup_quota(root, proc) is None
-  assert cpus.usable_cpus(root, proc) == len(os.sched_getaffinity(0))
+  assert cgroup.cgroup_quota(root, proc) is None
+  assert cgroup.usable_cpus(root, proc) == len(os.sched_getaffinity(0))
 
 
 def test_a_fraction_of_a_cpu_is_one_worker(tmp_path):
   root, proc = _v2(tmp_path, {"kubepods/pod1/c1": "50000 100000"})
-  assert cpus.usable_cpus(root, proc) == 1
+  assert cgroup.usable_cpus(root, proc) == 1
 
 
 def test_v1_quota(tmp_path):
@@ -48,13 +48,13 @@ def test_v1_quota(tmp_path):
   (folder / "cpu.cfs_period_us").write_text("100000\n")
   proc = tmp_path / "self-cgroup"
   proc.write_text("12:memory:/docker/abc\n4:cpu,cpuacct:/docker/abc\n")
-  assert cpus.cgroup_quota(str(tmp_path / "cg"), str(proc)) == 3.0
+  assert cgroup.cgroup_quota(str(tmp_path / "cg"), str(proc)) == 3.0
 
 
 def test_missing_or_garbled_files_mean_no_quota(tmp_path):
-  assert cpus.cgroup_quota(str(tmp_path), str(tmp_path / "none")) is None
+  assert cgroup.cgroup_quota(str(tmp_path), str(tmp_path / "none")) is None
   root, proc = _v2(tmp_path, {"kubepods/pod1/c1": "garbage"})
-  assert cpus.cgroup_quota(root, proc) is None
+  assert cgroup.cgroup_quota(root, proc) is None
 
 
 def test_serve_takes_auto_or_a_number():
@@ -63,4 +63,4 @@ def test_serve_takes_auto_or_a_number():
   assert parser.parse_args(["serve", "--config", "x", "--workers", "3"]).workers == 3
   with pytest.raises(SystemExit):
     parser.parse_args(["serve", "--config", "x", "--workers", "many"])
-  assert ServerOptions().num_workers == cpus.usable_cpus()
+  assert ServerOptions().num_workers == cgroup.usable_cpus()
