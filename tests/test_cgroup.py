@@ -8,7 +8,7 @@ import pathlib
 
 import pytest
 
-from grain_elevator.server import ServerOptions, cgroup
+from grain_elevator.server import ConfigError, ServerOptions, cgroup
 from grain_elevator.tools import cli
 
 
@@ -64,3 +64,36 @@ def test_serve_takes_auto_or_a_number():
   with pytest.raises(SystemExit):
     parser.parse_args(["serve", "--config", "x", "--workers", "many"])
   assert ServerOptions().num_workers == cgroup.usable_cpus()
+
+
+def test_memory_limit_is_the_tightest_up_the_tree_else_the_ram(tmp_path):
+  ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+  for rel, text in {"kubepods": "max\n", "kubepods/pod1": f"{6 << 30}\n",
+                    "kubepods/pod1/c1": "max\n"}.items():
+    (tmp_path / "cg" / rel).mkdir(parents=True, exist_ok=True)
+    (tmp_path / "cg" / rel / "memory.max").write_text(text)
+  proc = tmp_path / "self-cgroup"
+  proc.write_text("0::/kubepods/pod1/c1\n")
+  assert cgroup.memory_bytes(str(tmp_path / "cg"), str(proc)) == min(6 << 30, ram)
+  (tmp_path / "cg" / "kubepods/pod1" / "memory.max").write_text("max\n")
+  assert cgroup.memory_bytes(str(tmp_path / "cg"), str(proc)) == ram
+
+
+def test_v1_memory_limit_and_its_no_limit_value(tmp_path):
+  folder = tmp_path / "cg" / "memory" / "docker" / "abc"
+  folder.mkdir(parents=True)
+  proc = tmp_path / "self-cgroup"
+  proc.write_text("12:memory:/docker/abc\n4:cpu,cpuacct:/docker/abc\n")
+  (folder / "memory.limit_in_bytes").write_text(f"{1 << 30}\n")
+  assert cgroup.memory_bytes(str(tmp_path / "cg"), str(proc)) == 1 << 30
+  (folder / "memory.limit_in_bytes").write_text("9223372036854771712\n")  # unlimited
+  ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+  assert cgroup.memory_bytes(str(tmp_path / "cg"), str(proc)) == ram
+
+
+def test_the_default_batch_cache_is_a_sixteenth_of_memory_at_most_512_mib():
+  assert ServerOptions(batch_cache_mb=0).batch_cache_bytes == 0
+  assert ServerOptions(batch_cache_mb=100).batch_cache_bytes == 100 << 20
+  assert ServerOptions().batch_cache_bytes == min(512 << 20, cgroup.memory_bytes() // 16)
+  with pytest.raises(ConfigError, match="batch_cache_mb"):
+    ServerOptions(batch_cache_mb=-1)
