@@ -16,23 +16,39 @@ from __future__ import annotations
 import math
 import os
 import pathlib
+from typing import Callable
 
 
-def _v2_quota(root: pathlib.Path, path: str) -> float | None:
-  """The tightest `cpu.max` from the cgroup at `path` up to the root."""
+def _tightest_up(root: pathlib.Path, path: str, name: str,
+                 parse: Callable[[str], float | None]) -> float | None:
+  """The smallest `parse(file)` of the `name` files from the cgroup at
+  `path` up to the root (limits nest: the tightest one binds)."""
   tightest = None
   folder = root / path.lstrip("/")
   while True:
     try:
-      limit, period = (folder / "cpu.max").read_text().split()[:2]
-      if limit != "max":
-        quota = int(limit) / int(period)
-        tightest = quota if tightest is None else min(tightest, quota)
+      value = parse((folder / name).read_text())
     except (OSError, ValueError):
-      pass
+      value = None
+    if value is not None:
+      tightest = value if tightest is None else min(tightest, value)
     if folder == root or root not in folder.parents:
       return tightest
     folder = folder.parent
+
+
+def _cpu_max(text: str) -> float | None:
+  limit, period = text.split()[:2]
+  return None if limit == "max" else int(limit) / int(period)
+
+
+def _memory_max(text: str) -> int | None:
+  text = text.strip()
+  return None if text == "max" else int(text)
+
+
+def _v2_quota(root: pathlib.Path, path: str) -> float | None:
+  return _tightest_up(root, path, "cpu.max", _cpu_max)
 
 
 def _v1_quota(root: pathlib.Path, path: str) -> float | None:
@@ -75,18 +91,8 @@ def cgroup_quota(root: str = "/sys/fs/cgroup", proc_cgroup: str = "/proc/self/cg
 
 
 def _v2_memory(root: pathlib.Path, path: str) -> int | None:
-  tightest = None
-  folder = root / path.lstrip("/")
-  while True:
-    try:
-      text = (folder / "memory.max").read_text().strip()
-      if text != "max":
-        tightest = int(text) if tightest is None else min(tightest, int(text))
-    except (OSError, ValueError):
-      pass
-    if folder == root or root not in folder.parents:
-      return tightest
-    folder = folder.parent
+  limit = _tightest_up(root, path, "memory.max", _memory_max)
+  return None if limit is None else int(limit)
 
 
 def _v1_memory(root: pathlib.Path, path: str) -> int | None:

@@ -80,3 +80,15 @@ def proto_leaves(batch: pb.Batch) -> list[np.ndarray]:
       data = zstandard.ZstdDecompressor().decompress(data)
     out.append(np.frombuffer(data, dtype=wire.dtype_from_str(t.dtype)).reshape(t.shape))
   return out
+
+
+def run_bench(module: str, *args: str, timeout_s: float = 600) -> str:
+  """Runs `python -m grain_elevator.tools.bench.<module> ARGS`; its stdout,
+  after checking it exited 0 (else its stderr's end is the failure)."""
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  result = subprocess.run(
+      [sys.executable, "-m", f"grain_elevator.tools.bench.{module}", *args],
+      capture_output=True, text=True, timeout=timeout_s)
+  assert result.returncode == 0, result.stderr[-3000:]
+  return result.stdout
