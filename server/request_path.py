@@ -34,9 +34,9 @@ from grain_elevator.proto.errors import (ElevatorError, InternalError, InvalidRe
                                          StreamMismatchError, UnauthenticatedError)
 from grain_elevator.proto.spec import DatasetInfo
 from grain_elevator.server import collate as collate_lib
-from grain_elevator.server.batch_cache import BatchCache
 from grain_elevator.server import metrics
 from grain_elevator.server.admission import Admission
+from grain_elevator.server.batch_cache import BatchCache
 from grain_elevator.server.dataset import Datasets, ElevatorDataset
 from grain_elevator.server.options import DEFAULT_MAX_MESSAGE_BYTES
 

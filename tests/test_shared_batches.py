@@ -14,7 +14,7 @@ import pytest
 from grain_elevator.client import RemoteDataset, TransportOptions
 from grain_elevator.server import Server, ServerOptions
 from grain_elevator.tools import top
-from helpers import assert_streams_equal
+from helpers import assert_streams_equal, oracle_batch
 
 DATASET, G = "aug2", 50  # 2 epochs of 1,000 records: 40 steps
 STEPS = 40
@@ -96,7 +96,6 @@ def test_a_reader_resuming_elsewhere_shares_from_its_next_whole_request(
 
 
 def test_readers_of_other_streams_share_nothing_and_get_their_own(config_path, oracle):
-  from helpers import oracle_batch  # pylint: disable=g-import-not-at-top
   with Server(config_path, ServerOptions(port=0, workers=2, metrics_port=0)) as server:
     for h in (0, 1):  # the two hosts of H=2: other rows, other cache entries
       with RemoteDataset(server.target, DATASET, G, shard_index=h, shard_count=2) as ds:
