@@ -11,23 +11,33 @@ What a connection costs is bounded, whatever its peer does:
     accepts, greets, reads request frames without blocking, and closes
     connections idle for `idle_timeout_s` (or silent for HANDSHAKE_TIMEOUT_S
     after connecting). An idle connection costs a socket, no thread;
-  * a request frame is at most MAX_BULK_REQUEST_BYTES, checked from its
+  * a request frame is at most MAX_REQUEST_BYTES, checked from its
     header before its buffer exists, and before the token inside it is;
   * a request runs on a pool of `threads` threads once admission gives it a
     ticket (so the pool never queues); one request at a time per connection;
   * admission cancels a request whose client stops reading (its write
     timeout, server/admission.py) by shutting the socket down;
   * past `max_connections`, the longest-idle connection is closed to admit
-    a new one, so idle sockets cannot lock clients out.
+    a new one, so idle sockets cannot lock clients out;
+  * out of descriptors (EMFILE, ENFILE), the loop stops accepting for a
+    backoff (_ACCEPT_BACKOFF_S) instead of retrying at once, so the
+    connections waiting in the listen queue cost no CPU;
+  * a failure while serving one connection (its peer's fault, or a bug)
+    closes that connection and no other; what peers do wrong is logged at
+    most once per _LOG_PERIOD_S for each way of doing it (proto/throttle.py),
+    so a flood of them cannot flood the log.
+Waits are epoll (the loop) and poll (a request's thread), which take any
+descriptor number: a worker may hold thousands of sockets.
 Workers share the port with SO_REUSEPORT, like the gRPC port.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
+import errno
 import logging
 import queue
-import resource
 import select
 import selectors
 import socket
@@ -40,19 +50,33 @@ from google.protobuf import message as protobuf_message
 from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.proto import errors
 from grain_elevator.proto import framing
+from grain_elevator.proto.throttle import Throttled
 from grain_elevator.server import metrics
 from grain_elevator.server import sockets
 from grain_elevator.server.admission import Ticket
-from grain_elevator.server.request_path import RequestPath
+from grain_elevator.server.request_path import MAX_REQUEST_BYTES, RequestPath
 
 log = logging.getLogger("grain_elevator.server")
 HANDSHAKE_TIMEOUT_S = 10.0
 # After a request, how long its thread waits for the connection's next one
 # before handing the connection back to the loop.
 _FOLLOW_ON_WAIT_S = 0.02
-# A BulkRequest is a dataset name, a few integers and a token: 64 KiB is
-# generous, and 1024 half-sent requests then hold at most 64 MiB.
-MAX_BULK_REQUEST_BYTES = 64 << 10
+# Out of descriptors, the listener stays readable: accepting is paused for
+# the first pause, doubled at each failure up to the last, until one works.
+# Short enough that a freed descriptor is used soon, long enough that the
+# retries cost nothing.
+_ACCEPT_BACKOFF_S = (0.05, 1.0)
+# Peers that break the protocol, connections past the cap, descriptors
+# running out: each comes by the thousand under attack.
+_LOG_PERIOD_S = 10.0
+
+
+class _Reading(enum.Enum):
+  """What a connection's buffer is filling with. (Not told apart by its size:
+  a request payload can be as long as a frame header.)"""
+  GREETING = enum.auto()
+  HEADER = enum.auto()
+  PAYLOAD = enum.auto()
 
 
 @dataclasses.dataclass(eq=False)
@@ -60,11 +84,21 @@ class _Connection:
   """One peer, as the loop sees it between requests."""
   sock: socket.socket
   deadline: float
-  greeted: bool = False
+  reading: _Reading = _Reading.GREETING
   busy: bool = False
   buffer: bytearray = dataclasses.field(default_factory=bytearray)
   need: int = len(framing.MAGIC)
   last_request: float = dataclasses.field(default_factory=time.monotonic)
+
+
+class _Dropped(framing.ProtocolError):
+  """The peer broke the protocol, so its connection is dropped. `why` is one
+  of a few fixed words: the log line is throttled per `why`, so garbage of
+  any shape logs a line a period for each way of breaking the protocol."""
+
+  def __init__(self, why: str, message: str):
+    super().__init__(message)
+    self.why = why
 
 
 def _send_now(sock: socket.socket, data: bytes) -> bool:
@@ -89,7 +123,6 @@ class BulkServer:
   def __init__(self, path: RequestPath, host: str, port: int, *,
                idle_timeout_s: float = 300.0,
                max_connections: int = 1024, threads: int = 16):
-    _allow_descriptors(max_connections)
     self._listener = sockets.bind_shared(host, port)
     self._listener.listen(1024)
     self._listener.setblocking(False)
@@ -107,6 +140,11 @@ class BulkServer:
     self._lock = threading.Lock()  # guards _conns and _stopping
     self._conns: set[_Connection] = set()
     self._stopping = False
+    # The loop's alone: whether the listener is polled, else when it is again.
+    self._accepting = True
+    self._accept_pause_s = 0.0
+    self._accept_again_at = 0.0
+    self._throttled = Throttled(_LOG_PERIOD_S, log)
     self._thread = threading.Thread(target=self._loop, name="elevator-bulk-loop",
                                     daemon=True)
 
@@ -119,21 +157,34 @@ class BulkServer:
 
   def _loop(self) -> None:
     while not self._stopping:
-      for key, _ in self._selector.select(timeout=1.0):
-        try:
-          if key.data == "accept":
-            self._accept()
-          elif key.data == "wake":
-            self._take_back()
-          else:
-            self._on_readable(key.data)
-        except Exception:  # pylint: disable=broad-except
-          # A bug here must cost one connection, not the port.
-          log.exception("bulk port: handling an event failed")
-          if isinstance(key.data, _Connection):
-            self._close(key.data)
+      timeout = 1.0
+      if not self._accepting:
+        pause = self._accept_again_at - time.monotonic()
+        if pause <= 0:
+          self._selector.register(self._listener, selectors.EVENT_READ, "accept")
+          self._accepting = True
+        else:
+          timeout = min(timeout, pause)
+      for key, _ in self._selector.select(timeout=timeout):
+        self._handle(key.data)
       self._expire(time.monotonic())
     self._selector.close()
+
+  def _handle(self, what: str | _Connection) -> None:
+    try:
+      if what == "accept":
+        self._accept()
+      elif what == "wake":
+        self._take_back()
+      else:
+        self._on_readable(what)
+    except Exception:  # pylint: disable=broad-except
+      # A bug here must cost one connection, not the port.
+      if isinstance(what, _Connection):
+        log.exception("bulk connection closed: handling it failed")
+        self._close(what)
+      else:
+        log.exception("bulk port: handling an event failed")
 
   def _accept(self) -> None:
     while True:
@@ -141,21 +192,43 @@ class BulkServer:
         sock, _ = self._listener.accept()
       except (BlockingIOError, InterruptedError):
         return
-      except OSError as e:  # EMFILE and the like: the loop tries again later
-        log.warning("bulk port: cannot accept a connection: %s", e)
+      except ConnectionAbortedError:  # reset while queued: the next one
+        continue
+      except OSError as e:  # EMFILE and the like: the listener stays readable
+        self._pause_accepting(e)
         return
-      if not self._make_room():
+      self._accept_pause_s = 0.0
+      try:
+        self._greet(sock)
+      except OSError:  # reset before it was greeted
         sock.close()
-        continue
-      sock.setblocking(False)
-      sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-      if not _send_now(sock, framing.MAGIC):
-        sock.close()
-        continue
-      conn = _Connection(sock, deadline=time.monotonic() + HANDSHAKE_TIMEOUT_S)
-      with self._lock:
-        self._conns.add(conn)
-      self._selector.register(sock, selectors.EVENT_READ, conn)
+
+  def _pause_accepting(self, error: OSError) -> None:
+    first, last = _ACCEPT_BACKOFF_S
+    self._accept_pause_s = min(last, max(first, 2 * self._accept_pause_s))
+    self._selector.unregister(self._listener)
+    self._accepting = False
+    self._accept_again_at = time.monotonic() + self._accept_pause_s
+    hint = (" (raise the open-files limit, or lower --max-bulk-connections)"
+            if error.errno in (errno.EMFILE, errno.ENFILE) else "")
+    self._throttled.warning(
+        ("accept", error.errno),
+        "bulk port: cannot accept a connection: %s%s; trying again in up to %gs",
+        error, hint, last)
+
+  def _greet(self, sock: socket.socket) -> None:
+    if not self._make_room():
+      sock.close()
+      return
+    sock.setblocking(False)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if not _send_now(sock, framing.MAGIC):
+      sock.close()
+      return
+    conn = _Connection(sock, deadline=time.monotonic() + HANDSHAKE_TIMEOUT_S)
+    self._selector.register(sock, selectors.EVENT_READ, conn)
+    with self._lock:
+      self._conns.add(conn)
 
   def _make_room(self) -> bool:
     """Whether a new connection fits, closing the longest-idle one if not."""
@@ -166,8 +239,9 @@ class BulkServer:
     if not idle:
       return False
     oldest = min(idle, key=lambda c: c.last_request)
-    log.warning("bulk port: %d connections open; closing the longest idle one "
-                "to admit a new one (--max-bulk-connections)", self._max_connections)
+    self._throttled.warning(
+        "full", "bulk port: %d connections open; closing the longest idle one "
+        "to admit a new one (--max-bulk-connections)", self._max_connections)
     self._close(oldest)
     return True
 
@@ -186,50 +260,52 @@ class BulkServer:
       return
     try:
       self._advance(conn)
-    except framing.ProtocolError as e:
-      log.warning("bulk connection dropped: %s", e)
+    except _Dropped as e:
+      self._log_dropped(e)
       self._close(conn)
 
   def _advance(self, conn: _Connection) -> None:
     """A complete piece arrived: the magic, a frame header or a payload."""
-    if not conn.greeted:
+    if conn.reading is _Reading.GREETING:
       if bytes(conn.buffer) != framing.MAGIC:
-        raise framing.ProtocolError(
-            f"peer sent {bytes(conn.buffer)!r}, not the bulk protocol's {framing.MAGIC!r}")
-      conn.greeted = True
+        raise _Dropped("not bulk", f"peer sent {bytes(conn.buffer)!r}, not the bulk "
+                       f"protocol's {framing.MAGIC!r}")
       conn.deadline = time.monotonic() + self._idle_timeout_s
       hello = self._path.server_info.SerializeToString()
       if not _send_now(conn.sock, framing.frame(framing.HELLO, hello)):
-        raise framing.ProtocolError("the client does not read its greeting")
-      self._expect_header(conn)
-    elif conn.need == framing.HEADER_SIZE:
+        raise _Dropped("not reading", "the client does not read its greeting")
+      self._expect(conn, _Reading.HEADER, framing.HEADER_SIZE)
+    elif conn.reading is _Reading.HEADER:
       kind, size = framing.parse_header(conn.buffer)
       if kind != framing.REQUEST:
-        raise framing.ProtocolError(f"expected a request frame, got kind {kind}")
-      if size > MAX_BULK_REQUEST_BYTES:
-        raise framing.ProtocolError(f"request frame of {size} bytes is over this end's "
-                                    f"limit of {MAX_BULK_REQUEST_BYTES}")
-      conn.buffer = bytearray()
-      conn.need = size
-      if size == 0:
+        raise _Dropped("kind", f"expected a request frame, got kind {kind}")
+      if size > MAX_REQUEST_BYTES:
+        raise _Dropped("size", f"request frame of {size} bytes is over this end's "
+                       f"limit of {MAX_REQUEST_BYTES}")
+      self._expect(conn, _Reading.PAYLOAD, size)
+      if size == 0:  # recv(0) would read as the peer hanging up
         self._dispatch(conn, b"")
     else:
-      payload = bytes(conn.buffer)
-      self._dispatch(conn, payload)
+      self._dispatch(conn, bytes(conn.buffer))
 
-  def _expect_header(self, conn: _Connection) -> None:
+  def _expect(self, conn: _Connection, reading: _Reading, size: int) -> None:
+    conn.reading = reading
     conn.buffer = bytearray()
-    conn.need = framing.HEADER_SIZE
+    conn.need = size
 
   def _dispatch(self, conn: _Connection, payload: bytes) -> None:
     """A whole request: refused here, or handed to a thread with its ticket."""
-    self._expect_header(conn)
+    self._expect(conn, _Reading.HEADER, framing.HEADER_SIZE)
     ticket = self._admit(conn, payload, blocking=False)
     if ticket is None:
       return
     conn.busy = True
     self._selector.unregister(conn.sock)
-    self._pool.submit(self._serve, conn, ticket.request, ticket)
+    try:
+      self._pool.submit(self._serve, conn, ticket)
+    except BaseException:
+      ticket.release()  # else its slot is never given back
+      raise
 
   def _take_back(self) -> None:
     """Connections whose request ended return to the loop."""
@@ -248,7 +324,11 @@ class BulkServer:
       try:
         conn.sock.setblocking(False)
         self._selector.register(conn.sock, selectors.EVENT_READ, conn)
-      except (OSError, ValueError):
+      except (OSError, ValueError):  # stop() closed it meanwhile
+        self._close(conn)
+      except Exception:  # pylint: disable=broad-except
+        # Not raised: the connections still queued would be lost, busy.
+        log.exception("bulk connection closed: taking it back failed")
         self._close(conn)
 
   def _expire(self, now: float) -> None:
@@ -265,45 +345,58 @@ class BulkServer:
         self._selector.unregister(conn.sock)
       except (KeyError, ValueError):
         pass
-    conn.sock.close()
+    _close_socket(conn.sock)
+
+  def _log_dropped(self, error: _Dropped) -> None:
+    self._throttled.warning(("dropped", error.why), "bulk connection dropped: %s", error)
 
   # A request, on a pool thread ----------------------------------------------
 
-  def _serve(self, conn: _Connection, request: pb.BatchRequest, ticket: Ticket) -> None:
-    """Runs `request`, then the connection's next ones while they arrive at
-    once (a trainer sends its next request as it reads the last batch;
-    handing the connection back to the loop for it costs ~10% on one-step
-    requests); then the loop has the connection again."""
+  def _serve(self, conn: _Connection, ticket: Ticket) -> None:
+    """Runs the ticket's request and the follow-ons (_serve_while_they_come),
+    then gives the connection back to the loop, or closes it."""
+    keep = False
+    try:
+      keep = self._serve_while_they_come(conn, ticket)
+    except Exception:  # pylint: disable=broad-except
+      # The pool would swallow it, leaving the connection busy (which no
+      # timeout closes) and its socket open: a bug costs this one connection.
+      log.exception("bulk connection closed: serving it failed")
+    if not keep:
+      with self._lock:
+        self._conns.discard(conn)
+      _close_socket(conn.sock)
+      return
+    self._returned.put(conn)
+    try:
+      self._wake_w.send(b"x")
+    except OSError:
+      pass
+
+  def _serve_while_they_come(self, conn: _Connection, ticket: Ticket) -> bool:
+    """Runs `ticket`'s request, then the connection's next ones while they
+    arrive at once (a trainer sends its next request as it reads the last
+    batch; handing the connection back to the loop for it costs ~10% on
+    one-step requests). Whether the loop should have the connection again."""
     sock = conn.sock
     # Blocking sends (a timeout would cost a poll before each): a client that
     # stops reading is cut by admission's write timeout, which shuts the
     # socket down and so wakes the send.
     sock.setblocking(True)
     while True:
-      done = self._run(sock, request, ticket)
+      done = self._run(sock, ticket.request, ticket)
       if not done or ticket.cancelled or self._stopping:
-        with self._lock:
-          self._conns.discard(conn)
-        sock.close()
-        return
+        return False
       try:
         follow_on = self._next_request(conn)
-      except (OSError, framing.ProtocolError) as e:
-        if isinstance(e, framing.ProtocolError):
-          log.warning("bulk connection dropped: %s", e)
-        with self._lock:
-          self._conns.discard(conn)
-        sock.close()
-        return
+      except _Dropped as e:
+        self._log_dropped(e)
+        return False
+      except OSError:  # the client went away
+        return False
       if follow_on is None:
-        break
+        return True
       ticket = follow_on
-      request = ticket.request
-    self._returned.put(conn)
-    try:
-      self._wake_w.send(b"x")
-    except OSError:
-      pass
 
   def _run(self, sock: socket.socket, request: pb.BatchRequest, ticket: Ticket) -> bool:
     """Streams one request; False if the connection is done for."""
@@ -331,9 +424,12 @@ class BulkServer:
     also reads requests that come in pieces). A refused request is answered
     here and the wait starts again."""
     sock = conn.sock
-    while select.select([sock], [], [], _FOLLOW_ON_WAIT_S)[0]:
+    # poll, not select: select refuses descriptors past 1023.
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    while poller.poll(_FOLLOW_ON_WAIT_S * 1000):
       try:
-        data = sock.recv(framing.HEADER_SIZE + MAX_BULK_REQUEST_BYTES,
+        data = sock.recv(framing.HEADER_SIZE + MAX_REQUEST_BYTES,
                          socket.MSG_PEEK | socket.MSG_DONTWAIT)
       except BlockingIOError:
         return None
@@ -342,7 +438,7 @@ class BulkServer:
       if len(data) < framing.HEADER_SIZE:
         return None
       kind, size = framing.parse_header(data[:framing.HEADER_SIZE])
-      if kind != framing.REQUEST or size > MAX_BULK_REQUEST_BYTES:
+      if kind != framing.REQUEST or size > MAX_REQUEST_BYTES:
         return None  # the loop refuses it, as for any other
       end = framing.HEADER_SIZE + size
       if len(data) < end:
@@ -359,7 +455,7 @@ class BulkServer:
     try:
       request = pb.BulkRequest.FromString(payload)
     except protobuf_message.DecodeError as e:
-      raise framing.ProtocolError(f"request frame is not a BulkRequest: {e}") from e
+      raise _Dropped("not protobuf", f"request frame is not a BulkRequest: {e}") from e
     conn.last_request = time.monotonic()
     conn.deadline = conn.last_request + self._idle_timeout_s
     sock = conn.sock
@@ -372,7 +468,7 @@ class BulkServer:
       if blocking:
         sock.sendall(status)
       elif not _send_now(sock, status):
-        raise framing.ProtocolError("the client does not read its answer") from e
+        raise _Dropped("not reading", "the client does not read its answer") from e
       return None
     ticket.request = request.request
     return ticket
@@ -391,7 +487,7 @@ class BulkServer:
     with self._lock:
       idle = [c for c in self._conns if not c.busy]
     for conn in idle:
-      conn.sock.close()
+      _close_socket(conn.sock)
     self._path.admission.wait_idle(grace_s)
     with self._lock:
       remaining = list(self._conns)
@@ -407,14 +503,8 @@ def _shutdown(sock: socket.socket) -> None:
     pass
 
 
-def _allow_descriptors(connections: int) -> None:
-  """Raises the soft open-files limit toward the hard one, so that
-  `connections` sockets (plus gRPC's and the shards') fit."""
-  soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-  want = connections + 1024
-  if soft != resource.RLIM_INFINITY and soft < want:
-    new = want if hard == resource.RLIM_INFINITY else min(want, hard)
-    try:
-      resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
-    except (ValueError, OSError):
-      pass
+def _close_socket(sock: socket.socket) -> None:
+  try:
+    sock.close()
+  except OSError:  # the descriptor is released all the same
+    pass

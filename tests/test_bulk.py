@@ -19,7 +19,7 @@ from grain_elevator.client import (RemoteDataset, RetryPolicy, ServiceUnavailabl
 from grain_elevator.client.bulk import BulkConnection
 from grain_elevator.client.transport import CancelToken, TransportError
 from grain_elevator.proto import elevator_pb2 as pb
-from grain_elevator.server.bulk import MAX_BULK_REQUEST_BYTES
+from grain_elevator.server.request_path import MAX_REQUEST_BYTES
 from grain_elevator.tools.launcher import ELEVATOR, LocalServer
 from helpers import assert_streams_equal, assert_trees_equal, oracle_batch, worker_pids
 
@@ -320,7 +320,7 @@ def test_a_frame_promising_2_34_bytes_is_refused_unread(server):
       pass  # already closed: as good
     assert _closed_by_peer(s)
   refused = ("request frame of 17179869184 bytes is over this end's limit of "
-             f"{MAX_BULK_REQUEST_BYTES}")
+             f"{MAX_REQUEST_BYTES}")
   assert refused in _logged_since(server, logged, refused)
   conn = _connect(server.host, server.bulk_port)  # and everyone else is still served
   try:

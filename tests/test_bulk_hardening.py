@@ -1,0 +1,251 @@
+"""The bulk port under load it was not built for: descriptors past 1023 and
+running out, payloads the size of a header, garbage by the hundred, more
+connections than it keeps. Real `elevator serve` processes, raw framing."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import time
+from typing import Iterator
+
+import psutil
+
+from grain_elevator.proto import elevator_pb2 as pb
+from grain_elevator.proto import framing
+from grain_elevator.tools.launcher import LocalServer
+from helpers import worker_pids
+
+ONE_STEP = pb.BatchRequest(dataset="plain", global_batch_size=16, shard_count=1,
+                           start_step=0, num_steps=1)
+ENDLESS = pb.BatchRequest(dataset="forever", global_batch_size=256, shard_count=1,
+                          start_step=0, num_steps=1_000_000)
+# The server's one-line complaints, as tests count them.
+DROPPED = "bulk connection dropped"
+CANNOT_ACCEPT = "cannot accept a connection"
+EVICTING = "closing the longest idle one"
+
+
+@contextlib.contextmanager
+def _server(config_path: str, *args: str) -> Iterator[tuple[LocalServer, psutil.Process]]:
+  """A one-worker server, and its worker."""
+  with LocalServer(config_path, workers=1, extra_args=args) as server:
+    (pid,) = worker_pids(server)
+    yield server, psutil.Process(pid)
+
+
+def _connect(server: LocalServer, *, greet: bool = True) -> socket.socket:
+  s = socket.create_connection((server.host, server.bulk_port), timeout=10)
+  if greet:
+    framing.exchange_magic(s)
+    framing.recv_frame(s, (framing.HELLO,), 1 << 20)
+  return s
+
+
+def _send_request(s: socket.socket, request: pb.BatchRequest) -> None:
+  framing.send_frame(s, framing.REQUEST, [pb.BulkRequest(request=request).SerializeToString()])
+
+
+def _answer(s: socket.socket, steps: int) -> list[tuple[int, bytes]]:
+  """The frames answering a request: its batches, or one status."""
+  frames = []
+  while len(frames) < steps:
+    kind, payload = framing.recv_frame(s, (framing.BATCH, framing.STATUS), 1 << 26)
+    frames.append((kind, payload.tobytes()))
+    if kind == framing.STATUS:
+      break
+  return frames
+
+
+def _closed_by_server(s: socket.socket) -> bool:
+  """Whether the server hung up (EOF or reset) after whatever it sent."""
+  try:
+    while s.recv(65536):
+      pass
+  except ConnectionResetError:
+    pass
+  return True
+
+
+def _hung_up(s: socket.socket, wait_s: float = 0.5) -> bool:
+  """Whether the server closed `s` (which has read its greeting)."""
+  s.settimeout(wait_s)
+  try:
+    return s.recv(1) == b""
+  except socket.timeout:
+    return False
+  except ConnectionResetError:
+    return True
+
+
+def _eventually(check, timeout_s: float = 10.0) -> bool:
+  deadline = time.monotonic() + timeout_s
+  while not check():
+    if time.monotonic() > deadline:
+      return False
+    time.sleep(0.1)
+  return True
+
+
+def _close_wait(worker: psutil.Process) -> list:
+  return [c for c in worker.net_connections("tcp") if c.status == psutil.CONN_CLOSE_WAIT]
+
+
+def _accepted(worker: psutil.Process, port: int) -> list:
+  """The worker's sockets for connections to `port`."""
+  return [c for c in worker.net_connections("tcp") if c.raddr and c.laddr.port == port]
+
+
+def test_throttled_logs_once_a_period_per_key_and_counts_the_rest(caplog):
+  from grain_elevator.proto.throttle import Throttled  # pylint: disable=g-import-not-at-top
+  logger = logging.getLogger("test_bulk_hardening.throttled")
+  throttled = Throttled(0.3, logger)
+  with caplog.at_level(logging.WARNING, logger.name):
+    for k in range(50):
+      throttled.warning("a", "a happened: %d", k)
+      throttled.warning(("b", 1), "b happened")
+    time.sleep(0.4)
+    throttled.warning("a", "a happened: %d", 99)
+  lines = [r.getMessage() for r in caplog.records]
+  assert lines == ["a happened: 0", "b happened",
+                   "a happened: 99 (49 more since the last such line)"]
+
+
+def test_follow_on_requests_on_descriptors_past_1023(config_path):
+  """select() refuses descriptors past 1023: a worker with many sockets
+  must still serve a connection's follow-on requests, and close it after."""
+  with _server(config_path, "--max-bulk-connections", "4096") as (server, worker):
+    idle = [_connect(server) for _ in range(1100)]
+    try:
+      s = _connect(server)
+      port = s.getsockname()[1]
+      (theirs,) = [c for c in worker.net_connections("tcp") if c.raddr and c.raddr.port == port]
+      assert theirs.fd >= 1024, "the test's connection did not get a high descriptor"
+      s.settimeout(10)
+      for step in range(5):  # each sent as the last answer is read: follow-ons
+        _send_request(s, pb.BatchRequest(dataset="plain", global_batch_size=16,
+                                         shard_count=1, start_step=step, num_steps=2))
+        kinds = [kind for kind, _ in _answer(s, 2)]
+        assert kinds == [framing.BATCH] * 2, f"request {step}: {kinds}"
+      s.close()
+    finally:
+      for c in idle:
+        c.close()
+    assert _eventually(lambda: not _close_wait(worker)), _close_wait(worker)
+    assert "Traceback" not in server.stderr()
+
+
+def test_out_of_descriptors_the_worker_backs_off_and_recovers(config_path):
+  """EMFILE leaves the listener readable: retrying at once spins a core
+  and writes a warning each time. The worker waits instead, logs the
+  condition once a period, and serves again when descriptors come back."""
+  with _server(config_path) as (server, worker):
+    highest = max(int(fd) for fd in os.listdir(f"/proc/{worker.pid}/fd"))
+    limit = highest + 40
+    worker.rlimit(psutil.RLIMIT_NOFILE, (limit, limit))
+    flood = [socket.create_connection((server.host, server.bulk_port), timeout=10)
+             for _ in range(100)]  # past the limit; the kernel queues the rest
+    try:
+      assert _eventually(lambda: CANNOT_ACCEPT in server.stderr())
+      start_cpu = sum(worker.cpu_times()[:2])
+      time.sleep(3)
+      cpu = sum(worker.cpu_times()[:2]) - start_cpu
+      lines = server.stderr().count(CANNOT_ACCEPT)
+    finally:
+      for s in flood:
+        s.close()
+    assert cpu < 0.75, f"the worker used {cpu:.2f} CPU-s in 3s out of descriptors"
+    assert 1 <= lines <= 3, f"{lines} lines say the worker cannot accept"
+    s = _connect(server)
+    with s:
+      s.settimeout(10)
+      _send_request(s, ONE_STEP)
+      assert [kind for kind, _ in _answer(s, 1)] == [framing.BATCH]
+
+
+def test_a_request_as_long_as_a_frame_header_is_read_as_a_request(config_path):
+  """A 9-byte BulkRequest is still a request, whether it comes with its
+  header or after it."""
+  nine = pb.BulkRequest(request=pb.BatchRequest(dataset="plain")).SerializeToString()
+  assert len(nine) == framing.HEADER_SIZE
+  with _server(config_path) as (server, _):
+    for split in (False, True):
+      with _connect(server) as s:
+        s.settimeout(10)
+        if split:
+          s.sendall(framing.header(framing.REQUEST, len(nine)))
+          time.sleep(0.2)  # the server reads the header alone
+          s.sendall(nine)
+        else:
+          s.sendall(framing.frame(framing.REQUEST, nine))
+        ((kind, payload),) = _answer(s, 1)
+        assert kind == framing.STATUS
+        status = pb.BulkStatus.FromString(payload)
+        assert status.code == 3 and "global_batch_size" in status.message  # INVALID_ARGUMENT
+        _send_request(s, ONE_STEP)  # and the connection lives on
+        assert [kind for kind, _ in _answer(s, 1)] == [framing.BATCH]
+    assert DROPPED not in server.stderr()
+
+
+def test_garbage_by_the_hundred_logs_a_line_per_kind(config_path):
+  garbage = [
+      lambda s: s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"),  # not the protocol
+      lambda s: s.sendall(framing.MAGIC + framing.header(framing.BATCH, 1)),  # a wrong kind
+      lambda s: s.sendall(framing.MAGIC + framing.header(framing.REQUEST, 1 << 34)),
+      lambda s: s.sendall(framing.MAGIC + framing.frame(framing.REQUEST, b"\xff\xff not protobuf")),
+  ]
+  with _server(config_path) as (server, _):
+    socks = []
+    for k in range(200):
+      s = _connect(server, greet=False)
+      garbage[k % len(garbage)](s)
+      socks.append(s)
+    for s in socks:
+      assert _closed_by_server(s)
+      s.close()
+    assert _eventually(lambda: DROPPED in server.stderr())  # read by another thread
+    time.sleep(0.5)
+    lines = server.stderr().count(DROPPED)
+    assert 1 <= lines <= len(garbage), f"{lines} lines for 200 dropped connections"
+    with _connect(server) as s:
+      s.settimeout(10)
+      _send_request(s, ONE_STEP)
+      assert [kind for kind, _ in _answer(s, 1)] == [framing.BATCH]
+
+
+def test_past_the_cap_the_idle_make_room_and_busy_ones_do_not(config_path):
+  """Past --max-bulk-connections a newcomer closes the longest-idle
+  connection; when every one is running a request, the newcomer is closed."""
+  cap = 4
+  with _server(config_path, "--max-bulk-connections", str(cap)) as (server, worker):
+    idle = [_connect(server) for _ in range(3 * cap)]
+    hung_up = [_hung_up(s) for s in idle]
+    assert hung_up == [True] * (2 * cap) + [False] * cap
+    assert 1 <= server.stderr().count(EVICTING) <= 2  # once a period
+    for s in idle:
+      s.close()
+
+    busy = []
+    for _ in range(cap):  # endless streams nobody reads
+      s = _connect(server)
+      s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+      _send_request(s, ENDLESS)
+      busy.append(s)
+    try:
+      for s in busy:  # each runs its request
+        framing.recv_frame(s, (framing.BATCH,), 1 << 26)
+      newcomer = socket.create_connection((server.host, server.bulk_port), timeout=10)
+      with newcomer:
+        assert newcomer.recv(len(framing.MAGIC)) == b""  # closed, not greeted
+    finally:
+      for s in busy:
+        s.close()
+    # Once they leave, clients are served. (The server closes their sockets
+    # a moment later: till then a newcomer would be refused.)
+    assert _eventually(lambda: not _accepted(worker, server.bulk_port))
+    with _connect(server) as s:
+      s.settimeout(10)
+      _send_request(s, ONE_STEP)
+      assert [kind for kind, _ in _answer(s, 1)] == [framing.BATCH]
