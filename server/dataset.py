@@ -334,6 +334,13 @@ class Datasets:
   def names(self) -> list[str]:
     return sorted(self.config.datasets)
 
+  @property
+  def num_shards(self) -> int:
+    """Distinct shard files of the datasets opened (each may hold descriptors)."""
+    with self._lock:
+      opened = [*self._opened.values(), *self._forever.values()]
+    return len({f for ds in opened for f in getattr(ds, "identities", {})})
+
   def get(self, name: str) -> Any:
     """The opened dataset; UnknownDatasetError (NOT_FOUND) naming what exists."""
     with self._lock:

@@ -50,6 +50,12 @@ class ServerOptions:
       reconnect on their next request without an error.
     max_bulk_connections: bulk connections one worker keeps open; past it
       the longest-idle one is closed to admit the newcomer.
+    max_grpc_connections: gRPC connections one worker accepts (gRPC's
+      max_allowed_incoming_connections); past it new ones are closed at
+      once, and the client tries another worker or replica. Idle ones are
+      closed after idle_timeout_s, silent ones after the handshake timeout.
+    max_streams_per_connection: calls one gRPC connection carries at once
+      (HTTP/2 MAX_CONCURRENT_STREAMS); a client queues the rest itself.
     tls_cert, tls_key: PEM files: serve TLS (gRPC only).
     tls_client_ca: PEM CA bundle: require client certificates it signed.
     auth_token_file: file holding the bearer token every request must carry.
@@ -79,6 +85,8 @@ class ServerOptions:
   write_timeout_s: float = 30.0
   idle_timeout_s: float = 300.0
   max_bulk_connections: int = 1024
+  max_grpc_connections: int = 1024
+  max_streams_per_connection: int = 32
   tls_cert: str | None = None
   tls_key: str | None = None
   tls_client_ca: str | None = None
@@ -94,7 +102,8 @@ class ServerOptions:
       value = getattr(self, name)
       if value is not None and not 0 <= value < 65536:
         raise ConfigError(f"{name} must be in [0, 65536), got {value}")
-    for name in ("max_concurrent_requests", "max_message_bytes", "max_bulk_connections"):
+    for name in ("max_concurrent_requests", "max_message_bytes", "max_bulk_connections",
+                 "max_grpc_connections", "max_streams_per_connection"):
       if getattr(self, name) < 1:
         raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
     if self.threads is not None and self.threads <= self.max_concurrent_requests:

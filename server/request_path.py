@@ -42,10 +42,11 @@ from grain_elevator.server.options import DEFAULT_MAX_MESSAGE_BYTES
 
 log = logging.getLogger("grain_elevator.server")
 
-# A request (BatchRequest, DescribeRequest, BulkRequest) is a few dozen
-# bytes; anything longer than this is refused before it is parsed, and
-# before authentication, so an unauthenticated peer costs at most this.
-MAX_REQUEST_BYTES = 1 << 20
+# A request (BatchRequest, DescribeRequest, BulkRequest) is a dataset name,
+# a few integers and a token; anything longer than this is refused before it
+# is parsed, and before authentication, so a call or connection whose
+# request is still arriving holds at most this.
+MAX_REQUEST_BYTES = 64 << 10
 
 
 class RequestPath:

@@ -7,6 +7,7 @@ connections across them. Each is stateless, so any of them serves any step.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import signal
 import threading
 import time
@@ -14,7 +15,6 @@ from concurrent import futures
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from grain_elevator.proto import elevator_pb2 as pb
@@ -23,30 +23,21 @@ from grain_elevator.server import auth
 from grain_elevator.server import bulk as bulk_lib
 from grain_elevator.server import config as config_lib
 from grain_elevator.server import dataset as dataset_lib
+from grain_elevator.server import descriptors
 from grain_elevator.server import grpc_service
+from grain_elevator.server import health as health_lib
 from grain_elevator.server import lifeline
 from grain_elevator.server import logs
 from grain_elevator.server import metrics
 from grain_elevator.server import shard_identity
-from grain_elevator.server.options import HEALTH_THREADS, ServerOptions
+from grain_elevator.server.bulk import HANDSHAKE_TIMEOUT_S
+from grain_elevator.server.options import ServerOptions
 from grain_elevator.server.request_path import MAX_REQUEST_BYTES, RequestPath
 
 
-class _OnOwnThreads:
-  """The health service with its own threads (gRPC's per-method pools): a
-  probe is answered while every request thread is busy. Watch streams last,
-  so they get a pool apart from Check's."""
-
-  def __init__(self, servicer: health.HealthServicer):
-    check_pool = futures.ThreadPoolExecutor(HEALTH_THREADS, "elevator-health")
-    watch_pool = futures.ThreadPoolExecutor(HEALTH_THREADS, "elevator-health-watch")
-    for name, pool in (("Check", check_pool), ("List", check_pool), ("Watch", watch_pool)):
-      method = getattr(servicer, name)
-
-      def call(request: Any, context: grpc.ServicerContext, _method=method) -> Any:
-        return _method(request, context)
-      call.experimental_thread_pool = pool  # type: ignore[attr-defined]
-      setattr(self, name, call)
+# Reflection streams stay open as long as their client likes: they get
+# threads of their own, so they cannot hold the request threads.
+REFLECTION_THREADS = 2
 
 
 @dataclasses.dataclass
@@ -54,20 +45,21 @@ class Servers:
   """What one worker serves: its request path and the transports around it."""
   path: RequestPath
   grpc: grpc.Server
-  health: health.HealthServicer
+  health: health_lib.Health
   port: int
   bulk: bulk_lib.BulkServer | None
+  threads: futures.ThreadPoolExecutor  # gRPC's request threads
 
   def start(self) -> None:
     self.grpc.start()
     if self.bulk:
       self.bulk.start()
-    for service in ("", grpc_service.SERVICE_NAME):
-      self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+    self.health.publish()
+    self.health.watch_pool(self.threads)
 
   def stop(self, grace_s: float) -> None:
     """Health NOT_SERVING, new requests refused, those in flight get `grace_s`."""
-    self.health.enter_graceful_shutdown()
+    self.health.stop()
     self.path.admission.close()
     stopped = self.grpc.stop(grace_s)
     if self.bulk:
@@ -78,6 +70,12 @@ class Servers:
 def build_servers(datasets: dataset_lib.Datasets, opts: ServerOptions, index: int = 0,
                   num_workers: int = 1) -> Servers:
   """Start-able gRPC (Elevator, health, reflection) and bulk servers."""
+  budget = descriptors.Budget(
+      bulk_connections=opts.max_bulk_connections if opts.serves_bulk else 0,
+      grpc_connections=opts.max_grpc_connections, shards=datasets.num_shards)
+  descriptors.secure(budget)
+  if index == 0:
+    logging.getLogger("grain_elevator.server").info("each worker may hold %s", budget)
   token = auth.read_token(opts.auth_token_file) if opts.auth_token_file else None
   path = RequestPath(datasets, auth_token=token,
                      max_concurrent=opts.max_concurrent_requests,
@@ -85,10 +83,14 @@ def build_servers(datasets: dataset_lib.Datasets, opts: ServerOptions, index: in
                      write_timeout_s=opts.write_timeout_s,
                      server_info=pb.ServerInfo(worker_index=index, num_workers=num_workers),
                      batch_cache_bytes=opts.batch_cache_bytes // max(1, num_workers))
+  threads = futures.ThreadPoolExecutor(max_workers=opts.grpc_threads,
+                                       thread_name_prefix="elevator-rpc")
+  reflection_pool = futures.ThreadPoolExecutor(REFLECTION_THREADS, "elevator-reflection")
+  arrivals = grpc_service.ArrivalInterceptor(
+      grpc_service.Arrivals(), {f"/{reflection.SERVICE_NAME}/": reflection_pool})
   server = grpc.server(
-      futures.ThreadPoolExecutor(max_workers=opts.grpc_threads,
-                                 thread_name_prefix="elevator-rpc"),
-      interceptors=[grpc_service.AuthInterceptor(path)] if token else [],
+      threads,
+      interceptors=[arrivals, *([grpc_service.AuthInterceptor(path)] if token else [])],
       # No maximum_concurrent_rpcs: gRPC would refuse health checks with it.
       # Admission bounds the requests (server/admission.py), and threads
       # beyond its slots keep Describe from queueing behind them.
@@ -97,6 +99,15 @@ def build_servers(datasets: dataset_lib.Datasets, opts: ServerOptions, index: in
           ("grpc.max_send_message_length", -1),
           ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
           ("grpc.max_connection_idle_ms", int(opts.idle_timeout_s * 1000)),
+          ("grpc.max_allowed_incoming_connections", opts.max_grpc_connections),
+          ("grpc.max_concurrent_streams", opts.max_streams_per_connection),
+          ("grpc.server_handshake_timeout_ms", int(HANDSHAKE_TIMEOUT_S * 1000)),
+          # Flow control by the message, not by measured bandwidth: with BDP
+          # probing, each call whose request is still arriving was granted
+          # ~1 MB of window and 400 of them held 297 MB (26 MB without;
+          # tests/test_grpc_hardening.py). The worker receives only small
+          # requests; what it sends is paced by the client's window.
+          ("grpc.http2.bdp_probe", 0),
       ])
   bulk_server = None
   if opts.serves_bulk:
@@ -106,17 +117,18 @@ def build_servers(datasets: dataset_lib.Datasets, opts: ServerOptions, index: in
                                       threads=opts.max_concurrent_requests)
     path.server_info.bulk_port = bulk_server.port
   grpc_service.add_to_server(grpc_service.GrpcService(path), server)
-  health_servicer = health.HealthServicer()
-  health_pb2_grpc.add_HealthServicer_to_server(_OnOwnThreads(health_servicer), server)
+  health = health_lib.Health(("", grpc_service.SERVICE_NAME))
+  health.add_to_server(server)
   reflection.enable_server_reflection(
-      (grpc_service.SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+      (grpc_service.SERVICE_NAME, health_lib.health.SERVICE_NAME, reflection.SERVICE_NAME),
+      server)
   address = f"{opts.host}:{opts.port}"
   if opts.tls:
     port = server.add_secure_port(address, auth.server_credentials(
         opts.tls_cert, opts.tls_key, opts.tls_client_ca))
   else:
     port = server.add_insecure_port(address)
-  return Servers(path, server, health_servicer, port, bulk_server)
+  return Servers(path, server, health, port, bulk_server, threads)
 
 
 def run(config_path: str, opts: ServerOptions, index: int, num_workers: int,
@@ -148,17 +160,12 @@ def run(config_path: str, opts: ServerOptions, index: int, num_workers: int,
     ready.put((index, str(e)))
     return
   if last_request is not None:
-    def note_request() -> None:
-      last_request.value = time.monotonic()
-    servers.path.admission.on_admit = note_request
+    def note_in_flight(requests: int) -> None:  # busy (inf) until the last one ends
+      last_request.value = float("inf") if requests else time.monotonic()
+    servers.path.admission.on_in_flight = note_in_flight
   servers.start()
   if crash_loop is not None:
-    def show(looping: bool) -> None:
-      status = (health_pb2.HealthCheckResponse.NOT_SERVING if looping
-                else health_pb2.HealthCheckResponse.SERVING)
-      for service in ("", grpc_service.SERVICE_NAME):
-        servers.health.set(service, status)
-    crash_loop.watch(show, stop)
+    crash_loop.watch(lambda looping: servers.health.set_reason("crash loop", looping), stop)
   ready.put((index, None))
   stop.wait()
   servers.stop(opts.grace_s)

@@ -35,6 +35,8 @@ def _serve(args: argparse.Namespace) -> int:
       grace_s=args.grace, max_concurrent_requests=args.max_concurrent_requests,
       max_message_bytes=args.max_message_bytes, write_timeout_s=args.write_timeout,
       idle_timeout_s=args.idle_timeout, max_bulk_connections=args.max_bulk_connections,
+      max_grpc_connections=args.max_grpc_connections,
+      max_streams_per_connection=args.max_streams_per_connection,
       tls_cert=args.tls_cert,
       tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
       auth_token_file=args.auth_token_file, bulk=bulk, bulk_port=args.bulk_port or 0,
@@ -207,6 +209,13 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--max-bulk-connections", type=int, default=d.max_bulk_connections,
                  help="bulk connections per worker; past it the longest idle is closed "
                       f"(default {d.max_bulk_connections})")
+  p.add_argument("--max-grpc-connections", type=int, default=d.max_grpc_connections,
+                 help="gRPC connections per worker; past it new ones are closed at once "
+                      f"(default {d.max_grpc_connections})")
+  p.add_argument("--max-streams-per-connection", type=int,
+                 default=d.max_streams_per_connection,
+                 help="calls one gRPC connection carries at once (HTTP/2 "
+                      f"MAX_CONCURRENT_STREAMS; default {d.max_streams_per_connection})")
   p.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve TLS")
   p.add_argument("--tls-key", default=None, help="PEM private key for --tls-cert")
   p.add_argument("--tls-client-ca", default=None,
