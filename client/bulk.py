@@ -3,25 +3,30 @@
 Each batch is read straight into a buffer with `recv_into` and decoded as
 views of it: one copy from the kernel, no protobuf objects, no gRPC buffers.
 Buffers come from a pool and are reused once the trainer has dropped the
-batch (client/buffers.py), so their pages are not faulted in afresh. A frame longer than the step the request can produce is refused
-before anything is allocated (proto/framing.py). Failures surface as a
-`TransportError` with the status code gRPC would have given, so the pool
-treats both transports alike.
+batch (client/buffers.py), so their pages are not faulted in afresh. A
+frame longer than the step the request can produce is refused before
+anything is allocated (proto/framing.py), and each step is checked against
+the element spec (client/transport.py `decode_step`). Failures surface as
+a `TransportError` with the status code gRPC would have given, so the pool
+treats both transports alike; a server breaking the protocol mid-request is
+a `BadReplyError`, as on gRPC.
 """
 
 from __future__ import annotations
 
 import socket
+from typing import Sequence
 
 import grpc
 from google.protobuf.message import DecodeError
 
 from grain_elevator.client.buffers import BufferPool
-from grain_elevator.client.transport import CancelToken, Steps, TransportError
+from grain_elevator.client.transport import (BadReplyError, CancelToken, Steps, TransportError,
+                                             decode_step)
 from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.proto import errors
 from grain_elevator.proto import framing
-from grain_elevator.proto import wire
+from grain_elevator.proto.spec import LeafSpec
 
 # ServerInfo and BulkStatus frames are a few dozen bytes.
 _MAX_SMALL_FRAME_BYTES = 1 << 20
@@ -55,28 +60,41 @@ class BulkConnection:
                            f"bulk transport {self.address}: handshake failed: {e}") from e
 
   def stream(self, request: pb.BatchRequest, *, timeout_s: float, token: CancelToken,
-             max_frame_bytes: int) -> Steps:
-    """(step, leaves) for each step of `request`. `timeout_s` bounds each wait
-    for data, so a frozen server cannot hang the trainer."""
+             max_frame_bytes: int, expect: Sequence[LeafSpec] | None = None) -> Steps:
+    """See `Connection.stream`. `timeout_s` bounds each wait for data, so a
+    frozen server cannot hang the trainer."""
+    where = f"{self.address} (bulk transport)"
     token.attach(self)
     try:
       self._sock.settimeout(timeout_s)
       message = pb.BulkRequest(request=request, auth_token=self._auth_token)
       framing.send_frame(self._sock, framing.REQUEST, [message.SerializeToString()])
-      for _ in range(request.num_steps):
-        kind, payload = framing.recv_frame(self._sock, (framing.BATCH, framing.STATUS),
-                                           max(max_frame_bytes, _MAX_SMALL_FRAME_BYTES),
-                                           self._buffers.take)
+      for index in range(request.num_steps):
+        try:
+          kind, payload = framing.recv_frame(self._sock, (framing.BATCH, framing.STATUS),
+                                             max(max_frame_bytes, _MAX_SMALL_FRAME_BYTES),
+                                             self._buffers.take)
+        except framing.ProtocolError as e:  # a frame of another kind, or over the limit
+          raise BadReplyError(f"{where} broke the protocol for dataset {request.dataset!r} "
+                              f"step {request.start_step + index}: {e}") from e
         if kind == framing.STATUS:
           status = pb.BulkStatus.FromString(payload.tobytes())
           raise TransportError(errors.code_from_number(status.code), status.message,
                                status.error_type)
-        yield wire.decode_batch_bytes(payload)
+        if len(payload) > max_frame_bytes:
+          raise BadReplyError(
+              f"{where} sent {len(payload)} bytes for dataset {request.dataset!r} step "
+              f"{request.start_step + index}, over the {max_frame_bytes} its element spec "
+              "allows")
+        yield decode_step(payload, request, index, expect, where)
+    except BadReplyError:
+      self.broken = True  # unread frames may remain
+      raise
     except socket.timeout as e:
       self.broken = True
       raise TransportError(grpc.StatusCode.DEADLINE_EXCEEDED,
                            f"bulk transport {self.address}: no data for {timeout_s:.0f}s") from e
-    except (OSError, framing.ProtocolError, ValueError, DecodeError) as e:
+    except (OSError, DecodeError) as e:
       self.broken = True
       raise TransportError(grpc.StatusCode.UNAVAILABLE,
                            f"bulk transport {self.address}: {e}") from e

@@ -10,6 +10,17 @@ worker answered), and closes the surplus. Batches travel over the bulk
 transport where a replica offers it and it can be reached (`auto`), else
 over gRPC; one gRPC channel per target answers Describe.
 
+Every message size is bounded before allocation. gRPC fixes a channel's
+limits when the channel is made, so the pool first contacts each target
+with channels that take no batch over the control limit (transport.py),
+learns the element spec, and only then opens the connections that carry
+batches: gRPC channels limited to a whole global batch of the dataset and
+G it is first asked about (`_open_data`; reopened larger should a later
+request need more). Each step is then checked exactly: its size, and its
+leaves against the spec. A replica that breaks either is shunned and the
+remaining steps are asked of another (`fetch`); DataLossError only once
+every replica has.
+
 Every request goes through `_retrying`: a retriable failure (options.py's
 RETRIABLE) shuns the connection's replica and sends the remaining steps to
 the next connection after a backoff, both from `RetryPolicy`; steps already
@@ -17,7 +28,8 @@ received are kept, so each step reaches the trainer exactly once, in order,
 whichever replica served it. RESOURCE_EXHAUSTED says the replica is full
 right now: the retry goes to another replica, else over the other transport
 (gRPC, if the request came over bulk), else to the same one after the
-backoff; one rate-limited warning says so (`_after_full`).
+backoff; one rate-limited warning says so (`_after_full`). UNAUTHENTICATED
+and PERMISSION_DENIED (options.py's REFUSED) are never retried.
 
 Bulk connections are plain sockets, so nothing re-resolves a
 "dns:///name:port" target for them: the pool asks DNS again before each
@@ -44,19 +56,21 @@ import numpy as np
 
 from grain_elevator.client.buffers import BufferPool
 from grain_elevator.client.bulk import BulkConnection
-from grain_elevator.client.options import RETRIABLE, RetryPolicy, Security, TransportOptions
-from grain_elevator.client.transport import (CancelToken, Connection, GrpcConnection,
+from grain_elevator.client.options import (REFUSED, RETRIABLE, RetryPolicy, Security,
+                                           TransportOptions)
+from grain_elevator.client.transport import (MAX_CONTROL_MESSAGE_BYTES, BadReplyError,
+                                             CancelToken, Connection, GrpcConnection,
                                              TransportError)
 from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.proto import errors
 from grain_elevator.proto.errors import InvalidRequestError
-from grain_elevator.proto import wire
-from grain_elevator.proto.spec import DatasetInfo
+from grain_elevator.proto.spec import DatasetInfo, LeafSpec
+from grain_elevator.proto.throttle import Throttled
 
 log = logging.getLogger("grain_elevator.client")
 T = TypeVar("T")
 
-# A full replica refuses requests by the hundred: one warning per period.
+# A full (or lying) replica fails requests by the hundred: one warning per period.
 _FULL_LOG_PERIOD_S = 10.0
 # Reconnects come in bursts (every connection to a pod that left breaks at
 # once): DNS is asked at most this often.
@@ -107,28 +121,6 @@ def _replica_name(replica: tuple[str, str] | None) -> str:
   target, host = replica
   return target if host in (target, target.rpartition(":")[0].strip("[]")) else (
       f"{host} (behind {target})")
-
-
-class _Throttled:
-  """Warnings logged at most once per `period_s` for each key (a situation:
-  which replica, what was done); the next line counts those it stands for."""
-
-  def __init__(self, period_s: float):
-    self._period_s = period_s
-    self._lock = threading.Lock()
-    self._logged_at: dict[Any, float] = {}
-    self._unlogged: collections.Counter[Any] = collections.Counter()
-
-  def warning(self, key: Any, message: str, *args: Any) -> None:
-    with self._lock:
-      now = time.monotonic()
-      if now - self._logged_at.get(key, -self._period_s) < self._period_s:
-        self._unlogged[key] += 1
-        return
-      more = self._unlogged.pop(key, 0)
-      self._logged_at[key] = now
-    log.warning(message + "%s", *args,
-                f" ({more} more since the last such line)" if more else "")
 
 
 @dataclasses.dataclass(eq=False)
@@ -191,14 +183,16 @@ class Slots:
           return chosen
         self._free.wait(0.1)
 
-  def release(self, slot: Slot, *, failed: bool) -> None:
+  def release(self, slot: Slot, *, failed: bool, lied: bool = False) -> None:
     """Returns `slot`. A failure shuns its whole replica (RetryPolicy.shun_s):
     its other connections would most likely each cost a timeout to find the
-    same."""
+    same. A replica that `lied` (sent a batch breaking the spec) is shunned
+    for shun_max_s: its next answer is unlikely to be better."""
     with self._free:
-      if failed:
+      if failed or lied:
         slot.failures += 1
-        until = time.monotonic() + self._retry.shun_s(slot.failures)
+        until = time.monotonic() + (self._retry.shun_max_s if lied
+                                    else self._retry.shun_s(slot.failures))
         for other in self._slots:
           if other.replica == slot.replica:
             other.shunned_until = max(other.shunned_until, until)
@@ -310,16 +304,22 @@ class ConnectionPool:
     self.retry = retry
     self._security = security
     self._lock = threading.Lock()
-    self._balanced = False
+    self._contacted = False
     self._closed = False
-    self._control = Slots([], retry)  # one gRPC channel per target: Describe
+    # One gRPC channel per target: Describe, and under bulk the requests
+    # that fall back to gRPC (`_after_full`).
+    self._control = Slots([], retry)
     self._data = Slots([], retry)  # what carries the batches
+    # The gRPC limit on batches of the channels that may carry them; 0
+    # until they are opened (`_open_data`).
+    self._batch_cap = 0
     self._bulk_ports: dict[str, int] = {}
     self._infos: dict[str, DatasetInfo] = {}
     self._refresh_lock = threading.Lock()
     self._resolved_at: dict[str, float] = {}
     self._next_refresh = 0.0
-    self._full_log = _Throttled(_FULL_LOG_PERIOD_S)
+    self._full_log = Throttled(_FULL_LOG_PERIOD_S, log)
+    self._lie_log = Throttled(_FULL_LOG_PERIOD_S, log)
     # One pool for all bulk connections: the buffer the trainer dropped last
     # is the one still in cache, whichever connection reads next.
     self._buffers = BufferPool()
@@ -329,12 +329,15 @@ class ConnectionPool:
 
   # -- opening ---------------------------------------------------------------
 
-  def _contact(self, target: str) -> GrpcConnection | None:
+  def _contact(self, target: str, max_batch_bytes: int = MAX_CONTROL_MESSAGE_BYTES
+               ) -> GrpcConnection | None:
     """A new channel to `target` that answered Describe (which says its
-    worker and bulk port); None when down or refusing. A replica that is
-    full (RESOURCE_EXHAUSTED) is asked again within `connect_timeout_s`:
-    it is up, and giving up would cost it its bulk connections."""
-    conn = GrpcConnection(target, self._security)
+    worker and bulk port); None when down. A replica that is full
+    (RESOURCE_EXHAUSTED) is asked again within `connect_timeout_s`: it is
+    up, and giving up would cost it its bulk connections. A refusal
+    (REFUSED: a wrong token) raises its typed error: no transport would fare
+    better."""
+    conn = GrpcConnection(target, self._security, max_batch_bytes)
 
     def ask(_: Slots | None) -> pb.DescribeResponse:
       try:
@@ -347,8 +350,10 @@ class ConnectionPool:
       response = self._retrying(lambda: f"Describe at {target}", ask, None,
                                 timeout_s=self.retry.connect_timeout_s,
                                 retriable=frozenset({grpc.StatusCode.RESOURCE_EXHAUSTED}))
-    except errors.ElevatorError:
+    except errors.ElevatorError as e:
       conn.close()
+      if e.code in REFUSED:
+        raise
       return None
     self._bulk_ports[target] = response.server.bulk_port
     return conn
@@ -357,13 +362,11 @@ class ConnectionPool:
     return BulkConnection(target, host, port, connect_timeout_s=self.retry.connect_timeout_s,
                           auth_token=self._security.auth_token, buffers=self._buffers)
 
-  def _spread_grpc(self, target: str, first: GrpcConnection | None) -> list[list[Any]]:
-    opened = [first] if first else []
-    groups = _spread_over_workers(
-        lambda: opened.pop() if opened else self._contact(target),
-        self.transport.connections_per_target)
+  def _spread_grpc(self, target: str, max_batch_bytes: int) -> list[list[Any]]:
+    groups = _spread_over_workers(lambda: self._contact(target, max_batch_bytes),
+                                  self.transport.connections_per_target)
     if not groups:  # unreachable now: plain channels that connect later
-      return [[GrpcConnection(target, self._security)]
+      return [[GrpcConnection(target, self._security, max_batch_bytes)]
               for _ in range(self.transport.connections_per_target)]
     return groups
 
@@ -405,32 +408,61 @@ class ConnectionPool:
     self._resolved_at[target] = time.monotonic()
     return groups
 
-  def _balance(self) -> None:
-    """Opens the pool's connections, once."""
+  def _open_control(self) -> None:
+    """Contacts every target, once: the channels that answered (with the
+    control limit: no element spec is known yet) carry Describe."""
+    if self._contacted:
+      return
     with self._lock:
-      if self._balanced or self._closed:
+      if self._contacted or self._closed:
         return
-      first = {t: self._contact(t) for t in self.targets}
-      data: list[Any] = []
-      if self.transport.kind != "grpc" and not self._security.tls:
-        data = _interleave([g for t in self.targets for g in self._spread_bulk(t)])
-      if self.transport.kind == "bulk" and not data:
-        for conn in first.values():
+      first: list[GrpcConnection | None] = []
+      try:
+        for target in self.targets:
+          first.append(self._contact(target))
+      except errors.ElevatorError:
+        for conn in first:
           if conn:
             conn.close()
-        raise errors.ServiceUnavailableError(
-            f"transport kind 'bulk', but no replica of {', '.join(self.targets)} offers "
-            "a reachable bulk port (is it started with --no-bulk or TLS?)")
-      self.uses_bulk = bool(data)
-      if data:
-        control = [first[t] or GrpcConnection(t, self._security) for t in self.targets]
-      else:  # gRPC carries the batches: balance its channels; any one answers Describe
-        data = _interleave([g for t in self.targets for g in self._spread_grpc(t, first[t])])
-        control = [next(c for c in data if c.target == t) for t in self.targets]
-      self._control = Slots([Slot(c) for c in control], self.retry)
-      self._data = Slots([Slot(c) for c in data], self.retry)
-      self._next_refresh = time.monotonic() + self.transport.dns_refresh_s
-      self._balanced = True
+        raise
+      self._control.add([Slot(c or GrpcConnection(t, self._security))
+                         for t, c in zip(self.targets, first)])
+      self._contacted = True
+
+  def _open_data(self, max_batch_bytes: int) -> None:
+    """Opens the connections that carry batches, gRPC channels among them
+    accepting batches up to `max_batch_bytes` (from the element spec);
+    opened again, and the old ones retired, when a request needs more than
+    they were opened with."""
+    if self._batch_cap >= max_batch_bytes:
+      return
+    with self._lock:
+      if self._closed or self._batch_cap >= max_batch_bytes:
+        return
+      first_time = not self._batch_cap
+      data: list[Any] = []
+      if first_time and self.transport.kind != "grpc" and not self._security.tls:
+        data = _interleave([g for t in self.targets for g in self._spread_bulk(t)])
+        if self.transport.kind == "bulk" and not data:
+          raise errors.ServiceUnavailableError(
+              f"transport kind 'bulk', but no replica of {', '.join(self.targets)} offers "
+              "a reachable bulk port (is it started with --no-bulk or TLS?)")
+        self.uses_bulk = bool(data)
+      if self.uses_bulk:  # gRPC carries only the requests falling back: the control channels
+        old = list(self._control)
+        self._control.add([Slot(GrpcConnection(t, self._security, max_batch_bytes))
+                           for t in self.targets])
+        self._control.retire(lambda s: s in old)
+      else:  # gRPC carries the batches: balance its channels
+        old = list(self._data)
+        data = _interleave([g for t in self.targets
+                            for g in self._spread_grpc(t, max_batch_bytes)])
+      self._data.add([Slot(c) for c in data])
+      if not self.uses_bulk:
+        self._data.retire(lambda s: s in old)
+      if first_time:
+        self._next_refresh = time.monotonic() + self.transport.dns_refresh_s
+      self._batch_cap = max_batch_bytes
 
   @property
   def num_connections(self) -> int:
@@ -506,9 +538,10 @@ class ConnectionPool:
                 timeout_s: float | None = None,
                 retriable: frozenset[grpc.StatusCode] = RETRIABLE) -> T:
     """`attempt(slots)` until it returns, with backoff; a retriable
-    TransportError is tried again until `timeout_s` (the policy's by
-    default) passes without `progress()` growing, any other one raises its
-    typed error. After RESOURCE_EXHAUSTED the next attempt may be given
+    TransportError (or a BadReplyError, where `slots` hold other replicas
+    that may answer right) is tried again until `timeout_s` (the policy's
+    by default) passes without `progress()` growing, any other one raises
+    its typed error. After RESOURCE_EXHAUSTED the next attempt may be given
     other slots (`_after_full`)."""
     timeout_s = timeout_s or self.retry.timeout_s
     deadline = time.monotonic() + timeout_s
@@ -522,7 +555,7 @@ class ConnectionPool:
       except TransportError as e:
         if cancelled() or self._closed:
           raise errors.Cancelled(f"{what()}: cancelled") from e
-        if e.code not in retriable:
+        if e.code not in retriable and not (isinstance(e, BadReplyError) and slots):
           raise e.to_error() from e
         last = e
         if progress() > before:  # steps arrived: a fresh window
@@ -570,25 +603,28 @@ class ConnectionPool:
                  route: int | None = None) -> T:
     """`use(slot)` on a checked-out slot (of the worker owning chunk
     `route`, if given), reopened first if it broke; a retriable failure
-    shuns the slot's replica. A TransportError leaves saying where it
-    happened."""
+    or a bad reply shuns the slot's replica. A TransportError leaves saying
+    where it happened."""
     slot = slots.checkout(lambda: cancelled() or self._closed, route)
     if slot is None:
       raise TransportError(grpc.StatusCode.CANCELLED, "cancelled")
-    failed = False
+    failed = lied = False
     try:
       if slot.conn.broken:
         self._reconnect(slot)
       return use(slot)
     except TransportError as e:
       failed = e.code in RETRIABLE and not cancelled()  # our own cancel is no failure
+      lied = isinstance(e, BadReplyError)
       e.replica, e.over_bulk = slot.replica, isinstance(slot.conn, BulkConnection)
       raise
     finally:
-      slots.release(slot, failed=failed)
+      slots.release(slot, failed=failed, lied=lied)
 
   def describe(self, dataset: str = "", global_batch_size: int = 0) -> list[DatasetInfo]:
-    self._balance()
+    """What the servers offer. Given a global batch size, also opens the
+    connections that will carry its batches (sized from the spec)."""
+    self._open_control()
     request = pb.DescribeRequest(dataset=dataset, global_batch_size=global_batch_size)
     response = self._retrying(
         lambda: f"Describe({dataset!r})",
@@ -597,6 +633,8 @@ class ConnectionPool:
         self._control)
     infos = [DatasetInfo.from_proto(d) for d in response.datasets]
     self._infos.update((i.name, i) for i in infos)
+    if global_batch_size > 0 and infos:
+      self._open_data(max(i.element_spec.max_batch_bytes(global_batch_size) for i in infos))
     return infos
 
   def fetch(self, request: pb.BatchRequest, token: CancelToken,
@@ -608,10 +646,11 @@ class ConnectionPool:
     to the worker owning its chunk (`owner_of`); the iterator cuts requests
     at multiples of their size, so start_step // num_steps numbers them
     alike for every trainer."""
-    self._balance()
+    self._open_control()
+    limit, expect = self._expect(request)
     self._refresh_if_due()
     out = [] if out is None else out
-    limit = self._frame_limit(request)
+    liars: set[tuple[str, str]] = set()
 
     def attempt(slots: Slots | None) -> list[list[np.ndarray]]:
       assert slots is not None
@@ -621,17 +660,17 @@ class ConnectionPool:
       remaining.num_steps = request.num_steps - len(out)
 
       def stream(slot: Slot) -> None:
-        for step, leaves in slot.conn.stream(remaining, timeout_s=self.retry.request_timeout_s,
-                                             token=token, max_frame_bytes=limit):
-          if step != request.start_step + len(out):  # never deliver out of order
-            raise errors.ElevatorError(f"{request.dataset!r}: server sent step {step}, "
-                                       f"expected {request.start_step + len(out)}")
-          out.append(leaves)
+        for _, leaves in slot.conn.stream(remaining, timeout_s=self.retry.request_timeout_s,
+                                          token=token, max_frame_bytes=limit, expect=expect):
+          out.append(leaves)  # the step it must be, checked (transport.decode_step)
           slot.served += 1
 
       try:
         self._with_slot(slots, stream, lambda: token.cancelled,
                         route=request.start_step // max(1, request.num_steps))
+      except BadReplyError as e:
+        self._lied(e, liars)
+        raise
       except TransportError:
         if len(out) == request.num_steps:  # it failed after its last step: all here
           return out
@@ -642,15 +681,32 @@ class ConnectionPool:
         lambda: f"dataset {request.dataset!r} step {request.start_step + len(out)}",
         attempt, self._data, cancelled=lambda: token.cancelled, progress=lambda: len(out))
 
-  def _frame_limit(self, request: pb.BatchRequest) -> int:
-    """The longest message a step of `request` can be (refused beyond, before
-    it is allocated), from the dataset's element spec."""
+  def _expect(self, request: pb.BatchRequest) -> tuple[int, tuple[LeafSpec, ...]]:
+    """What each step of `request` must be, from the dataset's element spec:
+    the longest message it can take, and its leaves. Opens (or enlarges)
+    the connections carrying batches to accept it."""
     info = self._infos.get(request.dataset)
     if info is None:
       (info,) = self.describe(request.dataset)
+    spec = info.element_spec
     rows = request.global_batch_size // max(1, request.shard_count)
-    return wire.max_batch_bytes(rows * info.element_spec.record_bytes,
-                                len(info.element_spec.leaves))
+    limit = spec.max_batch_bytes(rows)
+    if self._batch_cap < limit:
+      self._open_data(spec.max_batch_bytes(request.global_batch_size))
+    return limit, spec.batch_leaves(rows)
+
+  def _lied(self, e: BadReplyError, liars: set[tuple[str, str]]) -> None:
+    """Notes that the replica behind `e` sent a bad batch for this request
+    (`_with_slot` has shunned it); DataLossError once every replica has."""
+    liars.add(e.replica)
+    replicas = {s.replica for s in self._data if not s.retired}
+    if replicas <= liars:
+      raise errors.DataLossError(
+          f"{e.details} (every replica of {', '.join(self.targets)} sent a batch that "
+          "breaks the element spec or its size bound)") from e
+    replica = _replica_name(e.replica)
+    self._lie_log.warning(replica, "%s; shunning %s and asking another replica",
+                          e.details, replica)
 
   def _reconnect(self, slot: Slot) -> None:
     """Replaces a broken bulk connection, asking DNS first whether its

@@ -29,6 +29,13 @@ RETRIABLE = frozenset({
     grpc.StatusCode.ABORTED,
     grpc.StatusCode.CANCELLED,
 })
+# Statuses a replica refuses this client with whatever it asks (its token,
+# its rights): another replica or transport would refuse it too, so the
+# trainer gets the typed error at once.
+REFUSED = frozenset({
+    grpc.StatusCode.UNAUTHENTICATED,
+    grpc.StatusCode.PERMISSION_DENIED,
+})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,7 +107,9 @@ class RetryPolicy:
   one deadline, not one per request. RESOURCE_EXHAUSTED means the replica
   is full right now: the retry goes to another replica, or where there is
   none and the request came over the bulk transport (kind "auto"), over
-  gRPC; a rate-limited warning says so.
+  gRPC; a rate-limited warning says so. A replica that sends a batch
+  breaking the element spec or its size bound is shunned for `shun_max_s`
+  and the step asked of another; DataLossError once every replica did.
 
   Attributes:
     timeout_s: give up with ServiceUnavailableError after this long without

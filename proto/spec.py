@@ -7,6 +7,7 @@ it in Describe) and the client (which checks cursors against it).
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import numpy as np
@@ -23,6 +24,11 @@ class LeafSpec:
   dtype: np.dtype
   shape: tuple[int, ...]
 
+  @property
+  def nbytes(self) -> int:
+    """Bytes of one value of this shape (exact: Python ints, no overflow)."""
+    return self.dtype.itemsize * math.prod(self.shape)
+
 
 @dataclasses.dataclass(frozen=True)
 class ElementSpec:
@@ -31,8 +37,17 @@ class ElementSpec:
 
   @property
   def record_bytes(self) -> int:
-    return sum(int(np.prod(l.shape, dtype=np.int64)) * l.dtype.itemsize
-               for l in self.leaves)
+    return sum(l.nbytes for l in self.leaves)
+
+  def batch_leaves(self, rows: int) -> tuple[LeafSpec, ...]:
+    """The leaves of a batch of `rows` records, as a client checks each
+    step it receives (proto/wire.py `decode_batch_bytes`)."""
+    return tuple(LeafSpec(l.path, l.dtype, (rows, *l.shape)) for l in self.leaves)
+
+  def max_batch_bytes(self, rows: int) -> int:
+    """The longest serialized Batch of `rows` records can be: a receiver
+    refuses a longer message before allocating it."""
+    return wire.max_batch_bytes(rows * self.record_bytes, len(self.leaves))
 
   @classmethod
   def of(cls, record: Any) -> "ElementSpec":

@@ -8,12 +8,19 @@ buffers (tensor data not copied; a socket gathers them), and the client reads
 the tensors as views of the received bytes. They produce and accept exactly
 the proto3 encoding of `Batch`, so any language's generated stubs
 interoperate (tests/test_proto.py checks this against protobuf's own).
+
+The decoder trusts nothing it reads: given the leaves a client asked for
+(proto/spec.py `ElementSpec.batch_leaves`), it checks each Tensor's dtype and
+shape against them before reading its data, and decompresses a zstd frame
+into at most the bytes that dtype and shape hold. A peer's bug or lie is a
+`BadBatchError`, never an allocation the spec does not allow.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any, Sequence
+import math
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
@@ -21,6 +28,14 @@ from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.proto import tree
 from grain_elevator.proto import varint
 from grain_elevator.proto.rows import RowStack
+
+if TYPE_CHECKING:
+  from grain_elevator.proto.spec import LeafSpec
+
+
+class BadBatchError(ValueError):
+  """A Batch message that is malformed or not what was asked for (the
+  element spec): the sender's fault."""
 
 
 @functools.lru_cache(maxsize=256)
@@ -115,7 +130,27 @@ def encode_batch_bytes(step: int, leaves: Sequence[np.ndarray | RowStack],
   return b"".join(encode_batch_parts(step, leaves, compression))
 
 
-def _decode_tensor(data: Any, buf: memoryview, pos: int, end: int) -> np.ndarray:
+def _decompress(frame: memoryview, size: int) -> bytes:
+  """A zstd frame's content, which must be exactly `size` bytes. A frame
+  declaring another size is refused before anything is allocated; one that
+  does not declare it cannot grow past `size`."""
+  zstd = _zstd()
+  try:
+    declared = zstd.frame_content_size(frame)  # -1: not declared
+    if declared not in (-1, size):
+      raise BadBatchError(f"zstd frame declares {declared} bytes for {size} (its dtype "
+                          "and shape)")
+    raw = zstd.ZstdDecompressor().decompress(frame, max_output_size=max(size, 1))
+  except zstd.ZstdError as e:
+    raise BadBatchError(f"zstd frame does not decompress to {size} bytes: {e}") from None
+  if len(raw) != size:
+    raise BadBatchError(f"zstd frame holds {len(raw)} bytes for {size} (its dtype "
+                        "and shape)")
+  return raw
+
+
+def _decode_tensor(data: Any, buf: memoryview, pos: int, end: int,
+                   want: LeafSpec | None) -> np.ndarray:
   dtype, shape, offset, nbytes, codec = "", [], pos, 0, COMPRESSION_NONE
   while pos < end:
     key, pos = varint.decode(buf, pos)
@@ -142,37 +177,69 @@ def _decode_tensor(data: Any, buf: memoryview, pos: int, end: int) -> np.ndarray
     else:
       pos = varint.skip(buf, pos, wire_type)
   if pos != end:
-    raise ValueError("Tensor overruns its Batch message")
-  dt = dtype_from_str(dtype)
+    raise BadBatchError("Tensor overruns its Batch message")
+  try:
+    dt = dtype_from_str(dtype)
+  except TypeError:
+    raise BadBatchError(f"dtype {dtype!r} is not a numpy dtype") from None
+  if want is not None and (dt != want.dtype or tuple(shape) != want.shape):
+    raise BadBatchError(f"{dtype_to_str(dt)}{shape} where the element spec says "
+                        f"{dtype_to_str(want.dtype)}{list(want.shape)}")
+  if dt.hasobject or not dt.itemsize:
+    raise BadBatchError(f"dtype {dtype!r} has no fixed-size bytes")
+  count = math.prod(shape)
+  size = count * dt.itemsize
   if codec == COMPRESSION_ZSTD:
-    raw = _zstd().ZstdDecompressor().decompress(buf[offset:offset + nbytes])
+    raw = _decompress(buf[offset:offset + nbytes], size)
     return np.frombuffer(raw, dtype=dt).reshape(shape)
   if codec != COMPRESSION_NONE:
-    raise ValueError(f"Tensor has unknown compression {codec}")
-  return np.frombuffer(data, dtype=dt, count=nbytes // dt.itemsize,
-                       offset=offset).reshape(shape)
+    raise BadBatchError(f"Tensor has unknown compression {codec}")
+  if nbytes != size:
+    raise BadBatchError(f"{nbytes} bytes of data for {size} (its dtype and shape)")
+  return np.frombuffer(data, dtype=dt, count=count, offset=offset).reshape(shape)
 
 
-def decode_batch_bytes(data: Any) -> tuple[int, list[np.ndarray]]:
+def decode_batch_bytes(data: Any, expect: Sequence[LeafSpec] | None = None
+                       ) -> tuple[int, list[np.ndarray]]:
   """(step, leaves) of a serialized Batch (bytes or any byte buffer); raw
-  leaves are views of `data`, compressed ones own their bytes."""
+  leaves are views of `data`, compressed ones own their bytes.
+
+  `expect`: the leaves the batch must hold, in order (a client's
+  `ElementSpec.batch_leaves`); each Tensor's dtype and shape are checked
+  before its data is read. Raises BadBatchError, naming the leaf, for a
+  message that is malformed or breaks `expect`.
+  """
   buf = memoryview(data)
   pos, step, leaves = 0, 0, []
-  while pos < len(buf):
-    key, pos = varint.decode(buf, pos)
-    field, wire_type = key >> 3, key & 7
-    if field == 1 and wire_type == varint.VARINT:
-      step, pos = varint.decode(buf, pos)
-      if step >= 1 << 63:
-        step -= 1 << 64
-    elif field == 2 and wire_type == varint.LEN:
-      n, pos = varint.decode(buf, pos)
-      leaves.append(_decode_tensor(data, buf, pos, pos + n))
-      pos += n
-    else:
-      pos = varint.skip(buf, pos, wire_type)
+  try:
+    while pos < len(buf):
+      key, pos = varint.decode(buf, pos)
+      field, wire_type = key >> 3, key & 7
+      if field == 1 and wire_type == varint.VARINT:
+        step, pos = varint.decode(buf, pos)
+        if step >= 1 << 63:
+          step -= 1 << 64
+      elif field == 2 and wire_type == varint.LEN:
+        n, pos = varint.decode(buf, pos)
+        if expect is not None and len(leaves) == len(expect):
+          raise BadBatchError(f"more leaves than the {len(expect)} of the element spec")
+        want = expect[len(leaves)] if expect is not None else None
+        try:
+          leaves.append(_decode_tensor(data, buf, pos, pos + n, want))
+        except ValueError as e:
+          where = f"leaf {len(leaves)}" + (f" ({want.path!r})" if want else "")
+          raise BadBatchError(f"{where}: {e}") from None
+        pos += n
+      else:
+        pos = varint.skip(buf, pos, wire_type)
+  except BadBatchError:
+    raise
+  except ValueError as e:  # a truncated varint or field
+    raise BadBatchError(f"malformed Batch message: {e}") from None
   if pos != len(buf):
-    raise ValueError("truncated Batch message")
+    raise BadBatchError("truncated Batch message")
+  if expect is not None and len(leaves) != len(expect):
+    raise BadBatchError(f"{len(leaves)} leaves where the element spec has {len(expect)}")
   return step, leaves
 
 

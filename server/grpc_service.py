@@ -79,8 +79,11 @@ class Arrivals:
   def __init__(self, timeout_s: float = REQUEST_ARRIVAL_TIMEOUT_S):
     self.timeout_s = timeout_s
     self._lock = threading.Lock()
-    self._due: list[tuple[float, int, grpc.ServicerContext]] = []
-    self._waiting: set[int] = set()
+    self._due: list[tuple[float, int]] = []
+    # Only calls still waiting are referenced: a context kept alive keeps its
+    # call, whose HTTP/2 stream then still counts against the connection's
+    # MAX_CONCURRENT_STREAMS.
+    self._waiting: dict[int, grpc.ServicerContext] = {}
     self._ids = itertools.count()
     self._log = Throttled(_LOG_PERIOD_S)
     threading.Thread(target=self._watch, name="elevator-arrivals", daemon=True).start()
@@ -92,13 +95,13 @@ class Arrivals:
     key = next(self._ids)
     deadline = arrived + self.timeout_s
     with self._lock:
-      self._waiting.add(key)
-      heapq.heappush(self._due, (deadline, key, context))
+      self._waiting[key] = context
+      heapq.heappush(self._due, (deadline, key))
     try:
       return next(requests)
     finally:
       with self._lock:
-        self._waiting.discard(key)
+        self._waiting.pop(key, None)
 
   def _watch(self) -> None:
     while True:
@@ -107,8 +110,9 @@ class Arrivals:
       late = []
       with self._lock:
         while self._due and self._due[0][0] <= now:
-          _, key, context = heapq.heappop(self._due)
-          if key in self._waiting:
+          _, key = heapq.heappop(self._due)
+          context = self._waiting.pop(key, None)
+          if context is not None:
             late.append(context)
       for context in late:
         metrics.current().error(grpc.StatusCode.CANCELLED.name)
@@ -179,12 +183,13 @@ def first_request(requests: Iterator[Any], context: grpc.ServicerContext) -> Any
   """The call's one request message; None if the call is over without it
   (cut by the arrival deadline, or cancelled by its client)."""
   try:
-    return next(requests)
+    request = next(requests)
   except StopIteration:
     if not context.is_active():
       return None
     _abort(context, errors.InvalidRequestError("the call ended without a request message"))
     raise  # not reached: abort raises
+  return request
 
 
 class GrpcService:

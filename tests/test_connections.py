@@ -33,7 +33,7 @@ def _bulk_workers(pool: ConnectionPool) -> collections.Counter:
 def test_grpc_channels_cover_every_worker_evenly(server, per_target):
   pool = _pool([server.target], per_target, "grpc")
   try:
-    pool.describe("plain")
+    pool.describe("plain", 16)  # G: the batch connections open
     share = -(-per_target // 2)
     assert _grpc_workers(pool) == {0: share, 1: share}
     assert not pool.uses_bulk
@@ -47,7 +47,7 @@ def test_bulk_connections_cover_every_worker_evenly(server, per_target):
   one gRPC channel per target is kept for Describe."""
   pool = _pool([server.target], per_target)
   try:
-    pool.describe("plain")
+    pool.describe("plain", 16)  # G: the batch connections open
     share = -(-per_target // 2)
     assert _bulk_workers(pool) == {(server.target, 0): share, (server.target, 1): share}
     assert pool.num_connections == 1
@@ -61,10 +61,10 @@ def test_every_replica_gets_its_share(server, config_path, transport):
   with LocalServer(config_path, workers=3) as second:
     pool = _pool([server.target, second.target], 3, transport)
     try:
-      pool.describe("plain")
+      pool.describe("plain", 16)  # G: the batch connections open
       # 2 workers x 2 (ceil(3/2)) + 3 workers x 1
       if transport == "grpc":
-        assert pool.num_connections == 7
+        assert pool.num_connections == 7 + 2  # and one per target, for Describe
       else:
         assert pool.num_connections == 2  # one channel per target, for Describe
         counts = _bulk_workers(pool)

@@ -18,6 +18,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from grain_elevator.client import RemoteDataset, Security, TransportOptions, describe
+from grain_elevator.proto import elevator_pb2 as pb
+from grain_elevator.proto import elevator_pb2_grpc as pb_grpc
 from grain_elevator.server.grpc_service import REQUEST_ARRIVAL_TIMEOUT_S, SERVICE_NAME
 from grain_elevator.server.request_path import MAX_REQUEST_BYTES
 from grain_elevator.tools.launcher import LocalServer
@@ -157,6 +159,21 @@ def test_streams_per_connection_and_connections_per_worker_are_capped(config_pat
     # like any newcomer (docs: deploy health probes accordingly).
     assert _health(server) == health_pb2.HealthCheckResponse.SERVING
     _exact(server, config_path)
+
+
+def test_calls_one_after_another_on_one_connection_past_its_stream_limit(config_path):
+  # Each call's stream must be retired when it ends: a context kept alive
+  # by the arrival watchdog once kept them open, and the 9th call on one
+  # connection was refused (REFUSED_STREAM).
+  with LocalServer(config_path, workers=1,
+                   extra_args=("--max-streams-per-connection", "8")) as server:
+    with grpc.insecure_channel(server.target) as channel:
+      stub = pb_grpc.ElevatorStub(channel)
+      request = pb.BatchRequest(dataset="plain", global_batch_size=8, shard_count=1,
+                                num_steps=1)
+      for _ in range(4 * 8):
+        stub.Describe(pb.DescribeRequest(dataset="plain"), timeout=10)
+        assert len(list(stub.GetBatches(request, timeout=10))) == 1
 
 
 def test_health_says_not_serving_while_no_request_thread_is_free():
