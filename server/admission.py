@@ -112,9 +112,11 @@ class Admission:
     self._watchdog: threading.Thread | None = None
     self._logged_at = -_LOG_PERIOD_S
     self._unlogged = 0
-    # Called on every admitted request (the worker notes the time, for
-    # `--idle-exit-s`); health checks are not admitted, so probes do not count.
-    self.on_admit: Callable[[], None] | None = None
+    # Called with the number of requests in flight each time a request is
+    # admitted or ends, in order (under the lock, so keep it cheap): the
+    # worker tells the supervisor it is busy until its last request ends
+    # (`--idle-exit-s`). Health checks are not admitted: probes do not count.
+    self.on_in_flight: Callable[[int], None] | None = None
 
   @property
   def in_flight(self) -> int:
@@ -149,11 +151,10 @@ class Admission:
       ticket = Ticket(self, cancel, long)
       self._tickets.add(ticket)
       metrics.current().inflight(1)
+      self._tell_in_flight()
       self._start_watchdog()
     if victim is not None:
       victim.cancel(f"every slot is taken and {why}: it yields to a newcomer")
-    if self.on_admit is not None:
-      self.on_admit()
     return ticket
 
   @contextlib.contextmanager
@@ -177,11 +178,17 @@ class Admission:
 
   def _forget(self, ticket: Ticket) -> None:
     with self._lock:
+      self._tickets.discard(ticket)
       if not ticket.released:
         metrics.current().inflight(-1)
-      self._tickets.discard(ticket)
+        self._tell_in_flight()
       ticket.released = True
       self._lock.notify_all()
+
+  def _tell_in_flight(self) -> None:
+    """Calls `on_in_flight` (hold the lock)."""
+    if self.on_in_flight is not None:
+      self.on_in_flight(len(self._tickets))
 
   def _victim(self, only_long: bool = False) -> tuple[Ticket | None, str]:
     """The request to cancel for a newcomer, and why; (None, "") if none may be."""

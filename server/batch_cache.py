@@ -16,6 +16,12 @@ step was cached does not change the cached bytes: they are what the shard
 held when the server recorded it (server/shard_identity.py), the bytes every
 replica serves; steps not cached are refused as before.
 
+The byte budget counts the memory an entry keeps alive, not the bytes it
+sends: a row that is a view of a bigger record (a RowStack of row views,
+proto/rows.py) keeps the whole record, and a budget counted in views held
+many times its size. So each entry is charged for the whole buffers its
+parts reference, each once (`held_bytes`).
+
 Workers are separate processes with a cache each, so the client sends every
 request for a chunk of steps to the worker that owns the chunk
 (client/connections.py, `owner_of`): the same chunk from any trainer lands
@@ -26,21 +32,54 @@ nothing either.
 from __future__ import annotations
 
 import collections
+import sys
 import threading
 from typing import Any, Callable, Hashable, Sequence
+
+import numpy as np
 
 # How long a request waits for a step another request is producing; past
 # it, it produces the step itself (a step takes ~0.1 ms to ~1 s).
 DEFAULT_WAIT_S = 30.0
 
 
-def parts_bytes(parts: Sequence[Any]) -> int:
-  """Bytes an encoded step holds (its buffers)."""
-  return sum(memoryview(p).nbytes for p in parts)
+# Views of views are followed at most this far to the memory's owner (numpy
+# points a view at its owner directly; memoryviews and frombuffer add a link).
+_MAX_VIEW_DEPTH = 16
+
+
+def _owner(buffer: Any) -> Any:
+  """The object whose memory `buffer` shows: through a memoryview's exporter
+  and a numpy view's base, to the object that allocated it."""
+  for _ in range(_MAX_VIEW_DEPTH):
+    if isinstance(buffer, memoryview) and buffer.obj is not None:
+      buffer = buffer.obj
+    elif isinstance(buffer, np.ndarray) and buffer.base is not None:
+      buffer = buffer.base
+    else:
+      break
+  return buffer
+
+
+def _size(owner: Any) -> int:
+  if isinstance(owner, np.ndarray):
+    return owner.nbytes
+  try:
+    return memoryview(owner).nbytes
+  except TypeError:  # an owner that is no buffer (a numpy base object)
+    return sys.getsizeof(owner)
+
+
+def held_bytes(parts: Sequence[Any]) -> int:
+  """Memory an encoded step keeps alive: the buffers its parts are views
+  of, each counted once, at their whole size."""
+  owners = {id(o): o for o in map(_owner, parts)}
+  return sum(_size(o) for o in owners.values())
 
 
 class BatchCache:
-  """Encoded steps by key, at most `max_bytes` of them; 0 keeps none."""
+  """Encoded steps by key, keeping at most `max_bytes` of memory alive
+  (`held_bytes`); 0 keeps none."""
 
   def __init__(self, max_bytes: int, *, wait_s: float = DEFAULT_WAIT_S):
     self.max_bytes = max(0, max_bytes)
@@ -89,7 +128,7 @@ class BatchCache:
       event.set()
 
   def _put(self, key: Hashable, parts: list[Any]) -> None:
-    size = parts_bytes(parts)
+    size = held_bytes(parts)
     if size > self.max_bytes:
       return  # bigger than the whole budget: would only evict the rest
     with self._lock:

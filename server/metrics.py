@@ -29,6 +29,13 @@ Utilization is measured from the workers' CPU time (/proc), not from request
 timing, so it counts whatever a worker spends (decode, copies, sends) and
 nothing it waits for; it is the signal to scale the data tier on.
 Without `--metrics-port` (and in embedded mode) recording is a no-op.
+
+The endpoint answers each connection on a thread of its own, so it is
+bounded like every transport: a read or write that waits SCRAPE_TIMEOUT_S
+closes the connection, and at most MAX_SCRAPE_CONNECTIONS are open at once.
+A newcomer beyond that closes the one that has waited longest for its
+request to arrive (a peer that sends half a request yields to a scraper),
+or is closed itself when every one is being answered.
 """
 
 from __future__ import annotations
@@ -37,15 +44,23 @@ import collections
 import logging
 import os
 import shutil
+import socket
+import socketserver
 import tempfile
 import threading
 import time
 from typing import Any, Callable, Iterator
+from wsgiref import simple_server
 
 log = logging.getLogger("grain_elevator.server")
 
 ENV = "PROMETHEUS_MULTIPROC_DIR"
 UTILIZATION_WINDOW_S = 30.0
+# A scrape takes milliseconds; a connection whose read or write waits this
+# long is closed.
+SCRAPE_TIMEOUT_S = 10.0
+# Prometheus scrapes a target once per interval, a few scrapers at most.
+MAX_SCRAPE_CONNECTIONS = 16
 _SAMPLE_EVERY_S = 1.0
 # Producing a step takes ~0.1 ms (small rows) to ~1 s (big image batches).
 _BATCH_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
@@ -142,11 +157,120 @@ def _cpu_seconds(pid: int) -> float | None:
     return None
 
 
+class _Quiet:
+  """wsgiref's error stream, which gets a traceback for each peer that timed
+  out: at debug level, so slow peers cannot flood the log."""
+
+  def write(self, text: str) -> None:
+    log.debug("metrics endpoint: %s", text.rstrip())
+
+  def flush(self) -> None:
+    pass
+
+
+class _ScrapeHandler(simple_server.WSGIRequestHandler):
+  """One scrape: reads and writes time out; no access log."""
+
+  server: "_ScrapeServer"
+
+  def setup(self) -> None:
+    self.timeout = self.server.timeout_s  # StreamRequestHandler sets it on the socket
+    super().setup()
+
+  def parse_request(self) -> bool:
+    ok = super().parse_request()
+    self.server.request_read(self.request)
+    return ok
+
+  def get_stderr(self) -> Any:
+    return _Quiet()
+
+  def log_message(self, format: str, *args: Any) -> None:  # pylint: disable=redefined-builtin
+    pass
+
+
+class _ScrapeServer(socketserver.ThreadingMixIn, simple_server.WSGIServer):
+  """prometheus_client's threaded WSGI server with its connections bounded
+  (module docstring)."""
+
+  daemon_threads = True
+  request_queue_size = 64
+
+  def __init__(self, host: str, port: int, app: Any, *, timeout_s: float,
+               max_connections: int):
+    family, _, _, _, address = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    self.address_family = family
+    self.timeout_s = timeout_s
+    self.max_connections = max_connections
+    self._lock = threading.Lock()
+    self._open: set[socket.socket] = set()
+    self._arriving: dict[socket.socket, float] = {}  # open, request not yet read
+    super().__init__(address[:2], _ScrapeHandler)
+    self.set_app(app)
+
+  def process_request(self, request: Any, client_address: Any) -> None:
+    with self._lock:
+      if len(self._open) >= self.max_connections:
+        oldest = min(self._arriving, key=self._arriving.__getitem__, default=None)
+        if oldest is None:  # every one is being answered: this one waits its turn
+          self.shutdown_request(request)
+          return
+        self._drop(oldest)
+        _hang_up(oldest)  # its thread wakes from its read and ends
+      self._open.add(request)
+      self._arriving[request] = time.monotonic()
+    try:
+      super().process_request(request, client_address)
+    except BaseException:
+      with self._lock:
+        self._drop(request)
+      raise
+
+  def process_request_thread(self, request: Any, client_address: Any) -> None:
+    try:
+      self.finish_request(request, client_address)
+    except Exception:  # pylint: disable=broad-except
+      self.handle_error(request, client_address)
+    finally:
+      with self._lock:  # before the close: a newcomer never hangs up a closed socket
+        self._drop(request)
+      self.shutdown_request(request)
+
+  def request_read(self, request: Any) -> None:
+    with self._lock:
+      self._arriving.pop(request, None)
+
+  def _drop(self, request: Any) -> None:
+    self._open.discard(request)
+    self._arriving.pop(request, None)
+
+  def handle_error(self, request: Any, client_address: Any) -> None:
+    log.debug("metrics endpoint: the connection from %s failed", client_address,
+              exc_info=True)
+
+  def server_close(self) -> None:
+    super().server_close()
+    with self._lock:
+      for request in list(self._open):
+        self._drop(request)
+        _hang_up(request)
+
+
+def _hang_up(sock: socket.socket) -> None:
+  try:
+    sock.shutdown(socket.SHUT_RDWR)
+  except OSError:
+    pass
+
+
 class Exporter:
   """The supervisor's side: the multiprocess folder, the CPU sampler behind
   utilization, and the HTTP endpoint."""
 
-  def __init__(self, worker_pids: Callable[[], list[int]], num_workers: int):
+  def __init__(self, worker_pids: Callable[[], list[int]], num_workers: int, *,
+               scrape_timeout_s: float = SCRAPE_TIMEOUT_S,
+               max_scrapes: int = MAX_SCRAPE_CONNECTIONS):
     self.folder = tempfile.mkdtemp(prefix="elevator-metrics-")
     self._worker_pids = worker_pids
     self._num_workers = num_workers
@@ -156,7 +280,9 @@ class Exporter:
     self._samples: collections.deque[tuple[float, float]] = collections.deque()
     self._lock = threading.Lock()
     self._stop = threading.Event()
-    self._http: Any = None
+    self._scrape_timeout_s = scrape_timeout_s
+    self._max_scrapes = max_scrapes
+    self._http: _ScrapeServer | None = None
     self.port: int | None = None
 
   # -- what workers need ------------------------------------------------------
@@ -225,7 +351,11 @@ class Exporter:
     registry.register(self)
     self._sample()
     threading.Thread(target=self._sampler, daemon=True, name="elevator-metrics").start()
-    self._http, _ = prom.start_http_server(port, addr=host, registry=registry)
+    self._http = _ScrapeServer(host, port, prom.make_wsgi_app(registry),
+                               timeout_s=self._scrape_timeout_s,
+                               max_connections=self._max_scrapes)
+    threading.Thread(target=self._http.serve_forever, daemon=True,
+                     name="elevator-metrics-http").start()
     self.port = self._http.server_port
     return self.port
 

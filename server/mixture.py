@@ -110,6 +110,18 @@ class MixtureDataset:
         segment_steps=tuple(s for s, _ in config.schedule),
         segment_fingerprints=tuple(through(i) for i in range(len(config.schedule))))
 
+  def check_batch_size(self, global_batch_size: int) -> None:
+    """InvalidRequestError unless every schedule entry's first record,
+    step x G, is a position a stream can hold (an int64): a client's G must
+    not overflow the arithmetic that locates records."""
+    last = self._segments[-1].first_step
+    if last * global_batch_size > contract.FOREVER_LENGTH:
+      raise InvalidRequestError(
+          f"dataset {self.config.name!r}: global_batch_size {global_batch_size} puts its "
+          f"schedule entry at step {last} at record {last * global_batch_size}, past the "
+          f"last position a stream has ({contract.FOREVER_LENGTH}); use a "
+          f"global_batch_size of at most {contract.FOREVER_LENGTH // last}")
+
   @functools.lru_cache(maxsize=8)
   def _offsets(self, global_batch_size: int) -> tuple[tuple[int, ...], ...]:
     """Per segment, each component's records used by the segments before it."""
@@ -126,6 +138,7 @@ class MixtureDataset:
   def locate(self, positions: np.ndarray, global_batch_size: int
              ) -> tuple[np.ndarray, np.ndarray]:
     """(component, index in its stream) of each of the mixture's records at `positions`."""
+    self.check_batch_size(global_batch_size)
     starts = np.array([s.first_step * global_batch_size for s in self._segments], np.int64)
     segment = np.searchsorted(starts, positions, side="right") - 1
     offsets = np.array(self._offsets(global_batch_size), np.int64)
@@ -141,6 +154,7 @@ class MixtureDataset:
                         shard_count: int, *, record_offset: int = 0,
                         stack: bool = True) -> list[np.ndarray]:
     del stack  # rows from several components are always stacked here
+    self.check_batch_size(global_batch_size)
     if record_offset and len(self._segments) > 1:
       raise InvalidRequestError(
           f"dataset {self.config.name!r}: a scheduled mixture's segments are counted in "

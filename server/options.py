@@ -64,7 +64,7 @@ class ServerOptions:
       TLS, since it is plaintext); False: off.
     bulk_port: its port; 0 picks a free one, advertised in Describe.
     idle_exit_s: `serve` stops and exits 0 once no request (health checks
-      aside) has come for this long: a data tier started for one job ends
+      aside) has been in flight for this long: a data tier started for one job ends
       with it. None: never.
     metrics_port: serve Prometheus metrics of the whole server at
       http://host:metrics_port/metrics (server/metrics.py); 0 picks a free

@@ -99,6 +99,8 @@ class RequestPath:
           f"bytes is {batch_bytes} bytes per step, over the server's "
           f"--max-message-bytes of {self._max_message_bytes}; use a smaller "
           "global_batch_size or more shards")
+    if hasattr(ds, "check_batch_size"):  # a scheduled mixture: G times its steps fit int64
+      ds.check_batch_size(r.global_batch_size)
     contract.check_steps(r.start_step, r.num_steps, info.stream_length,
                          r.global_batch_size, r.record_offset, info.drop_remainder)
     if r.compression not in (wire.COMPRESSION_NONE, wire.COMPRESSION_ZSTD):

@@ -2,12 +2,12 @@
 
 A shard replaced while the server runs must never change what a step holds
 under one stream fingerprint, whichever worker answers and whenever it
-opened the file. So each shard's identity (size, mtime, a hash of its tail)
-is recorded once, at start-up (`record_identities`, which the supervisor
-hands to every worker it starts, then or later), the fingerprint covers it
-(server/dataset.py), and a worker reads a shard only through a
-`CheckedFile` that still matches it; otherwise ShardChangedError
-(FAILED_PRECONDITION) names the file.
+opened the file. So each shard's identity (size, mtime, ctime, inode, a
+hash of its tail) is recorded once, at start-up (`record_identities`, which
+the supervisor hands to every worker it starts, then or later), the
+fingerprint covers what the bytes are (server/dataset.py), and a worker
+reads a shard only through a `CheckedFile` that still matches it; otherwise
+ShardChangedError (FAILED_PRECONDITION) names the file.
 """
 
 from __future__ import annotations
@@ -35,19 +35,38 @@ IDENTITY_TAIL_BYTES = 2 * shard_reader.BLOCK_SIZE
 
 @dataclasses.dataclass(frozen=True)
 class ShardIdentity:
-  """What a shard file was when the server started: any write changes its
-  size or mtime; the tail hash catches a file swapped for another of the
-  same size and mtime (a copy that kept its timestamp)."""
+  """What a shard file was when the server started.
+
+  A write moves the size or mtime, but a user can put the mtime back
+  (os.utime, touch -d, cp -p, rsync -a); the ctime no user can set, and any
+  write, utime or rename moves it. The inode and device tell a file renamed
+  over the shard from the file itself. The tail hash catches a copy of
+  another shard's size that kept every timestamp. So a shard is refused once
+  any of these moved, after a chmod, chown or new hard link too (each moves
+  the ctime): refusing is safe, and a restart records the file anew. The
+  stream fingerprint covers the size, mtime and tail only
+  (server/dataset.py): what the bytes are, not where they sit, so a copy on
+  another machine fingerprints the same.
+  """
 
   size: int
   mtime_ns: int
   tail_hash: str  # blake2b-128 of the last IDENTITY_TAIL_BYTES
+  ctime_ns: int
+  inode: int
+  device: int
+
+  @classmethod
+  def of_stat(cls, st: os.stat_result, tail_hash: str) -> "ShardIdentity":
+    return cls(st.st_size, st.st_mtime_ns, tail_hash, st.st_ctime_ns, st.st_ino, st.st_dev)
 
   def differences(self, now: "ShardIdentity") -> str:
-    """What changed, as the refusal says it: "size/mtime differ; 70000 -> 70016 bytes"."""
-    names = [name for name, a, b in (("size", self.size, now.size),
-                                     ("mtime", self.mtime_ns, now.mtime_ns),
-                                     ("footer", self.tail_hash, now.tail_hash)) if a != b]
+    """What changed, as the refusal says it: "size/mtime/ctime differ; 70000 -> 70016 bytes"."""
+    names = [name for name, a, b in (
+        ("size", self.size, now.size), ("mtime", self.mtime_ns, now.mtime_ns),
+        ("ctime", self.ctime_ns, now.ctime_ns),
+        ("inode", (self.device, self.inode), (now.device, now.inode)),
+        ("footer", self.tail_hash, now.tail_hash)) if a != b]
     sizes = f"; {self.size} -> {now.size} bytes" if now.size != self.size else ""
     return f"{'/'.join(names) or 'nothing'} differ{'s' if len(names) < 2 else ''}{sizes}"
 
@@ -59,7 +78,7 @@ def _changed(filename: str, what: str) -> ShardChangedError:
 
 
 def identity_of(fd: int, filename: str) -> ShardIdentity:
-  """The identity of the open file `fd`. Size, mtime and tail come from one
+  """The identity of the open file `fd`. Its stat and tail come from one
   stable moment (stat, read, stat again), so a file still being written is
   refused rather than recorded half-way."""
   for _ in range(3):
@@ -67,12 +86,14 @@ def identity_of(fd: int, filename: str) -> ShardIdentity:
     n = min(before.st_size, IDENTITY_TAIL_BYTES)
     tail = os.pread(fd, n, before.st_size - n)
     after = os.fstat(fd)
-    if (len(tail) == n and (before.st_size, before.st_mtime_ns)
-        == (after.st_size, after.st_mtime_ns)):
-      return ShardIdentity(after.st_size, after.st_mtime_ns,
-                           hashlib.blake2b(tail, digest_size=16).hexdigest())
+    if len(tail) == n and _stat_key(before) == _stat_key(after):
+      return ShardIdentity.of_stat(after, hashlib.blake2b(tail, digest_size=16).hexdigest())
   raise ShardChangedError(f"shard {filename} kept changing while it was read: is it "
                           "still being written?")
+
+
+def _stat_key(st: os.stat_result) -> tuple[int, ...]:
+  return st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev
 
 
 def _identity_of_path(filename: str) -> ShardIdentity:
@@ -110,8 +131,12 @@ class CheckedFile:
   cannot slip another file in. A rename-replace later is harmless: the open
   file keeps the bytes that were checked and this worker goes on serving
   them, as the fingerprint says. A write into the file itself is not, so
-  `check` (one fstat, ~1 µs) runs after every read of it and refuses once
-  its size or mtime moved.
+  `check` (one fstat, ~2 µs) runs after every read of it and refuses once
+  its size, mtime or ctime moved (a write moves the ctime even where the
+  writer put the size and mtime back). A rename over the file or its
+  deletion moves its ctime too and leaves the bytes this worker serves; it
+  drops the link count, and from then on only the size and mtime are
+  compared.
   """
 
   def __init__(self, filename: str, recorded: ShardIdentity | None):
@@ -129,6 +154,9 @@ class CheckedFile:
       os.close(self._fd)
       raise
     self._recorded = recorded
+    self._stat = (recorded.size, recorded.mtime_ns, recorded.ctime_ns, recorded.inode,
+                  recorded.device)
+    self._links = os.fstat(self._fd).st_nlink
     proc = f"/proc/self/fd/{self._fd}"
     self.path = proc if os.path.exists(proc) else filename
 
@@ -141,10 +169,13 @@ class CheckedFile:
         raise _changed(self.filename, "the file under its name differs")
 
   def check(self) -> None:
-    """Refuses a file written to since it was checked (size or mtime moved)."""
+    """Refuses a file written to since it was checked (its stat moved)."""
     st = os.fstat(self._fd)
-    if st.st_size != self._recorded.size or st.st_mtime_ns != self._recorded.mtime_ns:
-      now = ShardIdentity(st.st_size, st.st_mtime_ns, self._recorded.tail_hash)
+    # Renamed over or deleted (fewer links): that moved the ctime, not the bytes.
+    ctime = st.st_ctime_ns if st.st_nlink >= self._links else self._recorded.ctime_ns
+    if (st.st_size, st.st_mtime_ns, ctime, st.st_ino, st.st_dev) != self._stat:
+      now = dataclasses.replace(ShardIdentity.of_stat(st, self._recorded.tail_hash),
+                                ctime_ns=ctime)
       raise _changed(self.filename, self._recorded.differences(now))
 
   def close(self) -> None:

@@ -38,6 +38,7 @@ import collections
 import contextlib
 import dataclasses
 import logging
+import math
 import multiprocessing as mp
 import multiprocessing.connection
 import os
@@ -46,7 +47,7 @@ import re
 import signal
 import threading
 import time
-from typing import Iterator
+from typing import Any, Iterator
 
 from grain_elevator.proto import malloc
 from grain_elevator.proto.errors import ElevatorError
@@ -125,9 +126,11 @@ class Server:
     self._stop = threading.Event()
     self._supervisor: threading.Thread | None = None
     self._metrics: metrics_lib.Exporter | None = None
-    # time.monotonic() of the last admitted request, set by the workers
-    # (CLOCK_MONOTONIC is one clock for every process of the machine).
-    self._last_request = self._ctx.RawValue("d", time.monotonic())
+    # A shared double per worker slot (made by `start`), set by its worker:
+    # inf while a request is in flight, else time.monotonic() when its last
+    # request ended (CLOCK_MONOTONIC is one clock for every process of the
+    # machine). One per slot: one worker's end must not hide another's stream.
+    self._activity: list[Any] = []
 
   # -- what it serves --------------------------------------------------------
 
@@ -158,8 +161,10 @@ class Server:
     return self._metrics.port if self._metrics else None
 
   def idle_s(self) -> float:
-    """Seconds since any worker admitted a request (or since start)."""
-    return max(0.0, time.monotonic() - self._last_request.value)
+    """Seconds since the last request ended (or since start); 0 while any
+    request is in flight, however long it streams."""
+    last = max([v.value for v in self._activity], default=time.monotonic())
+    return 0.0 if math.isinf(last) else max(0.0, time.monotonic() - last)
 
   def worker_pids(self) -> list[int]:
     return [p.pid for p in self._procs.values() if p.is_alive() and p.pid]
@@ -186,7 +191,8 @@ class Server:
         self._metrics.stop()
         raise sockets.BindError(
             f"cannot serve metrics on {opts.host}:{opts.metrics_port}: {e}") from e
-    self._last_request.value = time.monotonic()
+    self._activity = [self._ctx.RawValue("d", time.monotonic())
+                      for _ in range(self.num_workers)]
     self._start_workers()
     self._supervisor = threading.Thread(target=self._supervise, daemon=True,
                                         name="elevator-supervisor")
@@ -218,7 +224,7 @@ class Server:
         target=lifeline.start_worker,
         args=(os.getpid(), self.config_path, self.options, index, self.num_workers,
               self._ready, self._identities),
-        kwargs={"crash_loop": self._crash_loop, "last_request": self._last_request},
+        kwargs={"crash_loop": self._crash_loop, "last_request": self._activity[index]},
         name=f"elevator-worker-{index}", daemon=True)
     with _worker_environment(self._metrics.worker_env() if self._metrics else {}):
       p.start()
@@ -281,6 +287,8 @@ class Server:
     p.join()
     if self._metrics:
       self._metrics.worker_died(p.pid)
+    if math.isinf(self._activity[index].value):  # its requests ended with it
+      self._activity[index].value = time.monotonic()
     history = self._history[index]
     delay = history.died(time.monotonic())
     code = p.exitcode

@@ -139,8 +139,9 @@ def run(config_path: str, opts: ServerOptions, index: int, num_workers: int,
   `identities`: the shards as the supervisor recorded them at start-up.
   `supervisor_pid`: the parent it must not outlive (lifeline.py).
   `crash_loop`: a restarts.CrashLoopFlag; health is NOT_SERVING while it is on.
-  `last_request`: a shared double this worker sets to time.monotonic() on
-  every admitted request (the supervisor's `--idle-exit-s`)."""
+  `last_request`: a shared double this worker sets to inf while it has a
+  request in flight and to time.monotonic() when its last one ends (the
+  supervisor's `--idle-exit-s`)."""
   lifeline.tie(supervisor_pid)  # again, for a worker spawned with `run` as its target
   signal.signal(signal.SIGINT, signal.SIG_IGN)  # The supervisor handles Ctrl-C.
   logs.setup(f"elevator[worker {index}]")

@@ -127,3 +127,27 @@ def test_long_streams_hold_at_most_half_the_slots():
   _age(first.ticket, waiting_s=admission_lib.STALL_GRACE_S + 1)
   Request(a, endless)  # a long one may replace a stalled long one
   assert first.cancelled and not second.cancelled and a.in_flight == 3
+
+
+def test_in_flight_is_told_on_every_admit_and_end_cancellations_included():
+  """What the worker tells the supervisor (`--idle-exit-s`): busy from the
+  first admit until the last request ends, however it ends."""
+  a = Admission(2, write_timeout_s=0.5)
+  told: list[int] = []
+  a.on_in_flight = told.append
+  first, second = Request(a), Request(a)
+  assert told == [1, 2]
+  _age(first.ticket, waiting_s=admission_lib.STALL_GRACE_S + 1)
+  third = Request(a)  # takes the stalled one's slot
+  assert first.cancelled and told == [1, 2, 2, 2]
+  first.ticket.release()  # its transport unwinds: already counted out
+  second.ticket.release()
+  assert told == [1, 2, 2, 2, 1]
+  _age(third.ticket, waiting_s=0.0)  # the write timeout ends the last one
+  deadline = time.monotonic() + 10
+  while not third.cancelled and time.monotonic() < deadline:
+    time.sleep(0.1)
+  assert third.cancelled and told == [1, 2, 2, 2, 1, 0]
+  with a():  # Describe
+    assert told[-1] == 1
+  assert told[-1] == 0 and a.in_flight == 0

@@ -1,15 +1,21 @@
-"""The batch cache on its own: a byte bound, least recently used out first,
-and one producer per step however many requests want it at once."""
+"""The batch cache on its own: a byte bound on the memory its entries keep
+alive, least recently used out first, and one producer per step however
+many requests want it at once."""
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
+import tracemalloc
 
 import numpy as np
 import pytest
 
-from grain_elevator.server.batch_cache import BatchCache, parts_bytes
+from grain_elevator.proto import wire
+from grain_elevator.proto.rows import RowStack
+
+from grain_elevator.server.batch_cache import BatchCache, held_bytes
 
 
 def _parts(n: int, fill: int = 0) -> list:
@@ -43,7 +49,7 @@ def test_an_entry_over_the_whole_budget_is_served_not_kept():
   cache = BatchCache(500)
   cache.get("small", lambda: _parts(100))
   parts, hit = cache.get("big", lambda: _parts(1000))
-  assert not hit and parts_bytes(parts) == 1002
+  assert not hit and held_bytes(parts) == 1002
   assert len(cache) == 1 and cache.bytes == 102
 
 
@@ -130,3 +136,57 @@ def test_a_waiter_gives_up_after_wait_s_and_produces_itself():
   assert not hit and time.monotonic() - began < 5
   release.set()
   t.join(10)
+
+
+# Rows that are views of bigger records keep the records alive: the budget
+# counts the records.
+
+RECORD_BYTES, ROW_BYTES, ROWS = 1 << 20, 16 << 10, 4
+
+
+def _step_of_views(step: int) -> list:
+  """An encoded step whose rows are small views of big records: a RowStack
+  of row views (as a whole-batch decode makes) and a memoryview of a slice."""
+  records = [np.full(RECORD_BYTES, step, np.uint8) for _ in range(ROWS)]
+  rows = RowStack([r[100:100 + ROW_BYTES] for r in records])
+  label = np.arange(RECORD_BYTES // 8, dtype=np.int64)[:ROWS]
+  return wire.encode_batch_parts(step, [rows, label])
+
+
+def test_views_are_charged_for_the_records_they_keep_alive():
+  parts = _step_of_views(1)
+  sent = sum(memoryview(p).nbytes for p in parts)
+  assert sent < ROWS * ROW_BYTES + 1024  # what goes out: the views
+  # What stays in memory: every record once, the label's whole array, the headers.
+  assert ROWS * RECORD_BYTES + RECORD_BYTES <= held_bytes(parts) < (ROWS + 1) * RECORD_BYTES + 1024
+  # A buffer shown by several parts counts once.
+  record = np.zeros(RECORD_BYTES, np.uint8)
+  assert held_bytes([memoryview(record[:10]), memoryview(record[10:20]).cast("B"),
+                     np.frombuffer(memoryview(record)[5:], np.uint8)]) == RECORD_BYTES
+  raw = bytes(RECORD_BYTES)
+  assert held_bytes([memoryview(np.frombuffer(raw, np.uint8, 10, offset=16))]) == RECORD_BYTES
+
+
+def test_the_budget_bounds_the_memory_entries_keep_alive():
+  """Steps of views, each sending ~64 KiB and keeping ~5 MiB alive, through a
+  cache of 12 MiB: two stay, least recently used out first, and the memory
+  still allocated once the producer dropped its references is within budget."""
+  budget = 12 << 20
+  cache = BatchCache(budget)
+  gc.collect()
+  tracemalloc.start()
+  try:
+    for step in range(20):
+      cache.get(step, lambda step=step: _step_of_views(step))
+      assert cache.bytes <= budget
+    gc.collect()
+    held, _ = tracemalloc.get_traced_memory()
+  finally:
+    tracemalloc.stop()
+  assert held < budget + (1 << 20), f"{held / 2**20:.1f} MiB alive for a {budget >> 20} MiB cache"
+  assert len(cache) == 2 and cache.bytes > 2 * ROWS * RECORD_BYTES
+  cache.get(19, lambda: pytest.fail("step 19 is cached"))
+  cache.get(18, lambda: pytest.fail("step 18 is cached"))
+  made = []
+  cache.get(17, lambda: made.append(17) or _step_of_views(17))  # evicted: made again
+  assert made == [17] and len(cache) == 2

@@ -3,9 +3,11 @@ match what clients received and survive a worker restart."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -147,3 +149,62 @@ def test_elevator_top_names_a_server_without_metrics():
   result = subprocess.run([*ELEVATOR, "top", "127.0.0.1:1", "--once"], capture_output=True,
                           text=True, timeout=60)
   assert result.returncode == 2 and "is the server run with --metrics-port" in result.stderr
+
+
+# The endpoint under slow peers: each holds a thread for a bounded time, and
+# only a bounded number of them at once.
+
+HALF_A_REQUEST = b"GET /metrics HTTP/1.1\r\nHost: elevator\r\n"  # no blank line: not done
+
+
+def _half_sent(port: int, n: int, stack: contextlib.ExitStack) -> list[socket.socket]:
+  socks = []
+  for _ in range(n):
+    sock = stack.enter_context(socket.create_connection(("127.0.0.1", port), timeout=10))
+    sock.sendall(HALF_A_REQUEST)
+    socks.append(sock)
+  return socks
+
+
+def _closed_by_server(sock: socket.socket) -> bool:
+  try:
+    return sock.recv(1) == b""
+  except ConnectionResetError:
+    return True
+
+
+def test_half_sent_scrapes_hold_bounded_threads_and_a_scrape_still_answers(config_path):
+  import psutil  # pylint: disable=import-outside-toplevel
+  me = psutil.Process()
+  with Server(config_path, ServerOptions(port=0, workers=1, metrics_port=0)) as server:
+    scrape(server)
+    before = me.num_threads()
+    with contextlib.ExitStack() as stack:
+      _half_sent(server.metrics_port, 100, stack)
+      time.sleep(1.0)  # every one accepted, each thread blocked in its read
+      threads = me.num_threads()
+      began = time.monotonic()
+      m = scrape(server)  # closes the peer that has waited longest
+      took = time.monotonic() - began
+  assert threads <= before + metrics.MAX_SCRAPE_CONNECTIONS + 2, (before, threads)
+  assert m[("elevator_workers", ())] == 1 and took < 5, took
+
+
+def test_a_half_sent_scrape_is_closed_after_the_timeout():
+  exporter = metrics.Exporter(lambda: [], num_workers=1, scrape_timeout_s=1.0, max_scrapes=4)
+  try:
+    port = exporter.start("127.0.0.1", 0)
+    with contextlib.ExitStack() as stack:
+      socks = _half_sent(port, 3, stack)
+      began = time.monotonic()
+      assert all(_closed_by_server(s) for s in socks)
+      assert 0.5 < time.monotonic() - began < 8
+      # Beyond the limit a newcomer closes the peer that has waited longest,
+      # at once; a scrape at the limit is answered the same way.
+      oldest = _half_sent(port, 5, stack)[0]
+      oldest.settimeout(0.5)  # well before the timeout
+      assert _closed_by_server(oldest)
+      m = top.scrape(f"127.0.0.1:{port}", timeout_s=0.5)
+      assert m[("elevator_workers", ())] == 0
+  finally:
+    exporter.stop()

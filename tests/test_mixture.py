@@ -6,11 +6,16 @@ counted from the oracle's own picks; remote and embedded, H 1 and 2."""
 from __future__ import annotations
 
 import grain
+import grpc
 import numpy as np
 import pytest
 
-from grain_elevator.client import ConfigError, RemoteDataset, StreamMismatchError
+from grain_elevator.client import (ConfigError, InvalidRequestError, RemoteDataset,
+                                   StreamMismatchError)
 from grain_elevator.client.embedded import EmbeddedBackend
+from grain_elevator.proto import contract
+from grain_elevator.proto import elevator_pb2 as pb
+from grain_elevator.proto import elevator_pb2_grpc as pb_grpc
 from grain_elevator.tools.launcher import LocalServer
 from helpers import assert_trees_equal, oracle_batch
 
@@ -190,3 +195,74 @@ def test_the_period_table_matches_grains_function_record_by_record(monkeypatch):
   want = [mixed[int(r)] for r in records]
   assert [(0, 2, 1)[v // BIG] for v in want] == tabulated[0].tolist()
   assert [v % BIG for v in want] == tabulated[1].tolist()
+
+
+# A client's G against a schedule entry far out: step x G past what a stream
+# can hold is INVALID_ARGUMENT naming the dataset and G, before any int64
+# arithmetic can overflow (it was INTERNAL, an OverflowError).
+
+LATE, FAR = 10**9, 2**62
+LATE_MIXES = f"""
+[datasets.late]
+[[datasets.late.schedule]]
+step = 0
+weights = {{ a = 1 }}
+[[datasets.late.schedule]]
+step = {LATE}
+weights = {{ b = 1 }}
+
+[datasets.far]
+[[datasets.far.schedule]]
+step = 0
+weights = {{ a = 0.5, b = 0.5 }}
+[[datasets.far.schedule]]
+step = {FAR}
+weights = {{ c = 1 }}
+"""
+# (dataset, G, H, what the refusal says): G/H rows stay under the message size
+# limit, so the mixture's own check answers; G = 2**62 is refused by that
+# limit first, as for any dataset.
+TOO_BIG = [
+    ("late", 2**34, 2**20, f"global_batch_size {2**34} puts its schedule entry at step {LATE} "
+     f"at record {LATE * 2**34}, past the last position a stream has "
+     f"({contract.FOREVER_LENGTH}); use a global_batch_size of at most "
+     f"{contract.FOREVER_LENGTH // LATE}"),
+    ("far", 2, 1, f"global_batch_size 2 puts its schedule entry at step {FAR} at record "
+     f"{2 * FAR}"),
+    ("late", 2**62, 2**20, "bytes per step, over the server's --max-message-bytes"),
+]
+
+
+@pytest.fixture(scope="module")
+def late_config(data_dir, tmp_path_factory) -> str:
+  path = tmp_path_factory.mktemp("late") / "elevator.toml"
+  path.write_text(_components(f"{data_dir}/shards") + LATE_MIXES)
+  return str(path)
+
+
+def test_a_batch_size_that_overflows_the_schedule_is_invalid_not_internal(late_config):
+  with LocalServer(late_config, workers=1) as server:
+    with grpc.insecure_channel(server.target) as channel:
+      stub = pb_grpc.ElevatorStub(channel)
+      for name, g, n, message in TOO_BIG:
+        request = pb.BatchRequest(dataset=name, global_batch_size=g, shard_index=n - 1,
+                                  shard_count=n, start_step=0, num_steps=1)
+        with pytest.raises(grpc.RpcError) as info:
+          list(stub.GetBatches(request, timeout=30))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+        assert f"dataset {name!r}" in info.value.details()
+        assert message in info.value.details()
+    for name, g, n, message in TOO_BIG:
+      for ds in (RemoteDataset(server.target, name, g, shard_index=n - 1, shard_count=n),
+                 RemoteDataset.embedded(late_config, name, g, shard_index=n - 1,
+                                        shard_count=n)):
+        with ds, pytest.raises(InvalidRequestError) as info:
+          next(iter(ds))
+        assert f"dataset {name!r}" in str(info.value) and message in str(info.value)
+    # The server goes on serving, these datasets too at a G they can hold.
+    for name, g in (("late", G), ("far", 1)):
+      with RemoteDataset(server.target, name, g) as remote, \
+          RemoteDataset.embedded(late_config, name, g) as embedded:
+        assert_trees_equal(next(iter(remote)), next(iter(embedded)), name)
+  assert server.proc.returncode == 0, server.stderr()
+  assert "OverflowError" not in server.stderr()

@@ -20,6 +20,7 @@ import time
 from typing import Any, Callable
 
 import grpc
+import numpy as np
 import pytest
 
 from grain_elevator.client import RemoteDataset, ShardChangedError, StreamMismatchError
@@ -272,7 +273,7 @@ def test_both_readers_refuse_a_changed_shard(data, reader):
   assert fresh._getitems([0, 444]) == [original[0], original[12]]  # pylint: disable=protected-access
   with pytest.raises(ShardChangedError,
                      match=re.escape(f"shard {data.shards[1]} changed since the server "
-                                     "started (mtime/footer differ)")):
+                                     "started (mtime/ctime/inode/footer differ)")):
     fresh._getitems([250])  # pylint: disable=protected-access
   data.replace(2, "in place")
   with pytest.raises(ShardChangedError,
@@ -287,3 +288,78 @@ def test_a_file_the_globs_match_only_now_is_refused(data):
   with pytest.raises(ShardChangedError,
                      match=re.escape(f"shard {data.shards[0]} was not among")):
     dataset_lib.Datasets(config, identities=recorded)
+
+
+# Rewrites that put the size and mtime back (os.utime, cp -p, rsync -a): the
+# ctime, which no user can set, still tells.
+
+def _write_fixed_size_shard(path: str, seed: int) -> None:
+  """One shard of G * STEPS_PER_SHARD records of one size, stored
+  uncompressed: another seed gives other bytes in the same layout, so a file
+  of exactly the same size that our reader reads from its old footer."""
+  from array_record.python.array_record_module import ArrayRecordWriter  # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng(seed)
+  shape = (IMAGE["height"], IMAGE["width"], IMAGE["channels"])
+  writer = ArrayRecordWriter(path, "group_size:1,uncompressed")
+  for i in range(G * STEPS_PER_SHARD):
+    writer.write(examples.encode_record(i, int(rng.integers(10)),
+                                        rng.integers(0, 256, shape, np.uint8)))
+  writer.close()
+
+
+def _rewrite_keeping_size_and_mtime(path: str, new_bytes: bytes) -> None:
+  before = os.stat(path)
+  with open(path, "r+b") as f:
+    f.write(new_bytes)
+  os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+  after = os.stat(path)
+  assert ((after.st_ino, after.st_size, after.st_mtime_ns)
+          == (before.st_ino, before.st_size, before.st_mtime_ns))
+
+
+def test_a_rewrite_in_place_with_the_old_mtime_put_back_is_refused(tmp_path):
+  """The worker has the shard open; it is rewritten in place with other rows
+  of the same size, its mtime put back. A step not served before is refused
+  naming the shard, never served with the new rows under the old fingerprint."""
+  (tmp_path / "shards").mkdir()
+  shard = str(tmp_path / "shards" / "train-00000-of-00001.array_record")
+  _write_fixed_size_shard(shard, seed=0)
+  _write_fixed_size_shard(str(tmp_path / "other.array_record"), seed=1)
+  other = (tmp_path / "other.array_record").read_bytes()
+  assert len(other) == os.path.getsize(shard)
+  config = str(tmp_path / "elevator.toml")
+  pathlib.Path(config).write_text(CONFIG)
+  structure = _structure(config)
+  with RemoteDataset.embedded(config, "plain", G) as ds:
+    expected = list(ds)
+  with LocalServer(config, workers=1) as server:
+    _, answer = _ask(server.target, 0, structure)
+    assert_trees_equal(answer, expected[0])  # the worker has opened the shard
+    time.sleep(0.01)  # the rewrite's ctime must differ from the recorded one
+    _rewrite_keeping_size_and_mtime(shard, other)
+    for step in (1, STEPS_PER_SHARD - 1):  # not served before: not in the batch cache
+      _, answer = _ask(server.target, step, structure)
+      assert _refused(answer, shard), f"step {step}: {answer}"
+      assert "(ctime differs)" in answer.details()
+  assert server.proc.returncode == 0, server.stderr()
+
+
+def test_a_shard_opened_after_such_a_rewrite_is_refused(tmp_path):
+  """A shard bigger than the hashed tail, rewritten before its first open
+  with the tail, size and mtime as recorded: its ctime differs."""
+  path = str(tmp_path / "shard")
+  pathlib.Path(path).write_bytes(os.urandom(3 * shard_identity.IDENTITY_TAIL_BYTES))
+  recorded = shard_identity.shard_identities([path])[path]
+  shard_identity.CheckedFile(path, recorded).close()  # as recorded: opens
+  time.sleep(0.01)
+  _rewrite_keeping_size_and_mtime(path, os.urandom(1024))
+  assert shard_identity.shard_identities([path])[path].tail_hash == recorded.tail_hash
+  with pytest.raises(ShardChangedError,
+                     match=re.escape(f"shard {path} changed since the server started "
+                                     "(ctime differs)")):
+    shard_identity.CheckedFile(path, recorded)
+  # The stream fingerprint covers the bytes, not the ctime: equal to a copy's.
+  copy = str(tmp_path / "copy")
+  shutil.copy2(path, copy)
+  a, b = shard_identity.shard_identities([path, copy]).values()
+  assert (a.size, a.mtime_ns, a.tail_hash) == (b.size, b.mtime_ns, b.tail_hash)

@@ -233,7 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
                  help="serve Prometheus metrics of every worker at "
                       "http://HOST:PORT/metrics (0: a free port; default: off)")
   p.add_argument("--idle-exit-s", type=float, default=None, metavar="N",
-                 help="exit 0 once no request has come for N seconds (health checks "
+                 help="exit 0 once no request has been in flight for N seconds (health checks "
                       "aside): a per-job data tier ends with its job (default: never)")
   p.add_argument("--batch-cache-mb", type=int, default=None, metavar="MB",
                  help="MiB of recently served steps kept, so trainers reading the same "
