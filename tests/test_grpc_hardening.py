@@ -22,8 +22,8 @@ from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.proto import elevator_pb2_grpc as pb_grpc
 from grain_elevator.server.grpc_service import REQUEST_ARRIVAL_TIMEOUT_S, SERVICE_NAME
 from grain_elevator.server.request_path import MAX_REQUEST_BYTES
+from grain_elevator.tools.bench.h2peer import H2Peer
 from grain_elevator.tools.launcher import LocalServer
-from h2peer import H2Peer
 from helpers import assert_streams_equal, worker_pids
 
 DESCRIBE = f"/{SERVICE_NAME}/Describe"

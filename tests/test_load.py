@@ -25,8 +25,8 @@ from grain_elevator.proto import framing
 from grain_elevator.server import descriptors
 from grain_elevator.server.grpc_service import REQUEST_ARRIVAL_TIMEOUT_S, SERVICE_NAME
 from grain_elevator.server.options import ServerOptions
+from grain_elevator.tools.bench.h2peer import H2Peer
 from grain_elevator.tools.launcher import LocalServer
-from h2peer import H2Peer
 from helpers import assert_streams_equal, worker_pids
 
 CONNECTIONS = int(os.environ.get("ELEVATOR_LOAD_CONNECTIONS", "600"))

@@ -5,7 +5,8 @@
 Serves a small image dataset with DEFAULT options and reads it with a
 DEFAULT client: alone, while each kind of hostile client runs (a process of
 its own, so it shares no GIL with the trainer), then while all of them run.
-They do what server/admission.py and server/bulk.py defend against:
+They do what server/admission.py, server/bulk.py and server/grpc_service.py
+defend against:
 
   grpc-unread   64 GetBatches streams of an endless stream, never read;
                 each one cut is opened again at once
@@ -15,27 +16,43 @@ They do what server/admission.py and server/bulk.py defend against:
                 1,024 cap per worker); reopened when closed
   oversize      connections promising a 2**34-byte request, then junk
   slowloris     200 connections sending a request header a byte every 2 s
+  headers       header-only gRPC calls (headers, never a message) to Describe,
+                GetBatches and health Check, as many as each of 8 connections
+                may carry (the server's stream limit); each one cut is opened
+                again at once
+  halfsent      400 gRPC calls (20 connections x 20) declaring a request of
+                MAX_REQUEST_BYTES - 1024 bytes and sending all of it but the
+                last byte; reopened when cut
+  idlegrpc      900 idle HTTP/2 connections to the gRPC port (preface and
+                settings, then nothing but acknowledgements), spread over
+                the workers; reopened when closed
+
+The last three are raw HTTP/2 peers (the `h2` library, the [test] extra),
+what no gRPC client library sends on purpose; each says on stderr, when it
+ends, how many calls the server cut, refused (REFUSED_STREAM) and let it hold.
 
 Every run checks each batch against embedded mode (bit for bit) and reports
 steps/s, the health check's latency (a fresh connection every 0.25 s, as a
-kubelet probe makes) and the workers' peak RSS. The attackers run on the
+kubelet probe makes; an error or an answer other than SERVING counts as a
+failed probe) and the workers' peak RSS. The attackers run on the
 same cores as the server and the trainer, which a remote attacker would not.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
-import os
 import pathlib
 import resource
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import numpy as np
@@ -46,7 +63,22 @@ from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.proto import elevator_pb2_grpc as pb_grpc
 from grain_elevator.proto import framing
 
-KINDS = ("grpc-unread", "bulk-unread", "bulk-idle", "oversize", "slowloris")
+if TYPE_CHECKING:
+  from grain_elevator.tools.bench.h2peer import H2Peer
+
+KINDS = ("grpc-unread", "bulk-unread", "bulk-idle", "oversize", "slowloris",
+         "headers", "halfsent", "idlegrpc")
+H2_KINDS = ("headers", "halfsent", "idlegrpc")
+# Descriptors each attacker holds at most (its RLIMIT_NOFILE is raised to
+# this plus a reserve).
+NOFILE = {"grpc-unread": 0, "bulk-unread": 64, "bulk-idle": 2000, "oversize": 1,
+          "slowloris": 200, "headers": 8, "halfsent": 20, "idlegrpc": 900}
+HEADER_CONNECTIONS = 8
+HALFSENT_CONNECTIONS, HALFSENT_CALLS = 20, 20
+IDLE_GRPC_CONNECTIONS = 900
+ELEVATOR = pb.DESCRIPTOR.services_by_name["Elevator"].full_name
+DESCRIBE, GET_BATCHES = f"/{ELEVATOR}/Describe", f"/{ELEVATOR}/GetBatches"
+CHECK = "/grpc.health.v1.Health/Check"
 ENDLESS = pb.BatchRequest(dataset="generated", global_batch_size=128, shard_count=1,
                           start_step=0, num_steps=10**9)
 
@@ -127,6 +159,7 @@ def _oversize(host: str, port: int, seconds: float) -> None:
   deadline = time.monotonic() + seconds
   junk = b"\0" * (1 << 16)
   while time.monotonic() < deadline:
+    s = None
     try:
       s = _greeted(host, port)
       s.sendall(framing.header(framing.REQUEST, 1 << 34))
@@ -135,7 +168,8 @@ def _oversize(host: str, port: int, seconds: float) -> None:
     except OSError:
       pass
     finally:
-      s.close()
+      if s is not None:
+        s.close()
 
 
 def _slowloris(host: str, port: int, seconds: float) -> None:
@@ -158,10 +192,87 @@ def _slowloris(host: str, port: int, seconds: float) -> None:
     time.sleep(2)
 
 
-def hostile(kind: str, target: str, bulk_port: int, seconds: float) -> None:
-  host = target.rsplit(":", 1)[0]
+# Raw HTTP/2 peers (headers, halfsent, idlegrpc) ------------------------------
+
+_HELD_AFTER_S = 0.5  # a call open this long was accepted, not refused
+
+
+def _h2peer() -> type[H2Peer]:
+  """The raw HTTP/2 peer (h2peer.py), imported only by the attackers that
+  need it: it needs the `h2` package."""
+  try:
+    # pylint: disable-next=g-import-not-at-top
+    from grain_elevator.tools.bench.h2peer import H2Peer as peer
+  except ImportError as e:
+    raise SystemExit(f"the {', '.join(H2_KINDS)} attackers need the `h2` package: "
+                     "pip install 'grain-elevator[test]' (or h2>=4.1)") from e
+  return peer
+
+
+def _h2_calls(host: str, port: int, seconds: float, kind: str, *, connections: int,
+              calls: int | None, methods: tuple[str, ...], declared_bytes: int | None = None,
+              send_bytes: int = 0, period_s: float = 0.1) -> None:
+  """Holds `connections` raw HTTP/2 connections, each carrying `calls`
+  unfinished calls (None: as many as the server's stream limit allows),
+  cycling over `methods`; every period, reopens the calls the server cut
+  or refused and the connections it closed. Says what it held when it ends.
+  (gRPC counts a call it cut against the stream limit until the worker has
+  released it, refusing new ones meanwhile: its overload protection, on by
+  default. "Held" counts the calls open long enough to have been accepted.)"""
+  peer = _h2peer()
+  method = itertools.cycle(methods)
+  held: list[H2Peer] = []
+  gone: list[H2Peer] = []
+  opened, samples = 0, []
+  deadline = time.monotonic() + seconds
+  try:
+    while time.monotonic() < deadline:
+      alive = []
+      for p in held:
+        (alive if p.alive() else gone).append(p)
+      held = alive
+      while len(held) < connections:
+        try:
+          held.append(peer(host, port))
+        except OSError:
+          break
+      for p in held:
+        room = p.room() if calls is None else min(p.room(), calls - len(p.calls))
+        for _ in range(max(0, room)):
+          p.open_call(next(method), declared_bytes=declared_bytes, send_bytes=send_bytes)
+          opened += 1
+      now = time.monotonic()
+      samples.append(sum(now - t > _HELD_AFTER_S for p in held for t in p.calls.values()))
+      time.sleep(period_s)
+  finally:
+    cut = sum(p.cut for p in held + gone)
+    refused = sum(p.refused for p in held + gone)
+    line = (f"attacker {kind}: {len(held)} connections held, {len(gone)} closed by the "
+            "server and reopened")
+    if opened:
+      line += (f"; {opened} calls opened, {cut} cut by the server, {refused} refused "
+               f"(REFUSED_STREAM); calls held (open > {_HELD_AFTER_S} s): "
+               f"mean {np.mean(samples):.0f}, max {max(samples)}")
+    print(line, file=sys.stderr, flush=True)
+
+
+def _raise_nofile(need: int) -> None:
+  """Raises the soft RLIMIT_NOFILE to `need` where the hard limit allows."""
   soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-  resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+  if soft == resource.RLIM_INFINITY or soft >= need:
+    return
+  new = need if hard == resource.RLIM_INFINITY else min(need, hard)
+  resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+  if new < need:
+    print(f"attack: the open-files limit ({hard}) is below the {need} wanted; "
+          "attackers hold fewer connections", file=sys.stderr)
+
+
+def hostile(kind: str, target: str, bulk_port: int, seconds: float) -> None:
+  host, port = target.rsplit(":", 1)
+  _raise_nofile(NOFILE[kind] + 256)
+  # Stopped by SIGTERM: unwind, so that an attacker can say what it held.
+  signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
   if kind == "grpc-unread":
     channel = grpc.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)])
     _keep(64, lambda: _UnreadGrpc(channel), seconds)
@@ -173,21 +284,37 @@ def hostile(kind: str, target: str, bulk_port: int, seconds: float) -> None:
     _oversize(host, bulk_port, seconds)
   elif kind == "slowloris":
     _slowloris(host, bulk_port, seconds)
-  del soft
+  elif kind == "headers":
+    _h2_calls(host, int(port), seconds, kind, connections=HEADER_CONNECTIONS, calls=None,
+              methods=(DESCRIBE, GET_BATCHES, CHECK))
+  elif kind == "halfsent":
+    # pylint: disable-next=g-import-not-at-top
+    from grain_elevator.server.request_path import MAX_REQUEST_BYTES
+    declared = MAX_REQUEST_BYTES - 1024
+    _h2_calls(host, int(port), seconds, kind, connections=HALFSENT_CONNECTIONS,
+              calls=HALFSENT_CALLS, methods=(DESCRIBE,), declared_bytes=declared,
+              send_bytes=declared - 1)
+  elif kind == "idlegrpc":
+    _h2_calls(host, int(port), seconds, kind, connections=IDLE_GRPC_CONNECTIONS, calls=0,
+              methods=(), period_s=2.0)
 
 
 # The trainer's side ---------------------------------------------------------
 
-def _probe_health(target: str, stop: threading.Event, out: list[float]) -> None:
+def _probe_health(target: str, stop: threading.Event,
+                  out: list[tuple[float, bool]]) -> None:
+  """(latency, SERVING?) of a Check every 0.25 s; an error's latency is inf."""
   while not stop.is_set():
     with grpc.insecure_channel(target,
                                options=[("grpc.use_local_subchannel_pool", 1)]) as ch:
       start = time.monotonic()
       try:
-        health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10)
-        out.append(time.monotonic() - start)
+        reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(),
+                                                     timeout=10)
+        out.append((time.monotonic() - start,
+                    reply.status == health_pb2.HealthCheckResponse.SERVING))
       except grpc.RpcError:
-        out.append(float("inf"))
+        out.append((float("inf"), False))
     stop.wait(0.25)
 
 
@@ -223,14 +350,14 @@ def _read(target: str, config: str, steps: int) -> float:
 
 
 def _phase(name: str, server, config: str, steps: int, kinds: list[str]) -> dict[str, Any]:
-  hostiles = [subprocess.Popen([sys.executable, "-m", "grain_elevator.tools.bench.attack", "--hostile", kind,
-                                "--target", server.target,
+  hostiles = [subprocess.Popen([sys.executable, "-m", "grain_elevator.tools.bench.attack",
+                                "--hostile", kind, "--target", server.target,
                                 "--bulk-port", str(server.bulk_port), "--seconds", "600"])
               for kind in kinds]
   try:
     time.sleep(10 if kinds else 0)  # let them take every slot and socket
     stop = threading.Event()
-    health: list[float] = []
+    health: list[tuple[float, bool]] = []
     rss: list[float] = []
     threads = [threading.Thread(target=_probe_health, args=(server.target, stop, health)),
                threading.Thread(target=_sample_rss,
@@ -241,14 +368,25 @@ def _phase(name: str, server, config: str, steps: int, kinds: list[str]) -> dict
     stop.set()
     for t in threads:
       t.join()
+    gone = {kind: p.returncode for kind, p in zip(kinds, hostiles) if p.poll() is not None}
+    if gone:  # the phase ran without them
+      raise RuntimeError(f"attackers ended before their phase did (exit status): {gone}")
   finally:
     for p in hostiles:
-      p.kill()
-      p.wait()
-  h = np.asarray(health)
+      p.terminate()  # each says what it held
+    for p in hostiles:
+      try:
+        p.wait(10)
+      except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait()
+  h = np.asarray([s for s, _ in health])
+  not_serving = sum(1 for s, ok in health if not ok and not np.isinf(s))
   return {"phase": name, "steps_per_s": rate, "health_p50_ms": float(np.median(h) * 1e3),
           "health_max_ms": float(h.max() * 1e3), "health_probes": len(h),
-          "health_failed": int(np.isinf(h).sum()), "rss_max_mb": max(rss)}
+          # an error or an answer other than SERVING, as a kubelet counts it
+          "health_failed": int(np.isinf(h).sum()) + not_serving,
+          "health_not_serving": not_serving, "rss_max_mb": max(rss)}
 
 
 def main() -> int:
@@ -269,6 +407,11 @@ def main() -> int:
   kinds = args.kinds.split(",")
   if not set(kinds) <= set(KINDS):
     parser.error(f"--kinds: unknown {sorted(set(kinds) - set(KINDS))}; choose from {KINDS}")
+  if set(kinds) & set(H2_KINDS):
+    try:
+      _h2peer()
+    except SystemExit as e:
+      parser.error(str(e))
   from grain_elevator.tools import demo  # pylint: disable=g-import-not-at-top
   from grain_elevator.tools.launcher import LocalServer  # pylint: disable=g-import-not-at-top
   with tempfile.TemporaryDirectory() as root:

@@ -1,15 +1,21 @@
 """Two server builds against each other, interleaved, read by one client.
 
     python -m grain_elevator.tools.bench.versus OLD_ELEVATOR NEW_ELEVATOR [--rounds 2]
+        [--kind auto|grpc] [--clients OLD_PYTHON NEW_PYTHON]
 
 OLD_ELEVATOR and NEW_ELEVATOR are `elevator` executables (e.g. one in a
 virtualenv made from `git worktree add /tmp/old <commit>`). For each
 workload (the benchmark's small and large, at 50,000 and 2,000 records)
 and round, each build serves with 2 workers, alternating which goes first,
-and this process's client reads for 8 s after 2 s of warm-up, with default
+and a client reads for 8 s after 2 s of warm-up, with default
 and with the benchmark's tuned settings. Prints the median steps/s of each
 and their ratio. A server-side change is judged by this, on one machine in
 one session, rather than by two separate benchmark runs.
+
+`--kind grpc` reads over gRPC instead of the default transport choice.
+Each measurement runs in a process of its own, by this Python, or with
+`--clients` by each build's own Python (its client: a client-side change is
+then part of the comparison).
 """
 
 from __future__ import annotations
@@ -19,10 +25,9 @@ import pathlib
 import re
 import statistics
 import subprocess
+import sys
 import tempfile
-import time
 
-from grain_elevator.client import RemoteDataset, TransportOptions
 from grain_elevator.tools.bench import workloads
 
 RECORDS = {"small": 50_000, "large": 2_000}
@@ -40,23 +45,35 @@ def _serve(elevator: str, config: str) -> tuple[subprocess.Popen, str]:
   raise RuntimeError(f"{elevator} exited without serving")
 
 
-def _steps_per_s(target: str, name: str, tuned: bool, seconds: float = 8.0) -> float:
+# One measurement, in a process of the build's own Python (its client): 2 s
+# of warm-up, 8 s counted. Public API only, which every build has.
+_MEASURE = """
+import sys, time
+from grain_elevator.client import RemoteDataset, TransportOptions
+target, name, g, tuned, kind = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == "1", sys.argv[5]
+steps = 4 if name == "small" else 3
+kwargs = ({"prefetch": 4 * steps, "transport": TransportOptions(
+    kind=kind, steps_per_request=steps, connections_per_target=4)} if tuned
+          else {"transport": TransportOptions(kind=kind)})
+with RemoteDataset(target, name, g, **kwargs) as ds:
+  it = iter(ds)
+  start = time.monotonic()
+  while time.monotonic() - start < 2:
+    next(it)
+  n, start = 0, time.monotonic()
+  while time.monotonic() - start < 8:
+    next(it)
+    n += 1
+  print(n / (time.monotonic() - start))
+"""
+
+
+def _steps_per_s_in(python: str, target: str, name: str, tuned: bool, kind: str) -> float:
   w = workloads.WORKLOADS[name]
-  kwargs = {}
-  if tuned:
-    steps = 4 if name == "small" else 3
-    kwargs = {"prefetch": 4 * steps, "transport": TransportOptions(
-        steps_per_request=steps, connections_per_target=4)}
-  with RemoteDataset(target, name, w.global_batch_size, **kwargs) as ds:
-    it = iter(ds)
-    start = time.monotonic()
-    while time.monotonic() - start < 2:
-      next(it)
-    n, start = 0, time.monotonic()
-    while time.monotonic() - start < seconds:
-      next(it)
-      n += 1
-    return n / (time.monotonic() - start)
+  out = subprocess.run([python, "-c", _MEASURE, target, name, str(w.global_batch_size),
+                        "1" if tuned else "0", kind],
+                       check=True, capture_output=True, text=True).stdout
+  return float(out.strip().splitlines()[-1])
 
 
 def main() -> int:
@@ -65,6 +82,10 @@ def main() -> int:
   parser.add_argument("new")
   parser.add_argument("--rounds", type=int, default=2)
   parser.add_argument("--data-dir", default=None, help="shards are kept here (default: temp)")
+  parser.add_argument("--kind", choices=("auto", "grpc"), default="auto",
+                      help="the client's transport (default: auto, bulk where offered)")
+  parser.add_argument("--clients", nargs=2, metavar=("OLD_PYTHON", "NEW_PYTHON"),
+                      help="measure each build with its own client, run by this Python")
   args = parser.parse_args()
   with tempfile.TemporaryDirectory() as tmp:
     root = pathlib.Path(args.data_dir or tmp)
@@ -77,7 +98,8 @@ def main() -> int:
           proc, target = _serve(getattr(args, build), config)
           try:
             for tuned in (False, True):
-              rate = _steps_per_s(target, name, tuned)
+              python = args.clients[0 if build == "old" else 1] if args.clients else sys.executable
+              rate = _steps_per_s_in(python, target, name, tuned, args.kind)
               got.setdefault((name, tuned, build), []).append(rate)
               print(f"round {r} {name} {'tuned' if tuned else 'default'} {build}: "
                     f"{rate:.1f} steps/s", flush=True)

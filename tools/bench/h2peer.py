@@ -1,0 +1,179 @@
+"""A raw HTTP/2 peer for the gRPC port: the calls no gRPC client library
+sends on purpose (headers without their message, half a message, idle
+connections), built with the `h2` protocol library over a plain socket.
+
+The hostile-client tests (tests/test_grpc_hardening.py, tests/test_load.py)
+drive it with blocking reads (`read(timeout_s)`); the attack bench
+(attack.py) holds hundreds at once and polls them (`alive()`). `h2` comes
+with the [test] extra, so only they import this module.
+"""
+
+from __future__ import annotations
+
+import select
+import socket
+import struct
+import time
+
+import h2.config
+import h2.connection
+import h2.errors
+import h2.events
+import h2.exceptions
+
+
+class H2Peer:
+  """One HTTP/2 connection to a gRPC server, driven by hand over a
+  non-blocking socket. It acknowledges settings, pings and data, as any
+  client does, and sends nothing else unless told."""
+
+  def __init__(self, host: str, port: int, *, timeout_s: float = 10.0):
+    self.sock = socket.create_connection((host, port), timeout=timeout_s)
+    self.sock.setblocking(False)
+    self.conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    self.conn.initiate_connection()
+    self.authority = f"{host}:{port}"
+    self.settled = False  # the server's SETTINGS (its stream limit) came
+    self.closed = False
+    self.calls: dict[int, float] = {}  # open calls: stream id -> when opened
+    self.cut = self.refused = 0  # calls the server ended, refused (REFUSED_STREAM)
+    self._statuses: dict[int, str] = {}
+    self._unsent: dict[int, bytes] = {}
+    self._out = bytearray()
+    self._flush()
+
+  def room(self) -> int:
+    """Calls this connection may open now (the server's stream limit)."""
+    if not self.settled:
+      return 0
+    return self.conn.remote_settings.max_concurrent_streams - self.conn.open_outbound_streams
+
+  def open_call(self, method: str, *, token: str | None = None,
+                declared_bytes: int | None = None, send_bytes: int = 0) -> int:
+    """Sends the headers of a call to `method` ("/pkg.Service/Method"), never
+    ended. With `declared_bytes`, each later read sends what flow control
+    allows of a message prefix declaring that many bytes and `send_bytes` of
+    them (none before the server could refuse the call)."""
+    stream_id = self.conn.get_next_available_stream_id()
+    headers = [(":method", "POST"), (":scheme", "http"), (":path", method),
+               (":authority", self.authority), ("content-type", "application/grpc"),
+               ("te", "trailers")]
+    if token is not None:
+      headers.append(("authorization", f"Bearer {token}"))
+    self.conn.send_headers(stream_id, headers)
+    self.calls[stream_id] = time.monotonic()
+    if declared_bytes is not None:
+      self._unsent[stream_id] = struct.pack(">BI", 0, declared_bytes) + bytes(send_bytes)
+    try:
+      self._flush()
+    except OSError:
+      pass  # gone: the next read says so
+    return stream_id
+
+  def read(self, timeout_s: float = 0.5) -> list[h2.events.Event]:
+    """Events that arrive within `timeout_s` ([] if none; 0: only those
+    already here), answered; then sends what is due. Raises
+    ConnectionResetError once the server has closed the connection."""
+    if self.closed:
+      raise ConnectionResetError("the server closed the connection")
+    deadline = time.monotonic() + timeout_s
+    try:
+      while True:
+        events = self._receive()
+        self._pump()
+        self._flush()
+        left = deadline - time.monotonic()
+        if events or left <= 0:
+          return events
+        poller = select.poll()  # not select.select: fds may pass 1,024
+        poller.register(self.sock, select.POLLIN)
+        poller.poll(left * 1000)
+    except (OSError, h2.exceptions.ProtocolError) as e:
+      self.close()
+      self.cut += len(self.calls)
+      self.calls.clear()
+      raise ConnectionResetError("the server closed the connection") from e
+
+  def alive(self) -> bool:
+    """`read(0)` for a poller: False once the server has closed us."""
+    try:
+      self.read(0)
+      return True
+    except ConnectionResetError:
+      return False
+
+  def statuses(self) -> dict[int, str]:
+    """How each ended call ended, by stream id: its grpc-status, or
+    "RST <error code>" for a stream reset without one."""
+    return dict(self._statuses)
+
+  def close(self) -> None:
+    self.closed = True
+    self.sock.close()
+
+  def _receive(self) -> list[h2.events.Event]:
+    """Handles whatever has arrived, without waiting."""
+    events = []
+    while True:
+      try:
+        data = self.sock.recv(1 << 16)
+      except BlockingIOError:
+        return events
+      if not data:
+        raise ConnectionResetError
+      for e in self.conn.receive_data(data):
+        events.append(e)
+        if isinstance(e, h2.events.RemoteSettingsChanged):
+          self.settled = True
+        elif isinstance(e, h2.events.ConnectionTerminated):
+          raise ConnectionResetError
+        elif isinstance(e, h2.events.DataReceived):
+          self.conn.acknowledge_received_data(e.flow_controlled_length, e.stream_id)
+        elif isinstance(e, (h2.events.ResponseReceived, h2.events.TrailersReceived)):
+          status = dict(e.headers).get(b"grpc-status")
+          if status is not None:
+            self._statuses[e.stream_id] = status.decode()
+        elif isinstance(e, (h2.events.StreamEnded, h2.events.StreamReset)):
+          self._ended(e)
+
+  def _ended(self, e: h2.events.StreamEnded | h2.events.StreamReset) -> None:
+    self._unsent.pop(e.stream_id, None)
+    if isinstance(e, h2.events.StreamReset):
+      self._statuses.setdefault(e.stream_id, f"RST {int(e.error_code)}")
+    if self.calls.pop(e.stream_id, None) is None:
+      return  # its trailers came first
+    if isinstance(e, h2.events.StreamEnded):  # trailers: close our side too
+      self.cut += 1
+      try:
+        self.conn.end_stream(e.stream_id)
+      except h2.exceptions.StreamClosedError:
+        pass
+    elif e.error_code == h2.errors.ErrorCodes.REFUSED_STREAM:
+      self.refused += 1
+    else:
+      self.cut += 1
+
+  def _pump(self) -> None:
+    """Queues what the flow-control windows allow of each call's body."""
+    for stream_id, body in list(self._unsent.items()):
+      while body:
+        n = min(self.conn.local_flow_control_window(stream_id),
+                self.conn.max_outbound_frame_size, len(body))
+        if n <= 0:
+          break
+        self.conn.send_data(stream_id, body[:n])
+        body = body[n:]
+      if body:
+        self._unsent[stream_id] = body
+      else:
+        del self._unsent[stream_id]
+
+  def _flush(self) -> None:
+    """Sends what the socket takes now of what h2 has queued; the rest waits."""
+    self._out += self.conn.data_to_send()
+    while self._out:
+      try:
+        sent = self.sock.send(self._out)
+      except BlockingIOError:
+        return
+      del self._out[:sent]
