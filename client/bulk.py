@@ -81,12 +81,7 @@ class BulkConnection:
           status = pb.BulkStatus.FromString(payload.tobytes())
           raise TransportError(errors.code_from_number(status.code), status.message,
                                status.error_type)
-        if len(payload) > max_frame_bytes:
-          raise BadReplyError(
-              f"{where} sent {len(payload)} bytes for dataset {request.dataset!r} step "
-              f"{request.start_step + index}, over the {max_frame_bytes} its element spec "
-              "allows")
-        yield decode_step(payload, request, index, expect, where)
+        yield decode_step(payload, request, index, max_frame_bytes, expect, where)
     except BadReplyError:
       self.broken = True  # unread frames may remain
       raise

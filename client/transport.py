@@ -68,12 +68,16 @@ class BadReplyError(TransportError):
     super().__init__(grpc.StatusCode.DATA_LOSS, details, errors.DataLossError.__name__)
 
 
-def decode_step(payload: Any, request: pb.BatchRequest, index: int,
+def decode_step(payload: Any, request: pb.BatchRequest, index: int, max_bytes: int,
                 expect: Sequence[LeafSpec] | None, server: str) -> tuple[int, list[np.ndarray]]:
-  """Step `index` of `request` from a received Batch, checked against
-  `expect` (the leaves the spec gives it) and the step it must be.
-  `server` names the sender and its transport for the error."""
+  """Step `index` of `request` from a received Batch, checked against its
+  size bound, `expect` (the leaves the spec gives it) and the step it must
+  be. `server` names the sender and its transport for the error."""
   step = request.start_step + index
+  if len(payload) > max_bytes:
+    raise BadReplyError(
+        f"{server} sent {len(payload)} bytes for dataset {request.dataset!r} step {step}, "
+        f"over the {max_bytes} its element spec allows")
   try:
     got, leaves = wire.decode_batch_bytes(payload, expect)
   except wire.BadBatchError as e:
@@ -218,12 +222,7 @@ class GrpcConnection:
     index = 0
     try:
       for payload in call:
-        if len(payload) > max_frame_bytes:
-          raise BadReplyError(
-              f"{where} sent {len(payload)} bytes for dataset {request.dataset!r} step "
-              f"{request.start_step + index}, over the {max_frame_bytes} its element spec "
-              "allows")
-        yield decode_step(payload, request, index, expect, where)
+        yield decode_step(payload, request, index, max_frame_bytes, expect, where)
         index += 1
     except grpc.RpcError as e:
       if _over_limit(e):

@@ -34,6 +34,7 @@ from concurrent import futures
 from typing import Any, Callable, Iterator
 
 import grpc
+from google.protobuf import message as protobuf_message
 
 from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.proto import errors
@@ -179,17 +180,25 @@ class ArrivalInterceptor(grpc.ServerInterceptor):
                 response_serializer=handler.response_serializer)
 
 
-def first_request(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
-  """The call's one request message; None if the call is over without it
-  (cut by the arrival deadline, or cancelled by its client)."""
+def first_request(requests: Iterator[bytes], context: grpc.ServicerContext,
+                  message: type[protobuf_message.Message]) -> Any:
+  """The call's one request message, parsed as `message`; None if the call
+  is over without it (cut by the arrival deadline, or cancelled by its
+  client). Parsed here, not by gRPC: its parse failure in a request stream
+  logs a traceback per call and leaves the call's stream open."""
   try:
-    request = next(requests)
+    raw = next(requests)
   except StopIteration:
     if not context.is_active():
       return None
     _abort(context, errors.InvalidRequestError("the call ended without a request message"))
     raise  # not reached: abort raises
-  return request
+  try:
+    return message.FromString(raw)
+  except protobuf_message.DecodeError as e:
+    _abort(context, errors.InvalidRequestError(
+        f"the request is not a {message.DESCRIPTOR.full_name}: {e}"))
+    raise  # not reached: abort raises
 
 
 class GrpcService:
@@ -200,7 +209,7 @@ class GrpcService:
 
   def Describe(self, requests: Iterator[pb.DescribeRequest],
                context: grpc.ServicerContext) -> pb.DescribeResponse:
-    request = first_request(requests, context)
+    request = first_request(requests, context, pb.DescribeRequest)
     if request is None:
       return pb.DescribeResponse()  # the call is over: never sent
     with _answering(context), self._path.admission():
@@ -209,7 +218,7 @@ class GrpcService:
   def GetBatches(self, requests: Iterator[pb.BatchRequest],
                  context: grpc.ServicerContext) -> Iterator[bytes]:
     """Yields serialized `Batch` messages (see `add_to_server`)."""
-    request = first_request(requests, context)
+    request = first_request(requests, context, pb.BatchRequest)
     if request is None:
       return
     admitted = self._path.admission(context.cancel, steps=request.num_steps)
@@ -237,11 +246,11 @@ def add_to_server(service: GrpcService, server: grpc.Server) -> None:
   handlers = {
       "Describe": grpc.stream_unary_rpc_method_handler(
           service.Describe,
-          request_deserializer=pb.DescribeRequest.FromString,
+          request_deserializer=None,  # bytes: first_request parses them
           response_serializer=pb.DescribeResponse.SerializeToString),
       "GetBatches": grpc.stream_stream_rpc_method_handler(
           service.GetBatches,
-          request_deserializer=pb.BatchRequest.FromString,
+          request_deserializer=None,
           response_serializer=_pass_through),
   }
   server.add_generic_rpc_handlers(

@@ -48,27 +48,31 @@ class Health:
   def add_to_server(self, server: grpc.Server) -> None:
     check_pool = futures.ThreadPoolExecutor(HEALTH_THREADS, "elevator-health")
     watch_pool = futures.ThreadPoolExecutor(HEALTH_THREADS, "elevator-health-watch")
-    request = health_pb2.HealthCheckRequest.FromString
 
-    def first(method: Any, pool: futures.ThreadPoolExecutor, nothing: Any) -> Any:
-      """`method` on the call's request; `nothing()` (never sent: the call is
-      over) when the request did not come."""
+    def first(method: Any, request: Any, pool: futures.ThreadPoolExecutor,
+              nothing: Any) -> Any:
+      """`method` on the call's `request`; `nothing()` (never sent: the call
+      is over) when it did not come."""
       def call(requests: Any, context: grpc.ServicerContext) -> Any:
-        message = first_request(requests, context)
+        message = first_request(requests, context, request)
         return nothing() if message is None else method(message, context)
       call.experimental_thread_pool = pool  # type: ignore[attr-defined]
       return call
 
+    pb = health_pb2
     handlers = {
-        name: grpc.stream_unary_rpc_method_handler(
-            first(getattr(self.servicer, name), check_pool, response),
-            request_deserializer=request, response_serializer=response.SerializeToString)
-        for name, response in (("Check", health_pb2.HealthCheckResponse),
-                               ("List", health_pb2.HealthListResponse))}
-    handlers["Watch"] = grpc.stream_stream_rpc_method_handler(
-        first(self.servicer.Watch, watch_pool, lambda: iter(())),
-        request_deserializer=request,
-        response_serializer=health_pb2.HealthCheckResponse.SerializeToString)
+        "Check": grpc.stream_unary_rpc_method_handler(
+            first(self.servicer.Check, pb.HealthCheckRequest, check_pool,
+                  pb.HealthCheckResponse),
+            response_serializer=pb.HealthCheckResponse.SerializeToString),
+        "List": grpc.stream_unary_rpc_method_handler(
+            first(self.servicer.List, pb.HealthListRequest, check_pool,
+                  pb.HealthListResponse),
+            response_serializer=pb.HealthListResponse.SerializeToString),
+        "Watch": grpc.stream_stream_rpc_method_handler(
+            first(self.servicer.Watch, pb.HealthCheckRequest, watch_pool, lambda: iter(())),
+            response_serializer=pb.HealthCheckResponse.SerializeToString),
+    }
     server.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler(health.SERVICE_NAME, handlers),))
 

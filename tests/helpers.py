@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 from typing import Any, Iterable
 
 import numpy as np
@@ -92,3 +93,14 @@ def run_bench(module: str, *args: str, timeout_s: float = 600) -> str:
       capture_output=True, text=True, timeout=timeout_s)
   assert result.returncode == 0, result.stderr[-3000:]
   return result.stdout
+
+
+def closed_by_peer(s: socket.socket) -> bool:
+  """Reads to the end: True once the peer hung up (EOF or reset); the
+  socket's own timeout raises if it never does."""
+  try:
+    while s.recv(65536):
+      pass
+  except ConnectionResetError:
+    pass
+  return True

@@ -21,7 +21,8 @@ from grain_elevator.client.transport import CancelToken, TransportError
 from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.server.request_path import MAX_REQUEST_BYTES
 from grain_elevator.tools.launcher import ELEVATOR, LocalServer
-from helpers import assert_streams_equal, assert_trees_equal, oracle_batch, worker_pids
+from helpers import (assert_streams_equal, assert_trees_equal, closed_by_peer, oracle_batch,
+                     worker_pids)
 
 
 def _connect(host: str, port: int) -> BulkConnection:
@@ -298,15 +299,6 @@ def _logged_since(server, start: int, text: str, timeout_s: float = 10) -> str:
   return server.stderr()[start:]
 
 
-def _closed_by_peer(s: socket.socket) -> bool:
-  try:
-    while s.recv(65536):
-      pass
-  except ConnectionResetError:
-    pass
-  return True
-
-
 def test_a_frame_promising_2_34_bytes_is_refused_unread(server):
   """Before authentication and before allocating: the server reads the
   header, refuses the length, and hangs up."""
@@ -318,7 +310,7 @@ def test_a_frame_promising_2_34_bytes_is_refused_unread(server):
       s.sendall(b"\0" * (1 << 20))
     except OSError:
       pass  # already closed: as good
-    assert _closed_by_peer(s)
+    assert closed_by_peer(s)
   refused = ("request frame of 17179869184 bytes is over this end's limit of "
              f"{MAX_REQUEST_BYTES}")
   assert refused in _logged_since(server, logged, refused)
@@ -334,7 +326,7 @@ def test_a_request_that_is_not_protobuf_is_dropped_without_a_traceback(server):
   logged = len(server.stderr())
   with _greeted(server) as s:
     framing.send_frame(s, framing.REQUEST, [b"\xff\xff\xff\xff not protobuf"])
-    assert _closed_by_peer(s)
+    assert closed_by_peer(s)
   dropped = "bulk connection dropped: request frame is not a BulkRequest"
   log = _logged_since(server, logged, dropped)
   assert dropped in log

@@ -16,7 +16,7 @@ import psutil
 from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.proto import framing
 from grain_elevator.tools.launcher import LocalServer
-from helpers import worker_pids
+from helpers import closed_by_peer, worker_pids
 
 ONE_STEP = pb.BatchRequest(dataset="plain", global_batch_size=16, shard_count=1,
                            start_step=0, num_steps=1)
@@ -57,16 +57,6 @@ def _answer(s: socket.socket, steps: int) -> list[tuple[int, bytes]]:
     if kind == framing.STATUS:
       break
   return frames
-
-
-def _closed_by_server(s: socket.socket) -> bool:
-  """Whether the server hung up (EOF or reset) after whatever it sent."""
-  try:
-    while s.recv(65536):
-      pass
-  except ConnectionResetError:
-    pass
-  return True
 
 
 def _hung_up(s: socket.socket, wait_s: float = 0.5) -> bool:
@@ -203,7 +193,7 @@ def test_garbage_by_the_hundred_logs_a_line_per_kind(config_path):
       garbage[k % len(garbage)](s)
       socks.append(s)
     for s in socks:
-      assert _closed_by_server(s)
+      assert closed_by_peer(s)
       s.close()
     assert _eventually(lambda: DROPPED in server.stderr())  # read by another thread
     time.sleep(0.5)

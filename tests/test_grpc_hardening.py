@@ -163,18 +163,25 @@ def test_streams_per_connection_and_connections_per_worker_are_capped(config_pat
 
 
 def test_calls_one_after_another_on_one_connection_past_its_stream_limit(config_path):
-  # Each call's stream must be retired when it ends: a context kept alive
-  # by the arrival watchdog once kept them open, and the 9th call on one
-  # connection was refused (REFUSED_STREAM).
+  # Each call's stream must be retired when it ends, a request that does not
+  # parse included: a context kept alive by the arrival watchdog, or gRPC's
+  # own parse failure in a request stream, once kept them open, and the 9th
+  # call on one connection was refused (REFUSED_STREAM).
   with LocalServer(config_path, workers=1,
                    extra_args=("--max-streams-per-connection", "8")) as server:
     with grpc.insecure_channel(server.target) as channel:
       stub = pb_grpc.ElevatorStub(channel)
       request = pb.BatchRequest(dataset="plain", global_batch_size=8, shard_count=1,
                                 num_steps=1)
+      garbage = channel.unary_unary(DESCRIBE)  # bytes that parse as no request
       for _ in range(4 * 8):
         stub.Describe(pb.DescribeRequest(dataset="plain"), timeout=10)
         assert len(list(stub.GetBatches(request, timeout=10))) == 1
+        with pytest.raises(grpc.RpcError) as info:
+          garbage(b"\xff\xff\xff", timeout=10)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "is not a grain_elevator.v1.DescribeRequest" in info.value.details()
+    assert "Traceback" not in server.stderr()
 
 
 def test_health_says_not_serving_while_no_request_thread_is_free():
