@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
@@ -50,8 +51,20 @@ def dtype_to_str(dtype: np.dtype) -> str:
   return dtype.newbyteorder("<").str if dtype.byteorder not in "|" else dtype.str
 
 
+# What dtype_to_str writes: a name ("float32", "datetime64[ns]") or numpy's
+# code for fixed-size bytes and strings ("|S64", "<U8"). Anything else is refused before numpy
+# sees it: np.dtype parses comma-separated text with ast.literal_eval.
+_DTYPE_TEXT = re.compile(r"[<>|=]?[A-Za-z][A-Za-z0-9]{0,15}(\[[A-Za-z0-9]{1,8}\])?")
+
+
 def dtype_from_str(text: str) -> np.dtype:
-  return np.dtype(text).newbyteorder("<")
+  """The dtype a peer named; ValueError for anything dtype_to_str does not write."""
+  if not _DTYPE_TEXT.fullmatch(text):
+    raise ValueError(f"{text[:40]!r} is not a dtype name")
+  try:
+    return np.dtype(text).newbyteorder("<")
+  except (TypeError, ValueError, SyntaxError) as e:
+    raise ValueError(f"{text!r} is not a numpy dtype: {e}") from None
 
 
 def _big_endian(dtype: np.dtype) -> bool:
@@ -180,8 +193,8 @@ def _decode_tensor(data: Any, buf: memoryview, pos: int, end: int,
     raise BadBatchError("Tensor overruns its Batch message")
   try:
     dt = dtype_from_str(dtype)
-  except TypeError:
-    raise BadBatchError(f"dtype {dtype!r} is not a numpy dtype") from None
+  except ValueError as e:
+    raise BadBatchError(f"dtype: {e}") from None
   if want is not None and (dt != want.dtype or tuple(shape) != want.shape):
     raise BadBatchError(f"{dtype_to_str(dt)}{shape} where the element spec says "
                         f"{dtype_to_str(want.dtype)}{list(want.shape)}")

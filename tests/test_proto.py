@@ -112,3 +112,13 @@ def test_unknown_compression_is_refused():
   bad = b"\x12\x0c\x0a\x05uint8\x1a\x01\x00\x20\x07"
   with pytest.raises(ValueError, match="unknown compression 7"):
     wire.decode_batch_bytes(bad)
+
+
+@pytest.mark.parametrize("text", [", int6O4", "i4,i4", "(2,)i4", "[('a', 'i4')]", "O",
+                                  "x" * 100])
+def test_a_dtype_text_that_is_no_dtype_name_is_refused_before_numpy(text):
+  # np.dtype parses comma-separated text with ast.literal_eval: a mutated
+  # name (the wire fuzzer's first finding) escaped the decoder as SyntaxError.
+  batch = pb.Batch(step=0, leaves=[pb.Tensor(dtype=text, shape=[1], data=b"\0" * 8)])
+  with pytest.raises(wire.BadBatchError, match="dtype"):
+    wire.decode_batch_bytes(batch.SerializeToString())
