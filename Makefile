@@ -33,13 +33,22 @@ test: $(STAMP) host-tools beam-venv-or-skip
 test-fast: $(STAMP)
 	$(PY) -m pytest -m "not slow and not netns" $(PYTEST_ARGS)
 
-# The shard reader (server/riegeli.c built with ASan and UBSan) against
+# Two fuzzers side by side for FUZZ_SECONDS, a process each (tests/fuzz): the
+# shard reader (server/riegeli.c built with ASan and UBSan) against
 # ArrayRecord's own reader, on mutants of real shards, many re-signed so that
-# every hash checks (tests/fuzz). `make test` runs it for 40 s
-# (tests/test_fuzz_reader.py); this runs it for FUZZ_SECONDS.
+# every hash checks; and the wire (fuzz_wire.py, its lines "fuzz-wire:"): the
+# client's batch decoding, a live server's bulk framing and the bulk client's,
+# on mutants of real batches and sessions. Fails if either fails; findings go
+# to fuzz-findings/. `make test` runs each briefly (tests/test_fuzz_reader.py,
+# tests/test_fuzz_wire.py).
 FUZZ_SECONDS ?= 1800
 fuzz: $(STAMP)
-	$(PY) tests/fuzz/fuzz_reader.py --seconds $(FUZZ_SECONDS) --out fuzz-findings
+	$(PY) tests/fuzz/fuzz_reader.py --seconds $(FUZZ_SECONDS) --out fuzz-findings & \
+	  reader=$$!; \
+	$(PY) tests/fuzz/fuzz_wire.py --seconds $(FUZZ_SECONDS) --out fuzz-findings; wire=$$?; \
+	wait $$reader; reader=$$?; \
+	echo "make fuzz: fuzz_reader.py exited $$reader, fuzz_wire.py $$wire"; \
+	[ $$reader -eq 0 ] && [ $$wire -eq 0 ]
 
 host-tools:
 	@missing=$$(for t in $(HOST_TOOLS); do command -v $$t >/dev/null || echo $$t; done); \
