@@ -4,7 +4,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast fuzz proto clean host-tools beam-venv beam-venv-or-skip
+.PHONY: demo test test-fast test-grain-lowest fuzz proto clean host-tools beam-venv \
+  beam-venv-or-skip docs
 
 # System tools the tests use beyond Python: iptables (random loss on the
 # netns test's link). Installed with apt where we are root and it is missing;
@@ -22,10 +23,26 @@ $(STAMP): $(PY) pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/elevator demo
 
-# Everything: real servers on 127.0.0.1, the slow end-to-end runs, and the
-# network-namespace test where it can run.
+# Everything: real servers on 127.0.0.1, the slow end-to-end runs, the
+# network-namespace test where it can run; then the contract's Grain paths on
+# the lowest Grain release pyproject.toml admits (everything else ran on the
+# highest, which pip installs).
 test: $(STAMP) host-tools beam-venv-or-skip
 	$(PY) -m pytest $(PYTEST_ARGS)
+	$(MAKE) --no-print-directory test-grain-lowest
+
+# The tests marked grain_contract (Grain's shuffle, mix and checkpointing, which
+# the service reproduces: server/data/grain_private.py) on the lowest Grain
+# release pyproject.toml admits, installed beside .venv and put first on the path.
+GRAIN_LOWEST := $(shell sed -n 's/^ *"grain>=\([0-9.]*\),.*/\1/p' pyproject.toml)
+GRAIN_LOWEST_DIR := .venv-grain-$(GRAIN_LOWEST)
+$(GRAIN_LOWEST_DIR)/.installed: pyproject.toml | $(STAMP)
+	$(PY) -m pip install --quiet --no-deps --target $(GRAIN_LOWEST_DIR) grain==$(GRAIN_LOWEST)
+	touch $@
+
+test-grain-lowest: $(STAMP) $(GRAIN_LOWEST_DIR)/.installed
+	ELEVATOR_EXPECT_GRAIN=$(GRAIN_LOWEST) PYTHONPATH=$(CURDIR)/$(GRAIN_LOWEST_DIR) \
+	  $(PY) -m pytest -m grain_contract -p no:cacheprovider $(PYTEST_ARGS)
 
 # The edit loop (under two minutes here): what `make test` runs but the tests
 # marked slow (bench, demo, soak, failover, crash-resume, multi-host, a fresh
@@ -34,13 +51,13 @@ test-fast: $(STAMP)
 	$(PY) -m pytest -m "not slow and not netns" $(PYTEST_ARGS)
 
 # Two fuzzers side by side for FUZZ_SECONDS, a process each (tests/fuzz): the
-# shard reader (server/riegeli.c built with ASan and UBSan) against
+# shard reader (server/data/shards/riegeli.c built with ASan and UBSan) against
 # ArrayRecord's own reader, on mutants of real shards, many re-signed so that
 # every hash checks; and the wire (fuzz_wire.py, its lines "fuzz-wire:"): the
 # client's batch decoding, a live server's bulk framing and the bulk client's,
 # on mutants of real batches and sessions. Fails if either fails; findings go
-# to fuzz-findings/. `make test` runs each briefly (tests/test_fuzz_reader.py,
-# tests/test_fuzz_wire.py).
+# to fuzz-findings/. `make test` runs each briefly (tests/fuzz/test_fuzz_reader.py,
+# tests/fuzz/test_fuzz_wire.py).
 FUZZ_SECONDS ?= 1800
 fuzz: $(STAMP)
 	$(PY) tests/fuzz/fuzz_reader.py --seconds $(FUZZ_SECONDS) --out fuzz-findings & \
@@ -73,23 +90,30 @@ $(BEAM_STAMP): pyproject.toml
 	$(BEAM_VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(BEAM_VENV)/bin/python -m pip install --quiet $(BEAM_PACKAGES)
 	@# The converter's sources, live, without building the package (an editable
-	@# install would rebuild server/_riegeli*.so in place under running tests):
-	@# grain_elevator.tools is this checkout's tools/, grain_elevator.proto absent.
+	@# install would rebuild server/data/shards/_riegeli*.so in place under running tests):
+	@# grain_elevator.{tools,pipelines,proto} are this checkout's folders; of proto the
+	@# converter loads only modules that import neither the gRPC stubs nor grpc
+	@# (varint.py, dtypes.py, rows.py).
 	mkdir -p $(BEAM_VENV)/src/grain_elevator
-	ln -sfn $(CURDIR)/tools $(BEAM_VENV)/src/grain_elevator/tools
 	echo $(CURDIR)/$(BEAM_VENV)/src > "$$($(BEAM_VENV)/bin/python -c \
 	  'import sysconfig; print(sysconfig.get_path("purelib"))')/grain_elevator_src.pth"
 	touch $(BEAM_STAMP)
 
 beam-venv: $(BEAM_STAMP)
+	@for d in tools pipelines proto; do ln -sfn $(CURDIR)/$$d $(BEAM_VENV)/src/grain_elevator/$$d; done
 
 beam-venv-or-skip:
 	@$(MAKE) --no-print-directory beam-venv || \
-	  echo "could not build $(BEAM_VENV); tests/test_convert_beam.py will be skipped"
+	  echo "could not build $(BEAM_VENV); tests/tools/test_convert_beam.py will be skipped"
+
+# The documentation site (mkdocs.yml, docs/hooks.py) on http://127.0.0.1:8000,
+# rebuilt as docs/, README.md or BENCHMARKS.md change.
+docs: $(STAMP)
+	$(VENV)/bin/mkdocs serve
 
 # Regenerate the gRPC stubs after editing proto/elevator.proto.
 proto: $(STAMP)
 	$(PY) -m grain_elevator.proto.generate
 
 clean:
-	rm -rf $(VENV) $(BEAM_VENV) build *.egg-info
+	rm -rf $(VENV) $(BEAM_VENV) .venv-grain-* build *.egg-info

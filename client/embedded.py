@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from grain_elevator.client.transport import targets as targets_lib
 from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.proto.errors import Cancelled
 from grain_elevator.proto.spec import DatasetInfo
@@ -21,28 +22,31 @@ class EmbeddedBackend:
   """Serves a config's datasets in-process, opening each on first use."""
 
   uses_bulk = False
+  retries = fallbacks = 0
 
   def __init__(self, config_path: str):
     # pylint: disable=g-import-not-at-top
-    from grain_elevator.server import config as config_lib
-    from grain_elevator.server import dataset as dataset_lib
-    from grain_elevator.server import request_path
+    from grain_elevator.server.data import config as config_lib
+    from grain_elevator.server.data import dataset as dataset_lib
+    from grain_elevator.server.serving import request_path
     self.config_path = config_path
-    self.targets = [f"local:{config_path}"]
+    self.targets = [targets_lib.local_target(config_path)]
     config = config_lib.load_config(config_path)
     self._path = request_path.RequestPath(dataset_lib.Datasets(config, open_now=False))
 
   def describe(self, dataset: str = "", global_batch_size: int = 0) -> list[DatasetInfo]:
-    return self._path.describe(pb.DescribeRequest(dataset=dataset,
-                                                  global_batch_size=global_batch_size))
+    with self._path.admitted(None) as ticket:
+      return self._path.describe(ticket, pb.DescribeRequest(
+          dataset=dataset, global_batch_size=global_batch_size))
 
   def fetch(self, request: pb.BatchRequest, token: Any = None,
             out: list[list[np.ndarray]] | None = None) -> list[list[np.ndarray]]:
     """Like ConnectionPool.fetch: steps appended to `out` as they are made."""
     out = [] if out is None else out
     cancelled = (lambda: token.cancelled) if token is not None else (lambda: False)
-    for _, leaves in self._path.steps(request, lambda: not cancelled()):
-      out.append(leaves)
+    with self._path.admitted(None) as ticket:
+      for _, leaves in self._path.steps(ticket, request, lambda: not cancelled()):
+        out.append(leaves)
     if cancelled():
       raise Cancelled(f"dataset {request.dataset!r}: cancelled")
     return out

@@ -12,31 +12,11 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 
-import grpc
 
+from grain_elevator.proto import wire
 from grain_elevator.proto.errors import InvalidRequestError
 
 TRANSPORT_KINDS = ("auto", "grpc", "bulk")
-COMPRESSIONS = ("none", "zstd")
-
-# Statuses after which a request is sent again (for its remaining steps) to
-# another connection or replica. CANCELLED here is a server's (one shutting
-# down); the client's own cancellations never reach the retry loop.
-RETRIABLE = frozenset({
-    grpc.StatusCode.UNAVAILABLE,
-    grpc.StatusCode.DEADLINE_EXCEEDED,
-    grpc.StatusCode.RESOURCE_EXHAUSTED,
-    grpc.StatusCode.ABORTED,
-    grpc.StatusCode.CANCELLED,
-})
-# Statuses a replica refuses this client with whatever it asks (its token,
-# its rights): another replica or transport would refuse it too, so the
-# trainer gets the typed error at once.
-REFUSED = frozenset({
-    grpc.StatusCode.UNAUTHENTICATED,
-    grpc.StatusCode.PERMISSION_DENIED,
-})
-
 
 @dataclasses.dataclass(frozen=True)
 class TransportOptions:
@@ -52,11 +32,11 @@ class TransportOptions:
       this also bounds the requests in flight; about two per server worker
       keeps every worker busy.
     steps_per_request: consecutive steps asked for in one request; None
-      (the default): about 12 MB of steps, from the dataset's step size
-      (client/window.py). The window is topped up a whole request at a
+      (the default): about window.REQUEST_BYTES of steps, from the
+      dataset's step size (client/window.py). The window is topped up a whole request at a
       time; each step reaches the trainer as soon as it arrives.
     compression: "none", or "zstd": the server compresses each tensor of
-      4 KiB or more. Costs CPU on both ends; pays only on a network slower
+      wire.MIN_COMPRESSED_BYTES or more (proto/wire.py). Costs CPU on both ends; pays only on a network slower
       than the codec (not on loopback or a fast datacenter link).
     dns_refresh_s: how often the bulk transport asks DNS again who is
       behind a "dns:///name:port" target (it also asks before each
@@ -77,8 +57,8 @@ class TransportOptions:
     if self.kind not in TRANSPORT_KINDS:
       raise InvalidRequestError(f"transport kind must be one of {', '.join(TRANSPORT_KINDS)}, "
                        f"got {self.kind!r}")
-    if self.compression not in COMPRESSIONS:
-      raise InvalidRequestError(f"compression must be one of {', '.join(COMPRESSIONS)}, "
+    if self.compression not in wire.COMPRESSIONS:
+      raise InvalidRequestError(f"compression must be one of {', '.join(wire.COMPRESSIONS)}, "
                        f"got {self.compression!r}")
     if self.connections_per_target < 1 or (self.steps_per_request is not None
                                            and self.steps_per_request < 1):

@@ -2,7 +2,7 @@
 
 Step k of host h of H is rows [h*G/H, (h+1)*G/H) of global batch k (the
 contract, proto/contract.py). The iterator keeps up to `prefetch` steps in
-flight over several connections and replicas (client/connections.py),
+flight over several connections and replicas (client/transport/pool.py),
 delivers them in step order, and its state is a global cursor that resumes
 in O(1) on any number of hosts.
 """
@@ -19,36 +19,26 @@ from typing import Any, Sequence
 
 import grain
 
-from grain_elevator.client import connections, device, state as state_lib
+from grain_elevator.client import device, state as state_lib
+
 from grain_elevator.client import stats as stats_lib
 from grain_elevator.client import window as window_lib
-from grain_elevator.client.embedded import EmbeddedBackend
+from grain_elevator.client.backend import Backend, make_backend
 from grain_elevator.client.options import RetryPolicy, Security, TransportOptions
-from grain_elevator.client.transport import CancelToken
+from grain_elevator.client.transport import targets as targets_lib
+from grain_elevator.client.transport.connection import CancelToken
 from grain_elevator.proto import contract
 from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.proto import tree
+from grain_elevator.proto import wire
 from grain_elevator.proto.errors import (Cancelled, ElevatorError, InvalidRequestError,
                                          UnknownDatasetError)
 from grain_elevator.proto.spec import DatasetInfo
 
-LOCAL_PREFIX = "local:"
-COMPRESSIONS = {"none": pb.COMPRESSION_NONE, "zstd": pb.COMPRESSION_ZSTD}
-
-
-def make_backend(target: str | Sequence[str], *,
-                 transport: TransportOptions = TransportOptions(),
-                 retry: RetryPolicy = RetryPolicy(), security: Security = Security()):
-  """A ConnectionPool for "host:port" targets, or an EmbeddedBackend for
-  "local:CONFIG_PATH"."""
-  targets = connections.parse_targets(target)
-  local = [t for t in targets if t.startswith(LOCAL_PREFIX)]
-  if local:
-    if len(targets) != 1:
-      raise InvalidRequestError(f"'local:CONFIG' cannot be mixed with other targets: {targets}")
-    return EmbeddedBackend(local[0][len(LOCAL_PREFIX):])
-  return connections.ConnectionPool(targets, transport=transport, retry=retry,
-                                    security=security)
+# What the TypeError for an option given as something else suggests.
+_EXAMPLES = {"transport": "TransportOptions(kind='grpc')",
+             "retry": "RetryPolicy(timeout_s=300)",
+             "security": "Security(auth_token='...')"}
 
 
 def describe(target: str | Sequence[str], dataset: str | None = None, *,
@@ -107,8 +97,8 @@ class RemoteDataset(grain.IterDataset):
     shard_count: H, the number of hosts; must divide G. Default:
       `jax.process_count()` when JAX runs as several processes, else 1.
     prefetch: steps kept in flight ahead of the trainer (0: fetch on demand);
-      None (the default): one request per connection, at most 256 MB of
-      steps (client/window.py).
+      None (the default): one request per connection, at most
+      window.WINDOW_BYTES of steps (client/window.py).
     transport: how batches travel (TransportOptions: bulk or gRPC,
       connections per replica, steps per request, compression).
     retry: when to try again and when to give up (RetryPolicy).
@@ -117,8 +107,8 @@ class RemoteDataset(grain.IterDataset):
       throughput, retries, fallbacks) at INFO every this many seconds; 0: never.
 
   Raises:
-    InvalidRequestError (a ValueError too): bad geometry (G < 1, G % H != 0,
-      h out of range), targets or options.
+    InvalidRequestError: bad geometry (G < 1, G % H != 0, h out of range),
+      targets or options (a ValueError too).
     TypeError: an options argument of the wrong class.
   """
 
@@ -139,9 +129,10 @@ class RemoteDataset(grain.IterDataset):
     for name, value, cls in (("transport", transport, TransportOptions),
                              ("retry", retry, RetryPolicy), ("security", security, Security)):
       if not isinstance(value, cls):
-        raise TypeError(f"{name} must be a {cls.__name__}, got {type(value).__name__}")
+        raise TypeError(f"{name} must be a {cls.__name__}, e.g. {name}={_EXAMPLES[name]}; "
+                        f"got {type(value).__name__} {value!r}")
     transport.check_security(security)
-    self.targets = connections.parse_targets(target)
+    self.targets = targets_lib.parse_targets(target)
     self.dataset = dataset
     self.global_batch_size = global_batch_size
     self.shard_index = shard_index
@@ -152,12 +143,12 @@ class RemoteDataset(grain.IterDataset):
     self.security = security
     self.stats_log_s = stats_log_s
     self._iterators: weakref.WeakSet[_RemoteIterator] = weakref.WeakSet()
-    self._embedded: EmbeddedBackend | None = None
+    self._embedded: Backend | None = None
     self._embedded_lock = threading.Lock()
 
-  def _new_backend(self):
+  def _new_backend(self) -> Backend:
     """Connections of one iterator; embedded mode shares one opened dataset."""
-    if self.targets[0].startswith(LOCAL_PREFIX):
+    if targets_lib.local_config(self.targets) is not None:
       with self._embedded_lock:
         if self._embedded is None:
           self._embedded = make_backend(self.targets)
@@ -169,7 +160,7 @@ class RemoteDataset(grain.IterDataset):
   def embedded(cls, config_path: str, dataset: str, global_batch_size: int,
                **kwargs: Any) -> "RemoteDataset":
     """Embedded mode: the same stream computed in-process from a config."""
-    return cls(LOCAL_PREFIX + str(config_path), dataset, global_batch_size, **kwargs)
+    return cls(targets_lib.local_target(str(config_path)), dataset, global_batch_size, **kwargs)
 
   def __iter__(self) -> "_RemoteIterator":
     it = _RemoteIterator(self)
@@ -243,7 +234,7 @@ class _RemoteIterator(grain.DatasetIterator):
         shard_index=ds.shard_index, shard_count=ds.shard_count,
         start_step=start, num_steps=num_steps, record_offset=self._offset,
         config_fingerprint=self._info.config_fingerprint,
-        compression=COMPRESSIONS[ds.transport.compression])
+        compression=wire.COMPRESSIONS[ds.transport.compression])
 
   def _fill(self) -> None:
     """Requests steps until `prefetch` (at least 1) are in flight."""
@@ -258,7 +249,7 @@ class _RemoteIterator(grain.DatasetIterator):
     while self._requested < limit:
       # Requests end at multiples of their size, whatever step the trainer
       # resumed at: trainers then ask for the same chunks, which the same
-      # worker serves once (server/batch_cache.py).
+      # worker serves once (server/serving/batch_cache.py).
       whole = per_request - self._requested % per_request
       n = min(whole, limit - self._requested)
       if n < whole and self._requested > self._step and (

@@ -15,15 +15,16 @@ from __future__ import annotations
 
 import dataclasses
 
+from grain_elevator.proto.limits import LONG_STREAM_STEPS
+
 # About what one request should carry. 12 MB gives 4 steps of the bench's
 # 3.1 MB "small" batch and 3 of its 4.9 MB "large" one: the settings that
 # were fastest when tuned by hand on both.
 REQUEST_BYTES = 12 << 20
 # The most the default window holds (received and not yet taken, or coming).
 WINDOW_BYTES = 256 << 20
-# The server counts a request of over 64 steps as a long stream and admits
-# fewer of those (server/admission.py); stay well under.
-MAX_STEPS_PER_REQUEST = 32
+# Well under a long stream (proto/limits.py), which servers admit fewer of.
+MAX_STEPS_PER_REQUEST = LONG_STREAM_STEPS // 2
 
 
 @dataclasses.dataclass(frozen=True)

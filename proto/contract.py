@@ -1,4 +1,4 @@
-"""The contract: which records a host receives for a step (docs/design.md).
+"""The contract: which records a host receives for a step (docs/concepts.md).
 
 The one home of that mapping; the server, embedded mode and the client's
 device feeding all call it, so they cannot disagree:

@@ -1,11 +1,12 @@
 """Framing of the bulk transport (see the end of elevator.proto).
 
 Both ends send MAGIC, then frames: a 1-byte kind, an 8-byte little-endian
-payload length, the payload. A frame's length is checked against the
-receiver's limit before anything is allocated for it: this is the one place
-where that happens, for both ends. Batch payloads are received into a fresh
-buffer each (never reused), so the arrays decoded from one stay valid for as
-long as the trainer holds them.
+payload length, the payload. A frame header is checked against the
+receiver's expectations (its kinds, its size limit) before anything is
+allocated for the payload, by `check_header`, for both ends. The receiver
+chooses where a payload lands (`recv_frame`'s `alloc`): the bulk client
+lends buffers that are reused only once nothing refers to the arrays
+decoded from them (client/transport/buffers.py).
 """
 
 from __future__ import annotations
@@ -26,6 +27,14 @@ _IOV_MAX = 512
 
 class ProtocolError(ConnectionError):
   """The peer does not speak the bulk protocol (or broke it)."""
+
+
+class UnexpectedKind(ProtocolError):
+  """A frame of a kind the receiver does not expect now."""
+
+
+class FrameTooLarge(ProtocolError):
+  """A frame longer than the receiver's limit (refused from its header)."""
 
 
 def send_parts(sock: socket.socket, parts: Sequence[Any]) -> None:
@@ -49,8 +58,23 @@ def header(kind: int, size: int) -> bytes:
 
 
 def parse_header(data: bytes | bytearray) -> tuple[int, int]:
-  """(kind, payload length) of a frame header."""
+  """(kind, payload length) of a frame header, unchecked (see check_header)."""
   return _HEADER.unpack(data)
+
+
+def check_header(data: bytes | bytearray, expect: Sequence[int], limit: int
+                 ) -> tuple[int, int]:
+  """(kind, payload length) of a frame header whose kind is in `expect` and
+  length at most `limit`; else UnexpectedKind or FrameTooLarge, before
+  anything is allocated for the payload."""
+  kind, size = parse_header(data)
+  if kind not in expect:
+    raise UnexpectedKind(f"expected a {'/'.join(KINDS.get(k, str(k)) for k in expect)} "
+                         f"frame, got kind {kind}")
+  if size > limit:
+    raise FrameTooLarge(f"{KINDS[kind]} frame of {size} bytes is over this end's "
+                        f"limit of {limit}")
+  return kind, size
 
 
 def frame(kind: int, payload: bytes) -> bytes:
@@ -82,13 +106,7 @@ def recv_frame(sock: socket.socket, expect: Sequence[int], limit: int,
   a ProtocolError raised before its payload is read or allocated."""
   header = bytearray(_HEADER.size)
   recv_into(sock, memoryview(header))
-  kind, size = _HEADER.unpack(header)
-  if kind not in expect:
-    raise ProtocolError(f"expected a {'/'.join(KINDS.get(k, str(k)) for k in expect)} "
-                        f"frame, got kind {kind}")
-  if size > limit:
-    raise ProtocolError(f"{KINDS[kind]} frame of {size} bytes is over this end's "
-                        f"limit of {limit}")
+  kind, size = check_header(header, expect, limit)
   payload = alloc(size) if alloc is not None else np.empty(size, dtype=np.uint8)
   if size:
     recv_into(sock, memoryview(payload))

@@ -1,7 +1,7 @@
 """Regenerates the committed gRPC stubs from elevator.proto.
 
 The stubs are committed so that a plain ``pip install .`` needs no protoc;
-``tests/test_proto.py`` fails when they drift from the .proto.
+``tests/proto/test_wire.py`` fails when they drift from the .proto.
 
 Usage: ``python -m grain_elevator.proto.generate [--check]``
 """

@@ -4,9 +4,9 @@ glibc serves allocations above 128 KiB (adaptive up to 32 MiB) with mmap and
 unmaps them on free, so every batch buffer is page-faulted in afresh. An mmap
 threshold of 32 MiB and a trim threshold of 1 GiB keep those buffers in the
 process: they nearly double gRPC throughput, cut the cost of encoding a 3 MB
-batch from ~8 ms to ~0.6 ms (docs/design.md, BENCHMARKS.md). `elevator
+batch from ~8 ms to ~0.6 ms (BENCHMARKS.md, "Moving bytes between processes"). `elevator
 serve` gives them to its workers by environment (`ENV`). The client needs
-none: it receives into page-aligned buffers it reuses (client/buffers.py),
+none: it receives into page-aligned buffers it reuses (client/transport/buffers.py),
 and `tune_malloc()` in a trainer measured within noise of without
 (BENCHMARKS.md, "A default client against the tuned one"); benchmarks call
 it to show that.

@@ -12,10 +12,11 @@ from typing import Any
 
 import numpy as np
 
+from grain_elevator.proto import contract
+from grain_elevator.proto import dtypes
 from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.proto import tree
 from grain_elevator.proto import wire
-from grain_elevator.proto import contract
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,13 +60,13 @@ class ElementSpec:
   def to_proto(self) -> pb.ElementSpec:
     return pb.ElementSpec(
         structure=tree.structure_to_json(self.structure),
-        leaves=[pb.LeafSpec(path=l.path, dtype=wire.dtype_to_str(l.dtype), shape=l.shape)
+        leaves=[pb.LeafSpec(path=l.path, dtype=dtypes.dtype_to_str(l.dtype), shape=l.shape)
                 for l in self.leaves])
 
   @classmethod
   def from_proto(cls, msg: pb.ElementSpec) -> "ElementSpec":
     return cls(tree.structure_from_json(msg.structure), tuple(
-        LeafSpec(l.path, wire.dtype_from_str(l.dtype), tuple(l.shape)) for l in msg.leaves))
+        LeafSpec(l.path, dtypes.dtype_from_str(l.dtype), tuple(l.shape)) for l in msg.leaves))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,7 +82,7 @@ class DatasetInfo:
   element_spec: ElementSpec
   stream_length: int  # records in the whole stream; FOREVER_LENGTH if forever
   drop_remainder: bool = True  # False: evaluation mode (contract.MASK_KEY)
-  # A mixture's schedule (server/mixture.py): segment first steps, and what
+  # A mixture's schedule (server/data/mixture.py): segment first steps, and what
   # a cursor inside each segment names in place of config_fingerprint.
   segment_steps: tuple[int, ...] = ()
   segment_fingerprints: tuple[str, ...] = ()

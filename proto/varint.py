@@ -1,8 +1,11 @@
 """Protobuf base-128 varints, for the hand-written encodings.
 
 Used where protobuf objects would cost more than the work: batch messages on
-the hot path (proto/wire.py) and the footers of ArrayRecord shards
-(server/shard_reader.py). A truncated or over-long varint is a ValueError.
+the hot path (proto/wire.py), the footers of ArrayRecord shards
+(server/data/shards/) and tf.train.Example records (pipelines/tf_example.py).
+A truncated, over-long or over-64-bit varint is a ValueError. It imports
+nothing of ours, so the converter's Beam environment (no gRPC stubs) uses it
+too.
 """
 
 from __future__ import annotations
@@ -25,20 +28,24 @@ def encode(value: int) -> bytes:
       return bytes(out)
 
 
-def decode(buf: bytes | memoryview, pos: int) -> tuple[int, int]:
-  """(value, position after it) of the varint at `pos`."""
+def decode(buf: bytes | memoryview, pos: int, end: int | None = None) -> tuple[int, int]:
+  """(value, position after it) of the varint at `pos`, which must end
+  before `end` (the buffer's length by default)."""
+  end = len(buf) if end is None else end
   result = shift = 0
   while True:
-    if pos >= len(buf):
-      raise ValueError("truncated varint")
+    if pos >= end:
+      raise ValueError("a varint runs past the end of its message")
     byte = buf[pos]
     pos += 1
     result |= (byte & 0x7F) << shift
     if not byte & 0x80:
+      if result >> 64:
+        raise ValueError("a varint over 64 bits")
       return result, pos
     shift += 7
     if shift > 63:
-      raise ValueError("varint longer than 10 bytes")
+      raise ValueError("a varint longer than 10 bytes")
 
 
 VARINT, I64, LEN, I32 = 0, 1, 2, 5  # protobuf wire types

@@ -7,7 +7,7 @@ tensor two more times: the server writes a Batch's wire bytes as a list of
 buffers (tensor data not copied; a socket gathers them), and the client reads
 the tensors as views of the received bytes. They produce and accept exactly
 the proto3 encoding of `Batch`, so any language's generated stubs
-interoperate (tests/test_proto.py checks this against protobuf's own).
+interoperate (tests/proto/test_wire.py checks this against protobuf's own).
 
 The decoder trusts nothing it reads: given the leaves a client asked for
 (proto/spec.py `ElementSpec.batch_leaves`), it checks each Tensor's dtype and
@@ -18,9 +18,7 @@ into at most the bytes that dtype and shape hold. A peer's bug or lie is a
 
 from __future__ import annotations
 
-import functools
 import math
-import re
 from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
@@ -28,6 +26,7 @@ import numpy as np
 from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.proto import tree
 from grain_elevator.proto import varint
+from grain_elevator.proto.dtypes import dtype_from_str, dtype_to_str
 from grain_elevator.proto.rows import RowStack
 
 if TYPE_CHECKING:
@@ -37,34 +36,6 @@ if TYPE_CHECKING:
 class BadBatchError(ValueError):
   """A Batch message that is malformed or not what was asked for (the
   element spec): the sender's fault."""
-
-
-@functools.lru_cache(maxsize=256)
-def dtype_to_str(dtype: np.dtype) -> str:
-  """A portable dtype name: "float32", "uint8"; numpy's code ("|S64") where a
-  name would not round-trip (fixed-size bytes and strings)."""
-  try:
-    if np.dtype(dtype.name) == dtype:
-      return dtype.name
-  except TypeError:
-    pass
-  return dtype.newbyteorder("<").str if dtype.byteorder not in "|" else dtype.str
-
-
-# What dtype_to_str writes: a name ("float32", "datetime64[ns]") or numpy's
-# code for fixed-size bytes and strings ("|S64", "<U8"). Anything else is refused before numpy
-# sees it: np.dtype parses comma-separated text with ast.literal_eval.
-_DTYPE_TEXT = re.compile(r"[<>|=]?[A-Za-z][A-Za-z0-9]{0,15}(\[[A-Za-z0-9]{1,8}\])?")
-
-
-def dtype_from_str(text: str) -> np.dtype:
-  """The dtype a peer named; ValueError for anything dtype_to_str does not write."""
-  if not _DTYPE_TEXT.fullmatch(text):
-    raise ValueError(f"{text[:40]!r} is not a dtype name")
-  try:
-    return np.dtype(text).newbyteorder("<")
-  except (TypeError, ValueError, SyntaxError) as e:
-    raise ValueError(f"{text!r} is not a numpy dtype: {e}") from None
 
 
 def _big_endian(dtype: np.dtype) -> bool:
@@ -79,6 +50,8 @@ def _little_endian(a: np.ndarray) -> np.ndarray:
 
 COMPRESSION_NONE = pb.COMPRESSION_NONE
 COMPRESSION_ZSTD = pb.COMPRESSION_ZSTD
+# What a client names (TransportOptions.compression) -> its code on the wire.
+COMPRESSIONS = {"none": COMPRESSION_NONE, "zstd": COMPRESSION_ZSTD}
 # Below this a tensor is sent raw even when compression is asked for: ids and
 # labels would gain a few bytes and cost a codec call each.
 MIN_COMPRESSED_BYTES = 4096
@@ -96,7 +69,7 @@ def _zstd():
 def _tensor_data(a: np.ndarray | RowStack, compression: int
                  ) -> tuple[np.dtype, list[Any], int, int]:
   """(dtype as sent, buffers, their total size, codec) of one leaf's Tensor."""
-  if compression not in (COMPRESSION_NONE, COMPRESSION_ZSTD):
+  if compression not in COMPRESSIONS.values():
     raise ValueError(f"unknown compression {compression}")
   if isinstance(a, RowStack):
     if compression == COMPRESSION_NONE and not _big_endian(a.dtype):

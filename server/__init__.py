@@ -4,27 +4,55 @@
     with Server("elevator.toml", ServerOptions(port=0)) as server:
       print(server.target)  # "127.0.0.1:PORT", for RemoteDataset
 
-The request path every request goes through is `request_path.py`; the
-transports around it are `grpc_service.py` and `bulk.py`.
+Three folders, one concern each:
 
-Names are imported on first use, so that a module of this package (the
-health probe's logging, embedded mode's dataset engine) loads without the
-whole server.
+  data/     what a step is made of: the config, the record stream (Grain's
+            shuffle and the dataset's pipeline), mixtures, batch assembly,
+            and shards/, where a shard is read and its identity checked;
+  serving/  a request's path: authentication, admission, the batch cache,
+            the gRPC and bulk transports, health and metrics;
+  process/  a server's life: options, the supervisor and its workers,
+            restarts, the shared ports, the container's limits.
+
+Names are imported on first use, so that a module of this package (a
+worker's lifeline, embedded mode's dataset engine) loads without the whole
+server; type checkers see them through the TYPE_CHECKING imports below.
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+  from grain_elevator.proto.errors import (Cancelled, ConfigError, DataLossError,
+                                           ElevatorError, EndOfDataError, InternalError,
+                                           InvalidRequestError, ResourceExhaustedError,
+                                           ServiceUnavailableError, ShardChangedError,
+                                           StreamMismatchError, UnauthenticatedError,
+                                           UnknownDatasetError)
+  from grain_elevator.server.data.config import DatasetConfig, ServerConfig, load_config
+  from grain_elevator.server.process.options import ServerOptions
+  from grain_elevator.server.process.sockets import BindError
+  from grain_elevator.server.process.supervisor import Server, StartError, serve
 
 # Public name -> the module that defines it.
 _EXPORTS = {
-    "Server": "supervisor", "serve": "supervisor", "StartError": "supervisor",
-    "ServerOptions": "options", "BindError": "sockets",
-    "load_config": "config", "ServerConfig": "config", "DatasetConfig": "config",
+    "Server": "process.supervisor", "serve": "process.supervisor",
+    "StartError": "process.supervisor", "ServerOptions": "process.options",
+    "BindError": "process.sockets",
+    "load_config": "data.config", "ServerConfig": "data.config", "DatasetConfig": "data.config",
 }
-_ERRORS = ("ElevatorError", "ConfigError", "DataLossError", "InternalError")
-__all__ = [*_EXPORTS, *_ERRORS]
+__all__ = [
+    "Server", "serve", "StartError", "ServerOptions", "BindError",
+    "load_config", "ServerConfig", "DatasetConfig",
+    # The error family (proto/errors.py), every one a server may raise or answer.
+    "ElevatorError", "Cancelled", "ConfigError", "DataLossError", "EndOfDataError",
+    "InternalError", "InvalidRequestError", "ResourceExhaustedError",
+    "ServiceUnavailableError", "ShardChangedError", "StreamMismatchError",
+    "UnauthenticatedError", "UnknownDatasetError",
+]
+_ERRORS = frozenset(__all__) - frozenset(_EXPORTS)
 
 
 def __getattr__(name: str) -> Any:

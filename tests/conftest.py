@@ -14,7 +14,7 @@ from typing import Iterator
 
 import pytest
 
-from grain_elevator.tools import examples
+from grain_elevator.pipelines import examples
 from grain_elevator.tools.launcher import LocalServer
 
 IMAGE = {"height": 4, "width": 4, "channels": 3}
@@ -23,7 +23,7 @@ NUM_RECORDS = 1000
 CONFIG = textwrap.dedent("""\
     [datasets.aug2]          # random transform, shuffled, 2 epochs
     paths = ["shards/train-*.array_record"]
-    pipeline = "grain_elevator.tools.examples:decode_and_augment"
+    pipeline = "grain_elevator.pipelines.examples:decode_and_augment"
     seed = 7
     num_epochs = 2
     [datasets.aug2.options]
@@ -33,7 +33,7 @@ CONFIG = textwrap.dedent("""\
 
     [datasets.plain]         # no shuffle, 1 epoch
     paths = ["shards/train-*.array_record"]
-    pipeline = "grain_elevator.tools.examples:decode_images"
+    pipeline = "grain_elevator.pipelines.examples:decode_images"
     shuffle = false
     [datasets.plain.options]
     height = 4
@@ -42,7 +42,7 @@ CONFIG = textwrap.dedent("""\
 
     [datasets.seed3]         # shuffled, 1 epoch, another seed, float images
     paths = ["shards/train-0000[0-1]*.array_record", "shards/train-00002*"]
-    pipeline = "grain_elevator.tools.examples:decode_images"
+    pipeline = "grain_elevator.pipelines.examples:decode_images"
     seed = 3
     [datasets.seed3.options]
     height = 4
@@ -52,8 +52,8 @@ CONFIG = textwrap.dedent("""\
 
     [datasets.seed3fast]     # seed3 with a whole-batch decode: identical rows
     paths = ["shards/train-*.array_record"]
-    pipeline = "grain_elevator.tools.examples:decode_images"
-    batch_transform = "grain_elevator.tools.examples:decode_images_batch"
+    pipeline = "grain_elevator.pipelines.examples:decode_images"
+    batch_transform = "grain_elevator.pipelines.examples:decode_images_batch"
     seed = 3
     [datasets.seed3fast.options]
     height = 4
@@ -63,7 +63,7 @@ CONFIG = textwrap.dedent("""\
 
     [datasets.forever]       # repeats forever
     paths = ["shards/*.array_record"]
-    pipeline = "grain_elevator.tools.examples:decode_images"
+    pipeline = "grain_elevator.pipelines.examples:decode_images"
     seed = 11
     num_epochs = 0
     [datasets.forever.options]
@@ -77,7 +77,7 @@ CONFIG = textwrap.dedent("""\
 
     [datasets.eval]          # evaluation mode: every record once, the last batch padded
     paths = ["shards/*.array_record"]
-    pipeline = "grain_elevator.tools.examples:decode_images"
+    pipeline = "grain_elevator.pipelines.examples:decode_images"
     seed = 13
     drop_remainder = false
     [datasets.eval.options]
@@ -108,7 +108,6 @@ def server(config_path: str) -> Iterator[LocalServer]:
   """One 2-worker server shared by the whole session."""
   with LocalServer(config_path, workers=2) as s:
     yield s
-  assert s.proc.returncode == 0, s.stderr()
 
 
 @pytest.fixture(scope="session")
@@ -116,3 +115,11 @@ def oracle(config_path: str):
   """Embedded mode: the in-process contract every service test compares to."""
   from grain_elevator.client.embedded import EmbeddedBackend
   return EmbeddedBackend(config_path)
+
+
+def pytest_report_header() -> str:
+  """Which Grain the contract is checked against (`make test-grain-lowest`
+  puts another first on the path)."""
+  import importlib.metadata  # pylint: disable=g-import-not-at-top
+  import grain  # pylint: disable=g-import-not-at-top
+  return f"grain {importlib.metadata.version('grain')} ({os.path.dirname(grain.__file__)})"

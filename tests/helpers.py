@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import pathlib
 import socket
 from typing import Any, Iterable
 
 import numpy as np
 
+from grain_elevator.proto import dtypes
 from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.proto import tree
-from grain_elevator.proto import wire
+
+TESTS = pathlib.Path(__file__).resolve().parent
+ROOT = TESTS.parent  # the checkout
+SCRIPTS = TESTS / "scripts"  # programs the tests run as trainers
 
 
 def assert_trees_equal(a: Any, b: Any, where: str = "") -> None:
@@ -65,7 +70,7 @@ def proto_batch(step: int, leaves: list[np.ndarray]) -> pb.Batch:
   for a in leaves:
     a = np.ascontiguousarray(a.astype(a.dtype.newbyteorder("<")) if a.dtype.byteorder == ">"
                              else a)
-    tensors.append(pb.Tensor(dtype=wire.dtype_to_str(a.dtype), shape=a.shape,
+    tensors.append(pb.Tensor(dtype=dtypes.dtype_to_str(a.dtype), shape=a.shape,
                              data=a.tobytes()))
   return pb.Batch(step=step, leaves=tensors)
 
@@ -79,7 +84,7 @@ def proto_leaves(batch: pb.Batch) -> list[np.ndarray]:
     data = t.data
     if t.compression == pb.COMPRESSION_ZSTD:
       data = zstandard.ZstdDecompressor().decompress(data)
-    out.append(np.frombuffer(data, dtype=wire.dtype_from_str(t.dtype)).reshape(t.shape))
+    out.append(np.frombuffer(data, dtype=dtypes.dtype_from_str(t.dtype)).reshape(t.shape))
   return out
 
 

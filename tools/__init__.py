@@ -1,4 +1,5 @@
-"""Tools around the service, which no serving process imports: the `elevator`
-command's front end (cli.py), the demo, an example record format with its
-pipelines (examples.py), a launcher for `elevator serve` child processes, and
-the benchmarks (bench/)."""
+"""What sits on top of the service: the `elevator` command (cli.py, top.py),
+the demo (demo.py, tfds_example.py), a launcher for `elevator serve` child
+processes (launcher.py), the benchmarks (bench/) and the converters
+(convert/). Workers import nothing from here: what a config names lives in
+`grain_elevator.pipelines`."""

@@ -12,37 +12,15 @@ import os
 import pathlib
 import sys
 
-from grain_elevator.proto import wire
+from grain_elevator.proto import dtypes
 from grain_elevator.proto.errors import ElevatorError
-from grain_elevator.server import logs
-from grain_elevator.server.options import ServerOptions
-
-
-def _workers(text: str) -> int | None:
-  if text == "auto":
-    return None
-  try:
-    return int(text)
-  except ValueError:
-    raise argparse.ArgumentTypeError(f"expected a number or 'auto', got {text!r}") from None
+from grain_elevator.server.process import logs
+from grain_elevator.server.process import options as options_lib
 
 
 def _serve(args: argparse.Namespace) -> int:
   from grain_elevator import server  # pylint: disable=g-import-not-at-top
-  bulk = False if args.no_bulk else (True if args.bulk_port is not None else None)
-  options = ServerOptions(
-      host=args.host, port=args.port, workers=args.workers, threads=args.threads,
-      grace_s=args.grace, max_concurrent_requests=args.max_concurrent_requests,
-      max_message_bytes=args.max_message_bytes, write_timeout_s=args.write_timeout,
-      idle_timeout_s=args.idle_timeout, max_bulk_connections=args.max_bulk_connections,
-      max_grpc_connections=args.max_grpc_connections,
-      max_streams_per_connection=args.max_streams_per_connection,
-      tls_cert=args.tls_cert,
-      tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
-      auth_token_file=args.auth_token_file, bulk=bulk, bulk_port=args.bulk_port or 0,
-      metrics_port=args.metrics_port, idle_exit_s=args.idle_exit_s,
-      batch_cache_mb=args.batch_cache_mb)
-  return server.serve(args.config, options)
+  return server.serve(args.config, options_lib.from_arguments(args))
 
 
 def _describe(args: argparse.Namespace) -> int:
@@ -56,7 +34,7 @@ def _describe(args: argparse.Namespace) -> int:
         "num_epochs": info.num_epochs, "shuffle": info.shuffle,
         "seed": info.seed, "config_fingerprint": info.config_fingerprint,
         "element_spec": [
-            {"path": l.path, "dtype": wire.dtype_to_str(l.dtype), "shape": list(l.shape)}
+            {"path": l.path, "dtype": dtypes.dtype_to_str(l.dtype), "shape": list(l.shape)}
             for l in info.element_spec.leaves],
     }
     if args.global_batch_size:
@@ -177,68 +155,12 @@ def build_parser() -> argparse.ArgumentParser:
       description="grain-elevator: serve deterministic, resumable Grain batches over gRPC.")
   sub = parser.add_subparsers(dest="command", required=True)
 
-  d = ServerOptions()  # the defaults live there, for the CLI and the Python API alike
-  p = sub.add_parser("serve", help="serve the datasets of a config file")
+  p = sub.add_parser("serve", help="serve the datasets of a config file", allow_abbrev=False,
+                     description="Serve the datasets of a config file. Every flag is a "
+                                 "field of grain_elevator.server.ServerOptions, with the "
+                                 "same name and default.")
   p.add_argument("--config", required=True, help="TOML file naming the datasets")
-  p.add_argument("--host", default=d.host,
-                 help=f"address to listen on (default {d.host}; 0.0.0.0 for all)")
-  p.add_argument("--port", type=int, default=d.port,
-                 help=f"port (default {d.port}; 0 picks a free one and prints it)")
-  p.add_argument("--workers", type=_workers, default=None, metavar="N|auto",
-                 help="worker processes (default auto: one per usable CPU, honouring "
-                      "the container's CPU limit)")
-  p.add_argument("--threads", type=int, default=d.threads,
-                 help="gRPC handler threads per worker; must exceed "
-                      "--max-concurrent-requests (default: that + 4)")
-  p.add_argument("--grace", type=float, default=d.grace_s,
-                 help=f"seconds in-flight requests get on shutdown (default {d.grace_s:g})")
-  p.add_argument("--max-concurrent-requests", "--max-concurrent-rpcs",
-                 dest="max_concurrent_requests", type=int, default=d.max_concurrent_requests,
-                 help="requests (both transports) one worker accepts at once; more get "
-                      "RESOURCE_EXHAUSTED and clients back off; health checks are not "
-                      f"counted (default {d.max_concurrent_requests})")
-  p.add_argument("--max-message-bytes", type=int, default=d.max_message_bytes,
-                 help="largest batch message (one host's rows of one step); "
-                      f"checked before building it (default {d.max_message_bytes >> 20} MiB)")
-  p.add_argument("--write-timeout", type=float, default=d.write_timeout_s,
-                 help="seconds a request may wait for its client to read before it is "
-                      f"cancelled and its slot freed (default {d.write_timeout_s:g})")
-  p.add_argument("--idle-timeout", type=float, default=d.idle_timeout_s,
-                 help="seconds a connection may stay without a request before the server "
-                      f"closes it (default {d.idle_timeout_s:g})")
-  p.add_argument("--max-bulk-connections", type=int, default=d.max_bulk_connections,
-                 help="bulk connections per worker; past it the longest idle is closed "
-                      f"(default {d.max_bulk_connections})")
-  p.add_argument("--max-grpc-connections", type=int, default=d.max_grpc_connections,
-                 help="gRPC connections per worker; past it new ones are closed at once "
-                      f"(default {d.max_grpc_connections})")
-  p.add_argument("--max-streams-per-connection", type=int,
-                 default=d.max_streams_per_connection,
-                 help="calls one gRPC connection carries at once (HTTP/2 "
-                      f"MAX_CONCURRENT_STREAMS; default {d.max_streams_per_connection})")
-  p.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve TLS")
-  p.add_argument("--tls-key", default=None, help="PEM private key for --tls-cert")
-  p.add_argument("--tls-client-ca", default=None,
-                 help="PEM CA bundle: require client certificates it signed (mutual TLS)")
-  p.add_argument("--auth-token-file", default=None,
-                 help="file holding a bearer token every request must carry "
-                      "(health stays open for probes)")
-  p.add_argument("--bulk-port", type=int, default=None,
-                 help="port of the bulk transport, which carries batches over plain TCP "
-                      "at a fraction of gRPC's CPU cost (default: a free port, "
-                      "advertised to clients in Describe; off under TLS)")
-  p.add_argument("--no-bulk", action="store_true",
-                 help="do not offer the bulk transport (clients use gRPC)")
-  p.add_argument("--metrics-port", type=int, default=None,
-                 help="serve Prometheus metrics of every worker at "
-                      "http://HOST:PORT/metrics (0: a free port; default: off)")
-  p.add_argument("--idle-exit-s", type=float, default=None, metavar="N",
-                 help="exit 0 once no request has been in flight for N seconds (health checks "
-                      "aside): a per-job data tier ends with its job (default: never)")
-  p.add_argument("--batch-cache-mb", type=int, default=None, metavar="MB",
-                 help="MiB of recently served steps kept, so trainers reading the same "
-                      "stream share each step (0: off; default: 1/16 of the memory "
-                      "limit, at most 512)")
+  options_lib.add_arguments(p)
   p.set_defaults(fn=_serve)
 
   p = sub.add_parser("describe", help="show the datasets a server (or config) offers")

@@ -20,8 +20,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from grain_elevator.pipelines import examples
 from grain_elevator.proto.errors import ConfigError
-from grain_elevator.tools import examples
 
 IMAGE_SIDE = 8
 GLOBAL_BATCH = 128
@@ -64,7 +64,7 @@ def write_dataset(root: pathlib.Path, source: str, fmt: str = "auto") -> DemoDat
 
   fmt "tfds": a TFDS dataset `elevator_digits` (what `tfds build
   --file_format=array_record` writes), served by name; "arrayrecord":
-  shards of tools/examples.py's record format, decoded by its pipeline;
+  shards of pipelines/examples.py's record format, decoded by its pipeline;
   "auto": tfds where tensorflow-datasets is installed.
   """
   if fmt == "auto":
@@ -108,7 +108,7 @@ def write_dataset(root: pathlib.Path, source: str, fmt: str = "auto") -> DemoDat
   config.write_text(textwrap.dedent(f"""\
       [datasets.{dataset}]
       paths = ["shards/digits-*.array_record"]
-      pipeline = "grain_elevator.tools.examples:decode_images"
+      pipeline = "grain_elevator.pipelines.examples:decode_images"
       """) + textwrap.dedent(common) + textwrap.dedent(f"""\
       [datasets.{dataset}.options]
       height = {IMAGE_SIDE}

@@ -14,7 +14,7 @@ import sys
 import threading
 from typing import Mapping, Sequence
 
-from grain_elevator.server.supervisor import parse_ready_line
+from grain_elevator.server.process.supervisor import parse_ready_line
 
 ELEVATOR = (sys.executable, "-m", "grain_elevator.tools.cli")
 

@@ -1,4 +1,4 @@
-"""Fuzzes server/shard_reader.py (and server/riegeli.c, built with ASan and
+"""Fuzzes server/data/shards/reader.py (and server/data/shards/riegeli.c, built with ASan and
 UBSan) against ArrayRecord's own reader.
 
     python tests/fuzz/fuzz_reader.py --seconds 60 --seed 1 --out fuzz-findings
@@ -36,7 +36,7 @@ from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
-SOURCE = os.path.join(ROOT, "server", "riegeli.c")
+SOURCE = os.path.join(ROOT, "server", "data", "shards", "riegeli.c")
 SKIP = 77  # "cannot run here", as automake's test drivers read it
 
 sys.path.insert(0, HERE)
@@ -49,7 +49,7 @@ class CannotRun(Exception):
 
 
 def build_sanitized(directory: str) -> tuple[str, str]:
-  """server/riegeli.c as an extension module with ASan and UBSan; returns
+  """server/data/shards/riegeli.c as an extension module with ASan and UBSan; returns
   (module path, libasan path to preload)."""
   gcc = shutil.which(os.environ.get("CC", "gcc")) or shutil.which("gcc")
   if not gcc:
@@ -224,7 +224,7 @@ class Fuzzer:
     self.kinds: collections.Counter = collections.Counter()
     self.stats: collections.Counter = collections.Counter()
     self.strict: collections.Counter = collections.Counter()
-    from grain_elevator.server import _riegeli  # pylint: disable=g-import-not-at-top
+    from grain_elevator.server.data.shards import _riegeli  # pylint: disable=g-import-not-at-top
     self.hash = _riegeli.hash
 
   def start(self) -> None:

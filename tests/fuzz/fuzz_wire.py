@@ -14,7 +14,7 @@ Three targets share the time:
     huge varints, truncated tensors, leaves missing or extra), mutated in
     structure (leaves, dtypes, shapes, data, codecs, varints, lengths) and in
     bytes, each through proto/wire.py `decode_batch_bytes` with the spec's
-    leaves and through client/transport.py `decode_step` (which adds the
+    leaves and through client/transport/connection.py `decode_step` (which adds the
     frame limit and the step). Each must come back exactly as the spec says
     (dtype, shape, bytes) or be refused: BadBatchError, BadReplyError;
   * server: sessions of mutated greetings, frame headers and requests
@@ -27,7 +27,7 @@ Three targets share the time:
     quiet. It never dies, never logs a traceback, and default RemoteDatasets
     still read the exact streams at the end;
   * client: a fake bulk server (a thread) sends mutated HELLO, BATCH and
-    STATUS frames to client/bulk.py's BulkConnection, which must raise a
+    STATUS frames to client/transport/bulk_connection.py's BulkConnection, which must raise a
     TransportError (BadReplyError included) or yield the steps the spec allows.
 This process runs under an address-space limit (--memory-mb over what it
 holds after setting up), and no input may raise its peak RSS by more than
@@ -83,26 +83,28 @@ import mutate  # zstd frames of many layouts (the shard reader's fuzzer)
 from helpers import assert_streams_equal
 
 from grain_elevator.client import RemoteDataset, Security, TransportOptions
-from grain_elevator.client import transport
-from grain_elevator.client.bulk import BulkConnection
+from grain_elevator.client.transport import connection as transport
+from grain_elevator.client.transport.bulk_connection import BulkConnection
+from grain_elevator.pipelines import examples
+from grain_elevator.proto import dtypes
 from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.proto import errors
 from grain_elevator.proto import framing
 from grain_elevator.proto import varint
 from grain_elevator.proto import wire
+from grain_elevator.proto.limits import MAX_REQUEST_BYTES
 from grain_elevator.proto.spec import ElementSpec, LeafSpec
-from grain_elevator.server import config as config_lib
-from grain_elevator.server import dataset as dataset_lib
-from grain_elevator.server.bulk import HANDSHAKE_TIMEOUT_S
-from grain_elevator.server.request_path import MAX_REQUEST_BYTES, RequestPath
-from grain_elevator.tools import examples
+from grain_elevator.server.data import config as config_lib
+from grain_elevator.server.data import dataset as dataset_lib
+from grain_elevator.server.serving.bulk import HANDSHAKE_TIMEOUT_S
+from grain_elevator.server.serving.request_path import RequestPath
 from grain_elevator.tools.launcher import LocalServer
 # pylint: enable=g-import-not-at-top,wrong-import-position
 
 PREFIX = "fuzz-wire:"
 HARNESS_FAILED = 3  # a child's exit status when the fuzzer itself failed
 TOKEN = "fuzz-token-0123456789"
-IDLE_TIMEOUT_S = 3.0  # the server's --idle-timeout: quiet peers are closed soon
+IDLE_TIMEOUT_S = 3.0  # the server's --idle-timeout-s: quiet peers are closed soon
 # The server's --max-message-bytes, and the model's: batches stay small.
 MAX_MESSAGE_BYTES = 4 << 20
 # The model follows a request's answer this far; the session reads that much
@@ -139,6 +141,12 @@ def _vm_size() -> int:
       if line.startswith("VmSize:"):
         return int(line.split()[1]) * 1024
   raise HarnessError("no VmSize in /proc/self/status")
+
+
+def _steps(path: RequestPath, request: pb.BatchRequest, token: str | None = None) -> Any:
+  """What the request path answers `request` (the model's oracle)."""
+  with path.admitted(token) as ticket:
+    yield from path.steps(ticket, request)
 
 
 def _escaped(e: BaseException, what: str) -> str:
@@ -327,7 +335,8 @@ def real_streams(path: RequestPath) -> list[Stream]:
   '_mask' False there)."""
   out = []
   for name in conftest.DATASETS:
-    (info,) = path.describe(pb.DescribeRequest(dataset=name))
+    with path.admitted(None) as ticket:
+      (info,) = path.describe(ticket, pb.DescribeRequest(dataset=name))
     spec = info.element_spec
     for g, h, n in ((8, 1, 2), (128, 0, 1), (96, 0, 1), (1000, 0, 1)):
       total = info.total_steps(g) or 50
@@ -340,7 +349,7 @@ def real_streams(path: RequestPath) -> list[Stream]:
           expect = spec.batch_leaves(rows)
           seeds = [_seed(f"{name} G={g} {h}/{n} step {step} {'zstd' if compression else 'raw'}",
                          name, expect, step, [np.asarray(a) for a in leaves], compression)
-                   for step, leaves in path.steps(request)]
+                   for step, leaves in _steps(path, request)]
           out.append(Stream(seeds[0].name + f" x{k}", request, expect,
                             spec.max_batch_bytes(rows), seeds))
   return out
@@ -769,7 +778,7 @@ class DecodeTarget:
     self.fuzzer = fuzzer
     self.seeds = seeds
     self.by_name = {s.name: s for s in seeds}
-    self.dtypes = sorted({wire.dtype_to_str(l.dtype) for s in seeds for l in s.expect})
+    self.dtypes = sorted({dtypes.dtype_to_str(l.dtype) for s in seeds for l in s.expect})
     self.bombs = [zstd_bomb(2 << 30, declare=True), zstd_bomb(2 << 30, declare=False),
                   zstd_bomb(2 << 30, declare=True, claim=6144),
                   zstd_bomb(64 << 20, declare=False)]
@@ -889,15 +898,16 @@ class ServerTarget:
     token_file = os.path.join(work, "token")
     pathlib.Path(token_file).write_text(TOKEN)
     self.server = LocalServer(config, workers=1, extra_args=(
-        "--idle-timeout", str(IDLE_TIMEOUT_S), "--auth-token-file", token_file,
+        "--idle-timeout-s", str(IDLE_TIMEOUT_S), "--auth-token-file", token_file,
         "--max-message-bytes", str(MAX_MESSAGE_BYTES)))
     self.address = ("127.0.0.1", self.server.bulk_port)
     # The model's answers: the request path, as embedded mode runs it.
     self.path = RequestPath(dataset_lib.Datasets(config_lib.load_config(config),
                                                  open_now=False),
                             auth_token=TOKEN, max_message_bytes=MAX_MESSAGE_BYTES)
-    self.infos = {n: self.path.describe(pb.DescribeRequest(dataset=n))[0]
-                  for n in conftest.DATASETS}
+    with self.path.admitted(TOKEN) as ticket:
+      self.infos = {n: self.path.describe(ticket, pb.DescribeRequest(dataset=n))[0]
+                    for n in conftest.DATASETS}
     self.hello = self._learn_hello()
     self.lingering: list[tuple[socket.socket, bytearray, bytes, Prediction, float,
                                dict, list[str]]] = []
@@ -921,7 +931,7 @@ class ServerTarget:
   # The model --------------------------------------------------------------
 
   def predict(self, data: bytes) -> Prediction:
-    """What the server must answer to `data` (server/bulk.py's read states,
+    """What the server must answer to `data` (server/serving/bulk.py's read states,
     the request path's answers)."""
     if len(data) < len(framing.MAGIC):
       return Prediction(b"", False, "wait", "greeting incomplete")
@@ -953,7 +963,7 @@ class ServerTarget:
         continue
       r = message.request
       try:
-        for step, leaves in self.path.steps(r):
+        for step, leaves in _steps(self.path, r, message.auth_token or None):
           answer += framing.frame(framing.BATCH, wire.encode_batch_bytes(
               step, [np.asarray(a) for a in leaves], r.compression))
           steps += 1
@@ -1009,7 +1019,7 @@ class ServerTarget:
       data = bytearray(payload)
       steps.append("payload " + _edit_bytes(rng, data, self.fuzzer.seeds))
       return bytes(data)
-    if r < 0.12:  # as long as a frame header (server/bulk.py's explicit read states)
+    if r < 0.12:  # as long as a frame header (server/serving/bulk.py's explicit read states)
       nine = rng.choice((pb.BulkRequest(request=pb.BatchRequest(dataset="plain")).
                          SerializeToString(), framing.header(framing.REQUEST, 0),
                          framing.header(framing.REQUEST, 9), rng.randbytes(9)))
@@ -1260,7 +1270,7 @@ class ServerTarget:
         framing.recv_into(s, memoryview(magic))
         framing.recv_frame(s, (framing.HELLO,), 4096)
         expect = info.element_spec.batch_leaves(g)
-        leaves = list(self.path.steps(request))
+        leaves = list(_steps(self.path, request, TOKEN))
         for step, values in leaves:
           _, payload = framing.recv_frame(s, (framing.BATCH,), 64 << 20)
           message = payload.tobytes()
@@ -1367,7 +1377,7 @@ class FakeServer:
 
 
 class ClientTarget:
-  """Mutated answers of a fake bulk server to client/bulk.py's BulkConnection."""
+  """Mutated answers of a fake bulk server to client/transport/bulk_connection.py's BulkConnection."""
 
   name = "client"
 

@@ -3,7 +3,7 @@ and lay chunks out again as a valid file (block headers, padding, footer,
 postscript), so that a mutant can say anything while every hash checks.
 
 Written from riegeli's records file format description and what
-ArrayRecordWriter is seen to write, independently of server/riegeli.c: a
+ArrayRecordWriter is seen to write, independently of server/data/shards/riegeli.c: a
 shared misreading would hide the bugs the fuzzer is for. Only the hash is
 borrowed from the extension (HighwayHash with riegeli's key; the unit tests
 check it against hashes riegeli wrote).

@@ -1,6 +1,6 @@
 """One reading process of the fuzzer (tests/fuzz/fuzz_reader.py).
 
-    python worker.py ours [MODULE]   # server/shard_reader.py, with MODULE as its C part
+    python worker.py ours [MODULE]   # server/data/shards/reader.py, with MODULE as its C part
     python worker.py arrayrecord     # ArrayRecord's own reader: the oracle
 
 Reads one job a line on stdin ({"path", "seed"}), answers one JSON line on
@@ -51,15 +51,15 @@ def describe(e: BaseException) -> str:
 def _load_ours(module_path: str | None):
   """shard_reader, with its C part loaded from `module_path` if given."""
   if module_path:
-    spec = importlib.util.spec_from_file_location("grain_elevator.server._riegeli", module_path)
+    spec = importlib.util.spec_from_file_location("grain_elevator.server.data.shards._riegeli", module_path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    sys.modules["grain_elevator.server._riegeli"] = module
-    import grain_elevator.server as package  # pylint: disable=g-import-not-at-top
+    sys.modules["grain_elevator.server.data.shards._riegeli"] = module
+    import grain_elevator.server.data.shards as package  # pylint: disable=g-import-not-at-top
     package._riegeli = module  # type: ignore[attr-defined]
-  from grain_elevator.server import shard_reader  # pylint: disable=g-import-not-at-top
+  from grain_elevator.server.data.shards import reader as shard_reader  # pylint: disable=g-import-not-at-top
   if module_path:
-    assert shard_reader._riegeli.__file__ == module_path, shard_reader._riegeli.__file__
+    assert shard_reader.chunks.riegeli.__file__ == module_path, shard_reader.chunks.riegeli.__file__
   return shard_reader
 
 
@@ -119,7 +119,7 @@ def main() -> None:
     run = lambda path, seed: run_ours(shard_reader, path, seed)
     with open("/proc/self/maps") as maps:
       sanitized = "libasan" in maps.read()
-    hello = {"ready": mode, "module": shard_reader._riegeli.__file__, "asan": sanitized}
+    hello = {"ready": mode, "module": shard_reader.chunks.riegeli.__file__, "asan": sanitized}
   else:
     # ArrayRecord sizes buffers from the file: cap its memory, so that a
     # crafted size ends it (a refusal) instead of the machine.

@@ -2,7 +2,7 @@
 
 Checks that every addressable shard of step k's global array equals the
 oracle's rows, then saves the iterator with Grain's orbax handler.
-Run by tests/test_multihost.py; one process per `--process-id`.
+Run by tests/client/test_multihost.py; one process per `--process-id`.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 settings, and compares each step with embedded mode.
 
 At step `--hold-at` it prints "AT <step>" and waits for a line on stdin, so
-a test can change the service under it mid-stream (tests/test_dns.py runs
+a test can change the service under it mid-stream (tests/client/transport/test_dns.py runs
 it inside a network namespace). Prints "OK <steps>" at the end, then
 "SERVED <address>=<steps> ..." over the connections still open; the
 client's log goes to stderr.

@@ -1,6 +1,6 @@
 """Reads a whole stream from a server and compares it with embedded mode.
 
-Run inside a network namespace by tests/test_netns.py; prints "OK <steps>".
+Run inside a network namespace by tests/system/test_netns.py; prints "OK <steps>".
 """
 
 from __future__ import annotations

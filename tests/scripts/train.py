@@ -1,7 +1,7 @@
 """A small real training job: device-fed batches, a jitted step, and an orbax
 checkpoint of params + data iterator every `--every` steps. Restarted after a
 crash, it resumes from the latest checkpoint. Each consumed step's record ids
-are appended to `--log`. Run by tests/test_crash_resume.py."""
+are appended to `--log`. Run by tests/client/test_crash_resume.py."""
 
 from __future__ import annotations
 

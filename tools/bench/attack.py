@@ -5,7 +5,7 @@
 Serves a small image dataset with DEFAULT options and reads it with a
 DEFAULT client: alone, while each kind of hostile client runs (a process of
 its own, so it shares no GIL with the trainer), then while all of them run.
-They do what server/admission.py, server/bulk.py and server/grpc_service.py
+They do what server/serving/admission.py, server/serving/bulk.py and server/serving/grpc_service.py
 defend against:
 
   grpc-unread   64 GetBatches streams of an endless stream, never read;
@@ -289,7 +289,7 @@ def hostile(kind: str, target: str, bulk_port: int, seconds: float) -> None:
               methods=(DESCRIBE, GET_BATCHES, CHECK))
   elif kind == "halfsent":
     # pylint: disable-next=g-import-not-at-top
-    from grain_elevator.server.request_path import MAX_REQUEST_BYTES
+    from grain_elevator.proto.limits import MAX_REQUEST_BYTES
     declared = MAX_REQUEST_BYTES - 1024
     _h2_calls(host, int(port), seconds, kind, connections=HALFSENT_CONNECTIONS,
               calls=HALFSENT_CALLS, methods=(DESCRIBE,), declared_bytes=declared,

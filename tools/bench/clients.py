@@ -22,12 +22,12 @@ import tempfile
 import time
 from typing import Any
 
+from grain_elevator.tools.bench import harness
 from grain_elevator.tools.bench import portfile
 from grain_elevator.tools.bench import run as run_lib
 from grain_elevator.tools.bench import workloads as workloads_lib
 from grain_elevator.tools.launcher import LocalServer
 
-CONSUME = (sys.executable, "-m", "grain_elevator.tools.bench.consume")
 
 
 EXPLORE: dict[str, dict[str, Any]] = {}  # more label -> client settings (--explore)
@@ -36,7 +36,7 @@ TUNED = ("tuned (elevator bench's)", "tuned + glibc tunables")
 
 def settings(w: workloads_lib.Workload, workers: int) -> dict[str, dict[str, Any]]:
   """label -> RemoteDataset arguments (plus "tune_malloc")."""
-  tuned = run_lib._client_settings(w, workers)  # pylint: disable=protected-access
+  tuned = run_lib.client_settings(w, workers)
   explore = {k: dict(v) for k, v in EXPLORE.items()}
   return {
       "default": {"client": {}},
@@ -46,14 +46,6 @@ def settings(w: workloads_lib.Workload, workers: int) -> dict[str, dict[str, Any
       TUNED[0]: {"client": tuned},
       TUNED[1]: {"client": tuned, "tune_malloc": True},
   }
-
-
-def _measure(spec: dict[str, Any]) -> dict[str, Any]:
-  out = subprocess.run([*CONSUME, json.dumps(spec)], capture_output=True, text=True,
-                       timeout=300)
-  if out.returncode != 0:
-    raise RuntimeError(out.stderr[-3000:])
-  return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def run(data: pathlib.Path, names: list[str], workers: int, rounds: int, seconds: float,
@@ -77,10 +69,10 @@ def run(data: pathlib.Path, names: list[str], workers: int, rounds: int, seconds
         for label, s in settings(w, workers).items():
           spec = {**base, "system": "service", "target": server.target, "dataset": name,
                   "client": s["client"], "tune_malloc": s.get("tune_malloc", False)}
-          r = _measure(spec)
+          r = harness.consume(spec)
           rows[label].append(r["gb_per_s"])
           cpu[label].append(r["client_cpu_s_per_gb"])
-        r = _measure({**base, "system": "tcp", "tcp_port": tcp_port, "batch_bytes": batch})
+        r = harness.consume({**base, "system": "tcp", "tcp_port": tcp_port, "batch_bytes": batch})
         rows["plain TCP"].append(r["gb_per_s"])
         cpu["plain TCP"].append(r["client_cpu_s_per_gb"])
         print(f"[{name}] round {rnd + 1}/{rounds}: " + ", ".join(

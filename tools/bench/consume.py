@@ -18,7 +18,7 @@ import psutil
 RESUME_STEP = 10**6
 
 
-def _tree_cpu(proc: psutil.Process) -> float:
+def tree_cpu(proc: psutil.Process) -> float:
   """CPU seconds of this process and its live children (mp_prefetch workers)."""
   total = sum(proc.cpu_times()[:2])
   for child in proc.children(recursive=True):
@@ -39,12 +39,12 @@ def _nbytes(batch: Any) -> int:
 
 def _grain_local(spec: dict[str, Any]) -> Callable[[], Any]:
   import grain  # pylint: disable=g-import-not-at-top
-  from grain_elevator.tools import examples  # pylint: disable=g-import-not-at-top
+  from grain_elevator.pipelines import examples  # pylint: disable=g-import-not-at-top
   from absl import flags  # pylint: disable=g-import-not-at-top
   flags.FLAGS.mark_as_parsed()
   pipeline = examples.decode_images  # per record, as a user writes it
   if spec.get("pipeline") == "image":
-    from grain_elevator.tools import images  # pylint: disable=g-import-not-at-top
+    from grain_elevator.pipelines import images  # pylint: disable=g-import-not-at-top
     pipeline = images.train_pipeline
 
   def make():
@@ -134,7 +134,7 @@ def _server_cpu(pids: list[int]) -> float:
   total = 0.0
   for pid in pids:
     try:
-      total += _tree_cpu(psutil.Process(pid))
+      total += tree_cpu(psutil.Process(pid))
     except psutil.Error:
       pass
   return total
@@ -163,13 +163,13 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
   while time.perf_counter() < deadline:
     next(it)
   server0 = _server_cpu(server_pids)
-  cpu0, t1 = _tree_cpu(proc), time.perf_counter()
+  cpu0, t1 = tree_cpu(proc), time.perf_counter()
   batches, nbytes = 0, 0
   while time.perf_counter() - t1 < spec["seconds"]:
     nbytes += size(next(it))
     batches += 1
   wall = time.perf_counter() - t1
-  cpu = _tree_cpu(proc) - cpu0
+  cpu = tree_cpu(proc) - cpu0
   server_cpu = _server_cpu(server_pids) - server0
   _close(it)
   records = batches * spec["global_batch_size"]

@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from grain_elevator.tools import images
+from grain_elevator.pipelines import images
 from grain_elevator.tools.convert import shards
 from grain_elevator.tools.convert.images import ImageFolderSource
 from grain_elevator.tools.convert.tfrecord import TFRecordSource, encode_tfrecord

@@ -1,8 +1,8 @@
 """Which JPEG decoder the image pipelines use, by measurement.
 
-Decoding is most of an image pipeline's CPU, so tools/images.py's choice is
+Decoding is most of an image pipeline's CPU, so pipelines/images.py's choice is
 made here: every installed candidate decodes the same ImageNet-sized
-synthetic JPEGs (tools/images.py's, as `elevator bench --workloads image`
+synthetic JPEGs (pipelines/images.py's, as `elevator bench --workloads image`
 uses) to RGB uint8 on one thread, in interleaved rounds, and its pixels are
 compared with simplejpeg's. The rest of the training step (crop, resize,
 flip) is timed beside it, for scale.
@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from grain_elevator.tools import images
+from grain_elevator.pipelines import images
 
 Decoder = Callable[[bytes], np.ndarray]
 

@@ -87,9 +87,9 @@ def run(*, server_target: str, dataset: str, files: list[str],
   import grain  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
   from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
-  from grain_elevator.client import RemoteDataset, TransportOptions  # pylint: disable=g-import-not-at-top
   from grain_elevator.client import device  # pylint: disable=g-import-not-at-top
-  from grain_elevator.tools import examples  # pylint: disable=g-import-not-at-top
+  from grain_elevator.client import RemoteDataset, TransportOptions  # pylint: disable=g-import-not-at-top
+  from grain_elevator.pipelines import examples  # pylint: disable=g-import-not-at-top
 
   mesh = jax.make_mesh((jax.device_count(),), ("data",))
   sharding = NamedSharding(mesh, P("data"))

@@ -2,7 +2,7 @@
 
 Each sender process reads G random records of the benchmark's shards with
 the server's own reader (`BatchedArrayRecordSource`, i.e.
-server/shard_reader.py), sends their bytes back to back with one `sendmsg`,
+server/data/shards/reader.py), sends their bytes back to back with one `sendmsg`,
 and repeats: no Grain pipeline, no shuffle map, no decode, no framing, no
 gRPC. The receiver reads each batch into a fresh buffer, as the service's
 client does. What the service delivers on top of this is its whole cost
@@ -23,7 +23,7 @@ from typing import Sequence
 import numpy as np
 
 from grain_elevator.proto import framing
-from grain_elevator.server.dataset import BatchedArrayRecordSource, mark_absl_flags_parsed
+from grain_elevator.server.data.dataset import BatchedArrayRecordSource, mark_absl_flags_parsed
 from grain_elevator.tools.bench import portfile
 
 

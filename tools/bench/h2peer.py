@@ -2,7 +2,7 @@
 sends on purpose (headers without their message, half a message, idle
 connections), built with the `h2` protocol library over a plain socket.
 
-The hostile-client tests (tests/test_grpc_hardening.py, tests/test_load.py)
+The hostile-client tests (tests/server/serving/test_grpc_hardening.py, tests/server/serving/test_load.py)
 drive it with blocking reads (`read(timeout_s)`); the attack bench
 (attack.py) holds hundreds at once and polls them (`alive()`). `h2` comes
 with the [test] extra, so only they import this module.

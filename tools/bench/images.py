@@ -1,7 +1,7 @@
 """`elevator bench`'s image workload: decode JPEG, random resized crop, flip.
 
 The work an ImageNet trainer's input pipeline does, done three ways on the
-same records (tools/images.py's format, written by `workloads.prepare`):
+same records (pipelines/images.py's format, written by `workloads.prepare`):
 
 (a) local Grain on the trainer's own CPUs (`images.train_pipeline`), at four
     settings of read threads and `mp_prefetch` processes;
@@ -26,7 +26,7 @@ from typing import Any
 
 import psutil
 
-from grain_elevator.tools.bench import run as run_lib
+from grain_elevator.tools.bench import harness
 from grain_elevator.tools.bench import tfdata as tfdata_lib
 from grain_elevator.tools.bench import workloads as workloads_lib
 from grain_elevator.tools.launcher import LocalServer
@@ -76,27 +76,27 @@ def wait_idle(pids: list[int]) -> None:
 
 def _systems(w: workloads_lib.Workload, files: list[str], default: LocalServer,
              servers: dict[int, LocalServer], tf_services: dict[int, Any],
-             tf_files: list[str]) -> list[run_lib.System]:
+             tf_files: list[str]) -> list[harness.System]:
   base = {"workload": w.name, "global_batch_size": w.global_batch_size}
   out = []
   for threads, mp in GRAIN_SETTINGS:
-    out.append(run_lib.System(
+    out.append(harness.System(
         f"grain_t{threads}_mp{mp}", f"(a) local Grain, threads={threads}, mp_prefetch={mp}", {
             **base, "system": "grain", "pipeline": "image", "files": files,
             "options": w.options, "threads": threads, "mp_workers": mp}, "grain"))
   service = {**base, "system": "service", "dataset": w.name}
   workers = os.cpu_count() or 1
-  out.append(run_lib.System(
+  out.append(harness.System(
       "service_default", f"(c) service, `elevator serve` defaults (W={workers}), "
       "default RemoteDataset", {**service, "target": default.target, "client": {},
                                 "server_pids": _server_pids(default)}, "service"))
   for wk, server in servers.items():
-    out.append(run_lib.System(
+    out.append(harness.System(
         f"service_w{wk}", f"(c) service, W={wk}, bench client settings", {
             **service, "target": server.target, "client": client_settings(wk),
             "server_pids": _server_pids(server)}, "service"))
   for wk, svc in tf_services.items():
-    out.append(run_lib.System(f"tfdata_w{wk}", f"(e) tf.data service, W={wk}, TF ops", {
+    out.append(harness.System(f"tfdata_w{wk}", f"(e) tf.data service, W={wk}, TF ops", {
         **base, **tfdata_lib.consume_spec(w, svc.target, tf_files),
         "server_pids": svc.pids()}, "tfdata"))
   return out
@@ -106,7 +106,7 @@ def run_workload(root: pathlib.Path, w: workloads_lib.Workload, num_records: int
                  workers: list[int], repeats: int, seconds: float, warmup_s: float,
                  tfdata: bool = True) -> dict[str, Any]:
   """Every system `repeats` times, interleaved; the report's workload entry."""
-  log = run_lib._log  # pylint: disable=protected-access
+  log = harness.log
   log(f"[{w.name}] preparing {num_records:,} JPEG records in {root / w.name} ...")
   config = workloads_lib.prepare(
       root, w, num_records, progress=lambda i, k: log(f"[{w.name}]   shard {i}/{k} written"))
@@ -132,37 +132,25 @@ def run_workload(root: pathlib.Path, w: workloads_lib.Workload, num_records: int
         log(f"[{w.name}] tf.data service W={wk} on {tf_services[wk].target}")
     systems = _systems(w, files, default, servers, tf_services, tf_files)
     all_pids = [pid for s in systems for pid in s.spec.get("server_pids", [])]
-    raw: dict[str, list[dict[str, Any]]] = {s.key: [] for s in systems}
-    done, total = 0, repeats * len(systems)
-    for rep in range(repeats):
-      for s in systems:
-        wait_idle(all_pids)
-        r = run_lib._measure(s, seconds, warmup_s)  # pylint: disable=protected-access
-        raw[s.key].append(_derived(s, r))
-        done += 1
-        log(f"[{w.name}] {done:3d}/{total} rep {rep + 1}: {s.label:<62} "
-            f"{r['records_per_s']:>8,.0f} img/s")
+    raw = harness.interleaved(w.name, systems, repeats, seconds, warmup_s,
+                              before=lambda: wait_idle(all_pids), derive=_derived,
+                              unit="img/s")
   finally:
     for server in {id(s): s for s in [*servers.values(), default] if s}.values():
       server.stop()
     for svc in tf_services.values():
       svc.stop()
-  rows = {}
-  for s in systems:
-    rs = raw[s.key]
-    rows[s.key] = {"label": s.label, "kind": s.kind,
-                   **{k: run_lib._summary([r.get(k) for r in rs]) for k in (  # pylint: disable=protected-access
-                       "records_per_s", "gb_per_s", "client_cpu_s_per_gb", "client_cores",
-                       "server_cores", "client_cpu_s_per_1k", "server_cpu_s_per_1k",
-                       "images_per_core_s", "first_batch_s", "resume_first_batch_s")},
-                   "runs": rs}
+  rows = harness.rows(systems, raw, (
+      "records_per_s", "gb_per_s", "client_cpu_s_per_gb", "client_cores", "server_cores",
+      "client_cpu_s_per_1k", "server_cpu_s_per_1k", "images_per_core_s", "first_batch_s",
+      "resume_first_batch_s"))
   return {"kind": "image", "record_bytes": w.record_bytes,
           "delivered_bytes_per_record": w.delivered_bytes_per_record,
           "global_batch_size": w.global_batch_size, "records": num_records,
           "image_size": w.height, "systems": rows, "notes": _notes(run_tf)}
 
 
-def _derived(s: run_lib.System, r: dict[str, Any]) -> dict[str, Any]:
+def _derived(s: harness.System, r: dict[str, Any]) -> dict[str, Any]:
   """Per-image costs of one run. Images/s per core: of the server's
   processes where there is a server, else of the trainer's (local Grain)."""
   rate = r["records_per_s"]
@@ -197,7 +185,7 @@ def _notes(ran_tf: bool) -> list[str]:
 
 
 def _fmt(s: dict[str, float] | None, digits: int = 0) -> str:
-  return run_lib._fmt(s, digits=digits)  # pylint: disable=protected-access
+  return harness.fmt(s, digits=digits)
 
 
 def goals(wl: dict[str, Any]) -> list[str]:
@@ -240,5 +228,5 @@ def table(name: str, wl: dict[str, Any], repeats: int) -> list[str]:
         f"| {r['label']} | {_fmt(r['records_per_s'])} | {ratio:.2f} | "
         f"{_fmt(r['images_per_core_s'])} | {_fmt(r['client_cpu_s_per_1k'], 3)} | "
         f"{_fmt(r['server_cpu_s_per_1k'], 2)} | {_fmt(r['client_cores'], 2)} | "
-        f"{run_lib._fmt(r['first_batch_s'], 1e3)} |")  # pylint: disable=protected-access
+        f"{harness.fmt(r['first_batch_s'], 1e3)} |")
   return lines + [""] + [f"- {g}" for g in goals(wl)] + [f"- {n}" for n in wl["notes"]] + [""]

@@ -17,7 +17,7 @@ import statistics
 import sys
 import tempfile
 
-from grain_elevator.tools.bench import clients
+from grain_elevator.tools.bench import harness
 from grain_elevator.tools.bench import workloads as workloads_lib
 from grain_elevator.tools.launcher import LocalServer
 
@@ -32,8 +32,8 @@ def write_config(data: pathlib.Path, records: int) -> tuple[str, workloads_lib.W
                  for k, v in w.options.items())
   body = "".join(
       f'[datasets.{name}]\npaths = ["{w.name}/*.array_record"]\n'
-      'pipeline = "grain_elevator.tools.examples:decode_images"\n'
-      'batch_transform = "grain_elevator.tools.examples:decode_images_batch"\n'
+      'pipeline = "grain_elevator.pipelines.examples:decode_images"\n'
+      'batch_transform = "grain_elevator.pipelines.examples:decode_images_batch"\n'
       f"seed = {seed}\nnum_epochs = 0\n[datasets.{name}.options]\n{opts}\n"
       for name, seed in COMPONENTS.items())
   body += "[datasets.mix]\nmixture = { " + ", ".join(
@@ -50,7 +50,7 @@ def run(data: pathlib.Path, rounds: int, seconds: float, records: int) -> dict[s
   with LocalServer(config) as server:
     for rnd in range(rounds):
       for name in rates:
-        r = clients._measure({  # pylint: disable=protected-access
+        r = harness.consume({
             "system": "service", "workload": w.name, "target": server.target,
             "dataset": name, "global_batch_size": w.global_batch_size,
             "seconds": seconds, "warmup_s": 1.0, "client": {}})

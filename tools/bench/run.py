@@ -2,41 +2,26 @@
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import os
 import pathlib
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from typing import Any
 
-from grain_elevator.server import shard_reader
-from grain_elevator.server.supervisor import WORKER_ENV
+from grain_elevator.server.data.shards import reader as shard_reader
+from grain_elevator.server.process.supervisor import WORKER_ENV
+from grain_elevator.tools.bench import harness
 from grain_elevator.tools.bench import portfile
 from grain_elevator.tools.bench import workloads as workloads_lib
 from grain_elevator.tools.launcher import LocalServer
 
-CONSUME = [sys.executable, "-m", "grain_elevator.tools.bench.consume"]
 TCP = [sys.executable, "-m", "grain_elevator.tools.bench.tcp"]
 FLOOR = [sys.executable, "-m", "grain_elevator.tools.bench.floor"]
 
 
-@dataclasses.dataclass(frozen=True)
-class System:
-  key: str  # stable id for JSON
-  label: str  # table row
-  spec: dict[str, Any]
-  kind: str  # grain | embedded | service | tcp | tfdata
-
-
-def _log(msg: str) -> None:
-  print(msg, file=sys.stderr, flush=True)
-
-
-def _client_settings(w: workloads_lib.Workload, workers: int, **transport: Any
+def client_settings(w: workloads_lib.Workload, workers: int, **transport: Any
                      ) -> dict[str, Any]:
   """RemoteDataset's arguments (consume.py builds its TransportOptions).
 
@@ -54,71 +39,51 @@ def _client_settings(w: workloads_lib.Workload, workers: int, **transport: Any
 def _systems(w: workloads_lib.Workload, files: list[str], config: str,
              servers: dict[int, LocalServer], ar_server: LocalServer | None,
              tcp_port: int | None, floor_ports: list[int], tf_services: dict[int, Any],
-             tf_files: list[str]) -> list[System]:
+             tf_files: list[str]) -> list[harness.System]:
   base = {"workload": w.name, "global_batch_size": w.global_batch_size}
   out = []
   for threads in (0, 16):
     for mp in (0, 2):
       label = f"(a) local Grain, threads={threads or 0}, mp_prefetch={mp}"
-      out.append(System(f"grain_t{threads}_mp{mp}", label, {
+      out.append(harness.System(f"grain_t{threads}_mp{mp}", label, {
           **base, "system": "grain", "files": files, "options": w.options,
           "threads": threads, "mp_workers": mp}, "grain"))
-  out.append(System("embedded", "(b) grain-elevator embedded", {
+  out.append(harness.System("embedded", "(b) grain-elevator embedded", {
       **base, "system": "embedded", "target": f"local:{config}", "dataset": w.name,
       "client": {"prefetch": 2}}, "embedded"))
   for workers, server in servers.items():
-    out.append(System(f"service_w{workers}", f"(c) grain-elevator service, W={workers}", {
+    out.append(harness.System(f"service_w{workers}", f"(c) grain-elevator service, W={workers}", {
         **base, "system": "service", "target": server.target, "dataset": w.name,
-        "client": _client_settings(w, workers)}, "service"))
+        "client": client_settings(w, workers)}, "service"))
   top = max(servers)
   service = {**base, "system": "service", "target": servers[top].target, "dataset": w.name}
-  out.append(System(f"service_w{top}_default", f"(c) service, W={top}, default RemoteDataset",
+  out.append(harness.System(f"service_w{top}_default", f"(c) service, W={top}, default RemoteDataset",
                     {**service, "client": {}}, "service"))
-  out.append(System(f"service_w{top}_grpc", f"(c) service, W={top}, gRPC transport", {
-      **service, "client": _client_settings(w, top, kind="grpc")}, "service"))
-  out.append(System(f"service_w{top}_zstd", f"(c) service, W={top}, zstd compression", {
-      **service, "client": _client_settings(w, top, compression="zstd")}, "service"))
-  out.append(System(f"service_w{top}_per_record",
+  out.append(harness.System(f"service_w{top}_grpc", f"(c) service, W={top}, gRPC transport", {
+      **service, "client": client_settings(w, top, kind="grpc")}, "service"))
+  out.append(harness.System(f"service_w{top}_zstd", f"(c) service, W={top}, zstd compression", {
+      **service, "client": client_settings(w, top, compression="zstd")}, "service"))
+  out.append(harness.System(f"service_w{top}_per_record",
                     f"(c) service, W={top}, per-record pipeline (no batch_transform)", {
-      **service, "dataset": f"{w.name}_per_record", "client": _client_settings(w, top)}, "service"))
+      **service, "dataset": f"{w.name}_per_record", "client": client_settings(w, top)}, "service"))
   if ar_server is not None:
-    out.append(System(f"service_w{top}_arrayrecord",
+    out.append(harness.System(f"service_w{top}_arrayrecord",
                       f"(c) service, W={top}, shards read through ArrayRecord", {
-        **service, "target": ar_server.target, "client": _client_settings(w, top)}, "service"))
+        **service, "target": ar_server.target, "client": client_settings(w, top)}, "service"))
   if tcp_port is not None:
-    out.append(System("tcp", "(d) plain TCP socket, same bytes", {
+    out.append(harness.System("tcp", "(d) plain TCP socket, same bytes", {
         **base, "system": "tcp", "tcp_port": tcp_port,
         "batch_bytes": w.global_batch_size * w.delivered_bytes_per_record}, "tcp"))
   if floor_ports:
-    out.append(System("floor", f"(f) floor: shard reads + TCP, W={len(floor_ports)}, "
+    out.append(harness.System("floor", f"(f) floor: shard reads + TCP, W={len(floor_ports)}, "
                       "raw records", {
         **base, "system": "floor", "ports": floor_ports,
         "batch_bytes": w.global_batch_size * w.record_bytes}, "floor"))
   from grain_elevator.tools.bench import tfdata  # pylint: disable=g-import-not-at-top
   for workers, svc in tf_services.items():
-    out.append(System(f"tfdata_w{workers}", f"(e) tf.data service, W={workers}", {
+    out.append(harness.System(f"tfdata_w{workers}", f"(e) tf.data service, W={workers}", {
         **base, **tfdata.consume_spec(w, svc.target, tf_files)}, "tfdata"))
   return out
-
-
-def _measure(system: System, seconds: float, warmup_s: float) -> dict[str, Any]:
-  spec = {**system.spec, "seconds": seconds, "warmup_s": warmup_s}
-  consume = CONSUME
-  if system.kind == "tfdata":  # TensorFlow's interpreter, which may be another one
-    from grain_elevator.tools.bench import tfdata  # pylint: disable=g-import-not-at-top
-    consume = [tfdata.python(), *CONSUME[1:]]
-  result = subprocess.run([*consume, json.dumps(spec)], capture_output=True, text=True,
-                          timeout=300)
-  if result.returncode != 0:
-    raise RuntimeError(f"{system.label} failed:\n{result.stderr[-3000:]}")
-  return json.loads(result.stdout.strip().splitlines()[-1])
-
-
-def _summary(values: list[float | None]) -> dict[str, float] | None:
-  vals = [v for v in values if v is not None]
-  if not vals:
-    return None
-  return {"median": statistics.median(vals), "min": min(vals), "max": max(vals)}
 
 
 def _has_tensorflow() -> bool:
@@ -133,7 +98,7 @@ _FLOOR_NOTE = ("(f) floor: W processes that only read random records with the se
                "not GB/s.")
 _READER_NOTE = ("'shards read through ArrayRecord': the same server with "
                 f"{shard_reader.READER_ENV}=arrayrecord, i.e. ArrayRecord's own reader instead "
-                "of server/shard_reader.py: what the shard reader is worth, in the same run.")
+                "of server/data/shards/reader.py: what the shard reader is worth, in the same run.")
 
 
 def _tfdata_note(ran: bool) -> str:
@@ -162,9 +127,9 @@ def run(*, data_dir: str | None, workload_names: list[str], workers: list[int],
           root, w, n, workers=workers, repeats=repeats, seconds=seconds,
           warmup_s=warmup_s, tfdata=tfdata)
       continue
-    _log(f"[{name}] preparing {n:,} records of {w.record_bytes:,} B in {root / name} ...")
+    harness.log(f"[{name}] preparing {n:,} records of {w.record_bytes:,} B in {root / name} ...")
     config = workloads_lib.prepare(
-        root, w, n, progress=lambda i, k: _log(f"[{name}]   shard {i}/{k} written"))
+        root, w, n, progress=lambda i, k: harness.log(f"[{name}]   shard {i}/{k} written"))
     files = workloads_lib.shard_files(root, w)
     workloads_lib.warm_page_cache(files)
     servers: dict[int, LocalServer] = {}
@@ -177,19 +142,19 @@ def run(*, data_dir: str | None, workload_names: list[str], workers: list[int],
     try:
       for wk in workers:
         servers[wk] = LocalServer(config, workers=wk)
-        _log(f"[{name}] server W={wk} on {servers[wk].target}")
+        harness.log(f"[{name}] server W={wk} on {servers[wk].target}")
       if shard_reader.available():
         ar_server = LocalServer(config, workers=max(workers),
                                 env={shard_reader.READER_ENV: "arrayrecord"})
-        _log(f"[{name}] server W={max(workers)}, ArrayRecord's reader, on {ar_server.target}")
+        harness.log(f"[{name}] server W={max(workers)}, ArrayRecord's reader, on {ar_server.target}")
       if run_tf:
         from grain_elevator.tools.bench import tfdata as tfdata_lib  # pylint: disable=g-import-not-at-top
-        _log(f"[{name}] writing the records as TFRecord for tf.data ...")
+        harness.log(f"[{name}] writing the records as TFRecord for tf.data ...")
         tf_files = tfdata_lib.prepare_tfrecords(root, w)
         workloads_lib.warm_page_cache(tf_files)
         for wk in workers:
           tf_services[wk] = tfdata_lib.TfDataService(wk)
-          _log(f"[{name}] tf.data service W={wk} on {tf_services[wk].target}")
+          harness.log(f"[{name}] tf.data service W={wk} on {tf_services[wk].target}")
       port_file = root / f"tcp-port-{os.getpid()}"
       batch_bytes = w.global_batch_size * w.delivered_bytes_per_record
       tcp_proc = subprocess.Popen([*TCP, str(port_file), str(batch_bytes)])
@@ -200,16 +165,7 @@ def run(*, data_dir: str | None, workload_names: list[str], workers: list[int],
       floor_ports = _start_floor(root, w, files, max(workers), floor_procs)
       systems = _systems(w, files, config, servers, ar_server, tcp_port, floor_ports,
                          tf_services, tf_files)
-      raw: dict[str, list[dict[str, Any]]] = {s.key: [] for s in systems}
-      total = repeats * len(systems)
-      done = 0
-      for rep in range(repeats):
-        for s in systems:
-          r = _measure(s, seconds, warmup_s)
-          raw[s.key].append(r)
-          done += 1
-          _log(f"[{name}] {done:3d}/{total} rep {rep + 1}: {s.label:<62} "
-               f"{r['records_per_s']:>10,.0f} rec/s {r['gb_per_s']:6.3f} GB/s")
+      raw = harness.interleaved(name, systems, repeats, seconds, warmup_s)
     finally:
       for server in [*servers.values(), ar_server]:
         if server:
@@ -220,14 +176,8 @@ def run(*, data_dir: str | None, workload_names: list[str], workers: list[int],
         if proc:
           proc.kill()
           proc.wait()
-    rows = {}
-    for s in systems:
-      rs = raw[s.key]
-      rows[s.key] = {"label": s.label, "kind": s.kind,
-                     **{k: _summary([r.get(k) for r in rs]) for k in (
-                         "records_per_s", "gb_per_s", "client_cpu_s_per_gb",
-                         "client_cores", "first_batch_s", "resume_first_batch_s")},
-                     "runs": rs}
+    rows = harness.rows(systems, raw, ("records_per_s", "gb_per_s", "client_cpu_s_per_gb",
+                                       "client_cores", "first_batch_s", "resume_first_batch_s"))
     report["workloads"][name] = {
         "record_bytes": w.record_bytes, "delivered_bytes_per_record": w.delivered_bytes_per_record,
         "global_batch_size": w.global_batch_size, "records": n, "systems": rows,
@@ -249,14 +199,6 @@ def _start_floor(root: pathlib.Path, w: workloads_lib.Workload, files: list[str]
     port_file.unlink()
     ports.append(port)
   return ports
-
-
-def _fmt(s: dict[str, float] | None, scale: float = 1.0, digits: int = 0) -> str:
-  if s is None:
-    return "n/a"
-  f = f"{{:,.{digits}f}}"
-  return (f"{f.format(s['median'] * scale)} ({f.format(s['min'] * scale)}–"
-          f"{f.format(s['max'] * scale)})")
 
 
 def table(report: dict[str, Any]) -> str:
@@ -281,9 +223,9 @@ def table(report: dict[str, Any]) -> str:
       tcp_ratio = (f"{r['gb_per_s']['median'] / tcp['gb_per_s']['median']:.2f}"
                    if tcp else "n/a")
       lines.append(
-          f"| {r['label']} | {_fmt(r['records_per_s'])} | {_fmt(r['gb_per_s'], digits=3)} | "
-          f"{ratio:.2f} | {tcp_ratio} | {_fmt(r['client_cpu_s_per_gb'], digits=2)} | "
-          f"{_fmt(r['first_batch_s'], 1e3)} | {_fmt(r['resume_first_batch_s'], 1e3)} |")
+          f"| {r['label']} | {harness.fmt(r['records_per_s'])} | {harness.fmt(r['gb_per_s'], digits=3)} | "
+          f"{ratio:.2f} | {tcp_ratio} | {harness.fmt(r['client_cpu_s_per_gb'], digits=2)} | "
+          f"{harness.fmt(r['first_batch_s'], 1e3)} | {harness.fmt(r['resume_first_batch_s'], 1e3)} |")
     lines += [""] + [f"- {n}" for n in wl["notes"]] + [""]
   return "\n".join(lines)
 

@@ -174,7 +174,7 @@ def dataset(files: Sequence[str], options: dict[str, Any], global_batch_size: in
   return ds.prefetch(auto)
 
 
-IMAGE_RECORD_BYTES = 114_000  # tools/images.py's synthetic records, on average
+IMAGE_RECORD_BYTES = 114_000  # pipelines/images.py's synthetic records, on average
 
 
 def image_dataset(files: Sequence[str], options: dict[str, Any], global_batch_size: int, *,
@@ -182,7 +182,7 @@ def image_dataset(files: Sequence[str], options: dict[str, Any], global_batch_si
                   compression: str | None = None) -> tf.data.Dataset:
   """The image workload as a tf.data user writes it, with TensorFlow's own ops.
 
-  Records are tools/images.py's (int64 label | JPEG bytes). `tf.io.decode_jpeg`
+  Records are pipelines/images.py's (int64 label | JPEG bytes). `tf.io.decode_jpeg`
   (RGB), an Inception-style crop from `tf.image.sample_distorted_bounding_box`
   (area 0.08-1 of the image, aspect 3/4-4/3, 10 attempts, then the whole
   image), bilinear `tf.image.resize` to size x size rounded back to uint8,

@@ -6,7 +6,7 @@ records in 8 ArrayRecord shards by default), prepared by TFDS's own builder
 (tools/tfds_example.py). Two ways to read it:
 
 - decoded: the records as `tfds.data_source` gives them, batched. The
-  service decodes whole batches (server/tfds_source.py); local Grain decodes
+  service decodes whole batches (server/data/tfds_source.py); local Grain decodes
   one record per call, as TFDS does.
 - augment: the same plus a per-record `random_map` (a random flip), so the
   service decodes record by record too.
@@ -110,7 +110,7 @@ def _service(spec: dict[str, Any]) -> Callable[[], Any]:
 def measure(spec: dict[str, Any]) -> dict[str, Any]:
   """One system, in this process: records/s and CPU per 1,000 records."""
   import psutil  # pylint: disable=g-import-not-at-top
-  from grain_elevator.tools.bench.consume import _tree_cpu  # pylint: disable=g-import-not-at-top
+  from grain_elevator.tools.bench.consume import tree_cpu  # pylint: disable=g-import-not-at-top
   make = _grain_local(spec) if spec["system"] == "grain" else _service(spec)
   me = psutil.Process()
   server = psutil.Process(spec["server_pid"]) if spec.get("server_pid") else None
@@ -119,7 +119,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
   deadline = time.perf_counter() + spec["warmup_s"]
   while time.perf_counter() < deadline:
     next(it)
-  cpu0, server0, t0 = _tree_cpu(me), _tree_cpu(server) if server else 0.0, time.perf_counter()
+  cpu0, server0, t0 = tree_cpu(me), tree_cpu(server) if server else 0.0, time.perf_counter()
   batches = 0
   while time.perf_counter() - t0 < spec["seconds"]:
     next(it)
@@ -127,9 +127,9 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
   wall = time.perf_counter() - t0
   records = batches * GLOBAL_BATCH
   out = {"records_per_s": records / wall,
-         "trainer_cpu_s_per_1k": (_tree_cpu(me) - cpu0) / records * 1000}
+         "trainer_cpu_s_per_1k": (tree_cpu(me) - cpu0) / records * 1000}
   if server:
-    out["server_cpu_s_per_1k"] = (_tree_cpu(server) - server0) / records * 1000
+    out["server_cpu_s_per_1k"] = (tree_cpu(server) - server0) / records * 1000
   close = getattr(it, "close", None)
   if close:
     close()

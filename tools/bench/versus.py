@@ -13,6 +13,9 @@ and their ratio. A server-side change is judged by this, on one machine in
 one session, rather than by two separate benchmark runs.
 
 `--kind grpc` reads over gRPC instead of the default transport choice.
+`--old-name FROM=TO` (repeatable) serves the old build a copy of each config
+with the module name FROM written TO: for a change that moved the
+pipelines a config names (e.g. grain_elevator.pipelines.=grain_elevator.tools.).
 Each measurement runs in a process of its own, by this Python, or with
 `--clients` by each build's own Python (its client: a client-side change is
 then part of the comparison).
@@ -76,6 +79,18 @@ def _steps_per_s_in(python: str, target: str, name: str, tuned: bool, kind: str)
   return float(out.strip().splitlines()[-1])
 
 
+def _renamed(config: str, name: str, renames: list[tuple[str, ...]]) -> str:
+  """`config`, or a copy beside it (workload `name`'s) with each FROM written TO."""
+  if not renames:
+    return config
+  text = pathlib.Path(config).read_text()
+  for old, new in renames:
+    text = text.replace(old, new)
+  copy = pathlib.Path(config).with_name(f"old-build-{name}.toml")
+  copy.write_text(text)
+  return str(copy)
+
+
 def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("old")
@@ -86,16 +101,21 @@ def main() -> int:
                       help="the client's transport (default: auto, bulk where offered)")
   parser.add_argument("--clients", nargs=2, metavar=("OLD_PYTHON", "NEW_PYTHON"),
                       help="measure each build with its own client, run by this Python")
+  parser.add_argument("--old-name", action="append", default=[], metavar="FROM=TO",
+                      help="module name FROM is TO in the old build (a moved pipeline)")
   args = parser.parse_args()
+  renames = [tuple(r.split("=", 1)) for r in args.old_name]
   with tempfile.TemporaryDirectory() as tmp:
     root = pathlib.Path(args.data_dir or tmp)
     configs = {name: workloads.prepare(root, workloads.WORKLOADS[name], n)
                for name, n in RECORDS.items()}
+    old_configs = {name: _renamed(config, name, renames) for name, config in configs.items()}
     got: dict[tuple[str, bool, str], list[float]] = {}
     for r in range(args.rounds):
       for name, config in configs.items():
         for build in (("old", "new") if r % 2 == 0 else ("new", "old")):
-          proc, target = _serve(getattr(args, build), config)
+          proc, target = _serve(getattr(args, build),
+                                config if build == "new" else old_configs[name])
           try:
             for tuned in (False, True):
               python = args.clients[0 if build == "old" else 1] if args.clients else sys.executable

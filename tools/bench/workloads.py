@@ -3,7 +3,7 @@
 small: 3,088 B records (16 B id/label header + 32x32x3 uint8 image), decoded
        per record to float32/255 as a user writes it, G=256.
 large: 150 KiB incompressible images (160x320x3 uint8), G=32 (~4.9 MB batches).
-image: ImageNet-like JPEGs (~500x375, ~114 KB at quality 90) in tools/images.py's
+image: ImageNet-like JPEGs (~500x375, ~114 KB at quality 90) in pipelines/images.py's
        record format, through its train_pipeline (decode, random resized crop to
        224x224, flip), G=64 (9.6 MB batches of uint8 pixels).
 All repeat forever, so any step (10^6 included) exists.
@@ -19,7 +19,7 @@ import textwrap
 
 import numpy as np
 
-from grain_elevator.tools import examples
+from grain_elevator.pipelines import examples
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,7 +31,7 @@ class Workload:
   normalize: bool
   global_batch_size: int
   default_records: int
-  # "pixels": examples.py's fixed-size records; "image": tools/images.py's
+  # "pixels": examples.py's fixed-size records; "image": pipelines/images.py's
   # encoded images, height x width being the pipeline's output size.
   kind: str = "pixels"
 
@@ -79,7 +79,7 @@ def prepare(root: pathlib.Path, w: Workload, num_records: int, num_shards: int =
       old.unlink()
     rng = np.random.default_rng(0)
     if w.kind == "image":
-      from grain_elevator.tools import images  # pylint: disable=g-import-not-at-top
+      from grain_elevator.pipelines import images  # pylint: disable=g-import-not-at-top
       record = functools.partial(images.synthetic_record, classes=IMAGE_CLASSES, seed=0)
     else:
       record = lambda i: examples.encode_record(  # noqa: E731
@@ -93,7 +93,7 @@ def prepare(root: pathlib.Path, w: Workload, num_records: int, num_shards: int =
     config.write_text(textwrap.dedent(f"""\
         [datasets.{w.name}]
         paths = ["{w.name}/*.array_record"]
-        pipeline = "grain_elevator.tools.images:train_pipeline"
+        pipeline = "grain_elevator.pipelines.images:train_pipeline"
         seed = 1
         num_epochs = 0
         [datasets.{w.name}.options]
@@ -105,8 +105,8 @@ def prepare(root: pathlib.Path, w: Workload, num_records: int, num_shards: int =
   body = textwrap.dedent(f"""\
       [datasets.{w.name}]
       paths = ["{w.name}/*.array_record"]
-      pipeline = "grain_elevator.tools.examples:decode_images"
-      batch_transform = "grain_elevator.tools.examples:decode_images_batch"
+      pipeline = "grain_elevator.pipelines.examples:decode_images"
+      batch_transform = "grain_elevator.pipelines.examples:decode_images_batch"
       seed = 1
       num_epochs = 0
       [datasets.{w.name}.options]
@@ -114,7 +114,7 @@ def prepare(root: pathlib.Path, w: Workload, num_records: int, num_shards: int =
   body += textwrap.dedent(f"""
       [datasets.{w.name}_per_record]
       paths = ["{w.name}/*.array_record"]
-      pipeline = "grain_elevator.tools.examples:decode_images"
+      pipeline = "grain_elevator.pipelines.examples:decode_images"
       seed = 1
       num_epochs = 0
       [datasets.{w.name}_per_record.options]

@@ -78,7 +78,7 @@ def add_subcommands(parser: argparse.ArgumentParser, *, local: bool = True) -> N
       "parquet", help="Parquet rows, each as a tf.train.Example",
       description="One tf.train.Example per row (files in sorted name order, rows in "
                   "order), one feature per column; the printed features spec gives the "
-                  "columns back exactly (grain_elevator.tools.convert.example:"
+                  "columns back exactly (grain_elevator.pipelines.tf_example:"
                   "parse_examples).")
   p.add_argument("inputs", nargs="+", metavar="IN_GLOB",
                  help="Parquet files or glob patterns (quote them)")

@@ -13,7 +13,7 @@ A record is::
 
   label: int64 little-endian (8 bytes) | the image file's bytes, unchanged
 
-which `grain_elevator.tools.images` decodes (its `train_pipeline`).
+which `grain_elevator.pipelines.images` decodes (its `train_pipeline`).
 """
 
 from __future__ import annotations
@@ -30,18 +30,18 @@ from grain_elevator.tools.convert.errors import ConvertError
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".jpe", ".png")
 _SIGNATURES = {b"\xff\xd8\xff": "JPEG", b"\x89PNG\r\n\x1a\n": "PNG"}
 _LABEL = struct.Struct("<q")
-PIPELINE = "grain_elevator.tools.images:train_pipeline"
+PIPELINE = "grain_elevator.pipelines.images:train_pipeline"
 DEFAULT_SIZE = 224
 
 
 def _encode_image_record(label: int, image: bytes) -> bytes:
-  """``label:int64 LE | image bytes`` (the layout tools/images.py reads)."""
+  """``label:int64 LE | image bytes`` (the layout pipelines/images.py reads)."""
   return _LABEL.pack(label) + image
 
 
 try:  # the record format's home
-  from grain_elevator.tools.images import encode_image_record  # pylint: disable=g-import-not-at-top
-except ImportError:  # the Beam venv: tools/images.py imports grain_elevator.proto (grpc)
+  from grain_elevator.pipelines.images import encode_image_record  # pylint: disable=g-import-not-at-top
+except ImportError:  # the Beam venv: pipelines/images.py imports grain_elevator.proto (grpc)
   encode_image_record = _encode_image_record
 
 

@@ -23,7 +23,8 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from grain_elevator.tools.convert import example
+from grain_elevator.pipelines import tf_example as example
+from grain_elevator.proto.dtypes import dtype_to_str
 from grain_elevator.tools.convert import shards
 from grain_elevator.tools.convert import snippet as snippet_lib
 from grain_elevator.tools.convert.errors import ConvertError
@@ -157,10 +158,10 @@ class NpzSource:
 
   def serving(self, stats: dict[str, Any]) -> snippet_lib.Serving:
     _, arrays = _arrays(self.units()[0])
-    features = {a.name: {"dtype": example._dtype_name(np.dtype(a.dtype)),  # pylint: disable=protected-access
+    features = {a.name: {"dtype": dtype_to_str(np.dtype(a.dtype)),
                          "shape": list(a.row_shape)} for a in arrays}
     return snippet_lib.Serving(
-        pipeline="grain_elevator.tools.convert.example:parse_examples",
+        pipeline="grain_elevator.pipelines.tf_example:parse_examples",
         options={"features": features},
         comments=("records: tf.train.Example, one per row; each array's row as raw "
                   "little-endian bytes",))

@@ -34,7 +34,7 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from grain_elevator.tools.convert import example
+from grain_elevator.pipelines import tf_example as example
 from grain_elevator.tools.convert import shards
 from grain_elevator.tools.convert import snippet as snippet_lib
 from grain_elevator.tools.convert.errors import ConvertError
@@ -241,7 +241,7 @@ def serving_for(columns: Sequence[Column], stats: dict[str, Any]) -> snippet_lib
         notes[c.name] = f"{s['nulls']} null rows: they get the default"
     features[c.name] = spec
   return snippet_lib.Serving(
-      pipeline="grain_elevator.tools.convert.example:parse_examples",
+      pipeline="grain_elevator.pipelines.tf_example:parse_examples",
       options={"features": features},
       comments=("records: tf.train.Example, one per row; the spec gives back each "
                 "column's values",),

@@ -43,7 +43,7 @@ from grain_elevator.tools.convert.errors import ConvertError
 
 # Without --shards: one shard per this many input bytes (at least one).
 DEFAULT_SHARD_BYTES = 128 << 20
-# ArrayRecord writer options: one record per chunk, as tools/examples.py.
+# ArrayRecord writer options: one record per chunk, as pipelines/examples.py.
 WRITER_OPTIONS = "group_size:1"
 # What a conversion writes into OUT_DIR besides the shards.
 CONFIG_FILE = "elevator.toml"

@@ -286,8 +286,8 @@ class TFRecordSource:
     return {}
 
   def serving(self, stats: dict[str, Any]) -> snippet_lib.Serving:
-    from grain_elevator.tools.convert import example  # pylint: disable=g-import-not-at-top
-    return example.serving_from_sample(stats.get("sample", []))
+    from grain_elevator.tools.convert import features  # pylint: disable=g-import-not-at-top
+    return features.serving_from_sample(stats.get("sample", []))
 
 
 def expand(patterns: Sequence[str]) -> list[str]:

@@ -1,0 +1,49 @@
+"""What an iterator reads from: a pool of connections to servers, or the
+serving engine in-process (embedded mode). Both answer the same two
+questions, so `RemoteDataset` is written once for either."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, Sequence
+
+import numpy as np
+
+from grain_elevator.client.options import RetryPolicy, Security, TransportOptions
+from grain_elevator.client.transport import targets as targets_lib
+from grain_elevator.proto import elevator_pb2 as pb
+from grain_elevator.proto.spec import DatasetInfo
+
+
+class Backend(Protocol):
+  """A source of steps: `ConnectionPool` (client/transport/pool.py) or
+  `EmbeddedBackend` (client/embedded.py)."""
+
+  targets: list[str]
+  uses_bulk: bool  # whether batches travel over the bulk transport
+  retries: int  # attempts tried again (client/stats.py)
+  fallbacks: int  # requests and ports moved from bulk to gRPC
+
+  def describe(self, dataset: str = "", global_batch_size: int = 0) -> list[DatasetInfo]:
+    """What is offered; with a global batch size, also ready to fetch it."""
+
+  def fetch(self, request: pb.BatchRequest, token: Any,
+            out: list[list[np.ndarray]] | None = None) -> list[list[np.ndarray]]:
+    """The steps of `request`, in order, each appended to `out` as it arrives."""
+
+  def close(self) -> None:
+    """Ends every request and connection."""
+
+
+def make_backend(target: str | Sequence[str], *,
+                 transport: TransportOptions = TransportOptions(),
+                 retry: RetryPolicy = RetryPolicy(), security: Security = Security()
+                 ) -> Backend:
+  """A ConnectionPool for server targets, or an EmbeddedBackend for
+  "local:CONFIG_PATH" (client/transport/targets.py)."""
+  targets = targets_lib.parse_targets(target)
+  config = targets_lib.local_config(targets)
+  if config is not None:
+    from grain_elevator.client.embedded import EmbeddedBackend  # pylint: disable=g-import-not-at-top
+    return EmbeddedBackend(config)
+  from grain_elevator.client.transport.pool import ConnectionPool  # pylint: disable=g-import-not-at-top
+  return ConnectionPool(targets, transport=transport, retry=retry, security=security)

@@ -1,0 +1,112 @@
+"""The bulk transport's client: one request at a time over a plain socket.
+
+Each batch is read straight into a buffer with `recv_into` and decoded as
+views of it: one copy from the kernel, no protobuf objects, no gRPC buffers.
+Buffers come from a pool and are reused once the trainer has dropped the
+batch (client/transport/buffers.py), so their pages are not faulted in afresh. A
+frame longer than the step the request can produce is refused before
+anything is allocated (proto/framing.py), and each step is checked against
+the element spec (client/transport/connection.py `decode_step`). Failures surface as
+a `TransportError` with the status code gRPC would have given, so the pool
+treats both transports alike; a server breaking the protocol mid-request is
+a `BadReplyError`, as on gRPC.
+"""
+
+from __future__ import annotations
+
+import socket
+from typing import Sequence
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from grain_elevator.client.transport.buffers import BufferPool
+from grain_elevator.client.transport.connection import (BadReplyError, CancelToken, Steps, TransportError,
+                                             decode_step)
+from grain_elevator.proto import elevator_pb2 as pb
+from grain_elevator.proto import errors
+from grain_elevator.proto import framing
+from grain_elevator.proto.spec import LeafSpec
+
+# ServerInfo and BulkStatus frames are a few dozen bytes.
+_MAX_SMALL_FRAME_BYTES = 1 << 20
+
+
+class BulkConnection:
+  """One TCP connection to one worker's bulk port."""
+
+  capacity = 1
+
+  def __init__(self, target: str, host: str, port: int, *, connect_timeout_s: float,
+               auth_token: str | None = None, buffers: BufferPool | None = None):
+    self.target, self.host = target, host
+    self._auth_token = auth_token or ""
+    self.address = f"{host}:{port}"
+    try:
+      self._sock = socket.create_connection((host, port), timeout=connect_timeout_s)
+    except OSError as e:
+      raise TransportError(grpc.StatusCode.UNAVAILABLE,
+                           f"bulk transport {self.address}: {e}") from e
+    self.broken = False
+    self._buffers = buffers or BufferPool()
+    try:
+      self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+      framing.exchange_magic(self._sock)
+      _, payload = framing.recv_frame(self._sock, (framing.HELLO,), _MAX_SMALL_FRAME_BYTES)
+      self.server = pb.ServerInfo.FromString(payload.tobytes())
+    except (OSError, framing.ProtocolError, DecodeError) as e:
+      self.close()
+      raise TransportError(grpc.StatusCode.UNAVAILABLE,
+                           f"bulk transport {self.address}: handshake failed: {e}") from e
+
+  def stream(self, request: pb.BatchRequest, *, timeout_s: float, token: CancelToken,
+             max_frame_bytes: int, expect: Sequence[LeafSpec] | None = None) -> Steps:
+    """See `Connection.stream`. `timeout_s` bounds each wait for data, so a
+    frozen server cannot hang the trainer."""
+    where = f"{self.address} (bulk transport)"
+    token.attach(self)
+    try:
+      self._sock.settimeout(timeout_s)
+      message = pb.BulkRequest(request=request, auth_token=self._auth_token)
+      framing.send_frame(self._sock, framing.REQUEST, [message.SerializeToString()])
+      for index in range(request.num_steps):
+        try:
+          kind, payload = framing.recv_frame(self._sock, (framing.BATCH, framing.STATUS),
+                                             max(max_frame_bytes, _MAX_SMALL_FRAME_BYTES),
+                                             self._buffers.take)
+        except framing.ProtocolError as e:  # a frame of another kind, or over the limit
+          raise BadReplyError(f"{where} broke the protocol for dataset {request.dataset!r} "
+                              f"step {request.start_step + index}: {e}") from e
+        if kind == framing.STATUS:
+          status = pb.BulkStatus.FromString(payload.tobytes())
+          raise TransportError(errors.code_from_number(status.code), status.message,
+                               status.error_type)
+        yield decode_step(payload, request, index, max_frame_bytes, expect, where)
+    except BadReplyError:
+      self.broken = True  # unread frames may remain
+      raise
+    except socket.timeout as e:
+      self.broken = True
+      raise TransportError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                           f"bulk transport {self.address}: no data for {timeout_s:.0f}s") from e
+    except (OSError, DecodeError) as e:
+      self.broken = True
+      raise TransportError(grpc.StatusCode.UNAVAILABLE,
+                           f"bulk transport {self.address}: {e}") from e
+    except GeneratorExit:
+      self.broken = True  # abandoned mid-request: unread frames remain
+      raise
+    finally:
+      token.attach(None)
+
+  def cancel(self) -> None:
+    """Unblocks a reader in another thread; the connection is then spent."""
+    self.broken = True
+    try:
+      self._sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+      pass
+
+  def close(self) -> None:
+    self.broken = True
+    self._sock.close()

@@ -1,0 +1,127 @@
+"""What the pool sees of a connection: one interface, its errors, a step's checks.
+
+A `Connection` streams the steps of one request and fails with a
+`TransportError` carrying the status the server (or the network) gave. The
+pool (pool.py) sees nothing else, so retry, backoff, shunning and fallback
+are written once for both transports: grpc_connection.py and
+bulk_connection.py.
+
+Nothing a server sends is trusted: every message's size is bounded before
+it is allocated, and every step is checked against the element spec
+(`decode_step`) before the trainer sees it. A reply that breaks either is
+a `BadReplyError`, which the pool retries on another replica.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Iterator, Protocol, Sequence
+
+import grpc
+import numpy as np
+
+from grain_elevator.proto import elevator_pb2 as pb
+from grain_elevator.proto import errors
+from grain_elevator.proto import wire
+from grain_elevator.proto.spec import LeafSpec
+
+Steps = Iterator[tuple[int, list[np.ndarray]]]
+# The longest Describe answer a client accepts (a few KiB is usual), and the
+# limit on batches of a channel opened before any element spec is known.
+MAX_CONTROL_MESSAGE_BYTES = 4 << 20
+
+
+class TransportError(Exception):
+  """A failed request or connection, with the status it ended in.
+
+  The pool notes where it happened (`replica`, `over_bulk`), so that the
+  retry can go somewhere else."""
+
+  replica: tuple[str, str] | None = None  # (target, host) of the connection
+  over_bulk: bool = False
+
+  def __init__(self, code: grpc.StatusCode, details: str, error_type: str = ""):
+    super().__init__(f"{code.name}: {details}")
+    self.code, self.details, self.error_type = code, details, error_type
+
+  def to_error(self) -> errors.ElevatorError:
+    """The typed error a trainer sees for it."""
+    return errors.from_status(self.code, self.details, self.error_type)
+
+
+class BadReplyError(TransportError):
+  """A server's reply that breaks the element spec, the size bounds or the
+  protocol. The replica is at fault (a bug, a bad build, corrupted memory,
+  an impostor), not the data: the pool asks another replica, and raises
+  DataLossError only if every replica does the same."""
+
+  def __init__(self, details: str):
+    super().__init__(grpc.StatusCode.DATA_LOSS, details, errors.DataLossError.__name__)
+
+
+def decode_step(payload: Any, request: pb.BatchRequest, index: int, max_bytes: int,
+                expect: Sequence[LeafSpec] | None, server: str) -> tuple[int, list[np.ndarray]]:
+  """Step `index` of `request` from a received Batch, checked against its
+  size bound, `expect` (the leaves the spec gives it) and the step it must
+  be. `server` names the sender and its transport for the error."""
+  step = request.start_step + index
+  if len(payload) > max_bytes:
+    raise BadReplyError(
+        f"{server} sent {len(payload)} bytes for dataset {request.dataset!r} step {step}, "
+        f"over the {max_bytes} its element spec allows")
+  try:
+    got, leaves = wire.decode_batch_bytes(payload, expect)
+  except wire.BadBatchError as e:
+    raise BadReplyError(f"{server} sent a bad batch for dataset {request.dataset!r} "
+                        f"step {step}: {e}") from None
+  if got != step:
+    raise BadReplyError(f"{server} sent step {got} for dataset {request.dataset!r} "
+                        f"step {step}")
+  return got, leaves
+
+
+class CancelToken:
+  """Lets another thread cancel one fetch, including its request in flight."""
+
+  def __init__(self) -> None:
+    self._lock = threading.Lock()
+    self._cancelled = False
+    self._call: Any = None
+
+  @property
+  def cancelled(self) -> bool:
+    return self._cancelled
+
+  def attach(self, call: Any) -> None:
+    """`call`: what `cancel()` must interrupt (a gRPC call, a bulk connection)."""
+    with self._lock:
+      self._call = call
+      if self._cancelled and call is not None:
+        call.cancel()
+
+  def cancel(self) -> None:
+    with self._lock:
+      self._cancelled = True
+      if self._call is not None:
+        self._call.cancel()
+
+
+class Connection(Protocol):
+  """One TCP connection to one worker of one replica."""
+
+  target: str  # as the user gave it
+  host: str  # the replica's address behind the target
+  server: pb.ServerInfo  # the worker that took the connection
+  capacity: int  # requests it carries at once
+  broken: bool  # must be reopened before its next request
+
+  def stream(self, request: pb.BatchRequest, *, timeout_s: float, token: CancelToken,
+             max_frame_bytes: int, expect: Sequence[LeafSpec] | None = None) -> Steps:
+    """(step, leaves) for each step of `request`, in order; TransportError
+    on failure. `timeout_s` bounds the request (bulk: each wait for data). A
+    step message over `max_frame_bytes`, or whose leaves are not those
+    `expect` gives, is a BadReplyError before it is decoded; what is
+    allocated before that check is bounded too (bulk: by the frame header,
+    gRPC: by the channel's limits)."""
+
+  def close(self) -> None: ...

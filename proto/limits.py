@@ -1,0 +1,17 @@
+"""Limits both sides of the wire agree on: a server enforces them, a client
+stays within them.
+
+MAX_REQUEST_BYTES: a request (BatchRequest, DescribeRequest, BulkRequest) is
+a dataset name, a few integers and a token; anything longer is refused
+before it is parsed, and before authentication (gRPC's receive limit, the
+bulk transport's request frame limit), so a call or connection whose
+request is still arriving holds at most this.
+
+LONG_STREAM_STEPS: a request for more steps than this is a long stream; a
+worker lets long streams hold only half of its request slots
+(server/serving/admission.py), so a default client asks for at most half
+as many at once (client/window.py) and always finds the other half.
+"""
+
+MAX_REQUEST_BYTES = 64 << 10
+LONG_STREAM_STEPS = 64

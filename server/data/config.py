@@ -1,0 +1,315 @@
+"""The operator's dataset registry: a TOML file read with `tomllib`.
+
+```toml
+[datasets.NAME]
+paths = ["shards/train-*.array_record"]  # globs, relative to this file's folder
+# or, in place of `paths`, a prepared TFDS dataset (server/data/tfds_source.py):
+# tfds = "mnist:3.0.1"   split = "train[:90%]"   data_dir = "tfds_data"
+pipeline = "package.module:function"     # optional, 1:1 record-level MapDataset
+batch_transform = "package.module:fn"    # optional, the same on a whole batch
+seed = 42
+shuffle = true
+num_epochs = 1                           # 0 = repeat forever
+drop_remainder = true                    # false: evaluation mode, every record
+                                         # once, the last batch padded + "_mask"
+[datasets.NAME.options]                  # keyword arguments for `pipeline`
+```
+
+A dataset may instead mix other registered datasets (server/data/mixture.py):
+
+```toml
+[datasets.mix]
+mixture = { a = 0.7, b = 0.3 }           # weights, normalised
+# or, in place of `mixture`, weights that change at global steps:
+[[datasets.mix.schedule]]
+step = 0
+weights = { a = 0.7, b = 0.3 }
+[[datasets.mix.schedule]]
+step = 50
+weights = { a = 0.2, b = 0.8 }
+```
+
+Clients only name a dataset; paths and code come from this file alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import importlib
+import os
+import pathlib
+import tomllib
+from typing import TYPE_CHECKING, Any, Callable
+
+from grain_elevator.proto.errors import ConfigError
+
+if TYPE_CHECKING:
+  from grain_elevator.server.data.tfds_source import TfdsSplit
+
+_KEYS = {"paths", "tfds", "split", "data_dir", "pipeline", "batch_transform", "seed",
+         "shuffle", "num_epochs", "drop_remainder", "options", "mixture", "schedule"}
+_TFDS_KEYS = {"split", "data_dir"}
+_MIXTURE_KEYS = {"mixture", "schedule"}
+_TOP_KEYS = {"datasets"}
+
+
+@dataclasses.dataclass(frozen=True)
+class DatasetConfig:
+  """One `[datasets.NAME]` table, validated, with its globs expanded."""
+
+  name: str
+  files: tuple[str, ...]  # sorted absolute paths
+  pipeline: str | None = None
+  # fn(raw_records: list[bytes], **options) -> the stacked batch; must equal
+  # the per-record pipeline's rows stacked (checked at start-up).
+  batch_transform: str | None = None
+  seed: int = 0
+  shuffle: bool = True
+  num_epochs: int = 1  # 0 = forever
+  # False: evaluation mode, the final partial batch padded (proto/contract.py).
+  drop_remainder: bool = True
+  options: dict[str, Any] = dataclasses.field(default_factory=dict)
+  tfds: TfdsSplit | None = None  # a TFDS split in place of `paths`
+  # A mixture in place of a source: (first global step, ((component, weight), ...))
+  # per segment, steps increasing from 0, weights normalised (server/data/mixture.py).
+  schedule: tuple[tuple[int, tuple[tuple[str, float], ...]], ...] | None = None
+
+  def pipeline_fn(self) -> Callable[..., Any] | None:
+    return None if self.pipeline is None else import_function(
+        self.name, "pipeline", self.pipeline)
+
+  def batch_transform_fn(self) -> Callable[..., Any] | None:
+    return None if self.batch_transform is None else import_function(
+        self.name, "batch_transform", self.batch_transform)
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+  path: str
+  datasets: dict[str, DatasetConfig]
+
+
+def import_function(dataset: str, key: str, spec: str) -> Callable[..., Any]:
+  """Resolves "package.module:function"; errors name the dataset and key."""
+  module_name, sep, attr = spec.partition(":")
+  if not sep or not module_name or not attr:
+    raise ConfigError(
+        f"dataset {dataset!r}: key {key!r} must look like "
+        f"'package.module:function', got {spec!r}"
+    )
+  try:
+    module = importlib.import_module(module_name)
+  except Exception as e:  # ImportError, or anything the module raises.
+    raise ConfigError(
+        f"dataset {dataset!r}: key {key!r}: cannot import module "
+        f"{module_name!r}: {type(e).__name__}: {e}"
+    ) from e
+  fn = module
+  for part in attr.split("."):
+    fn = getattr(fn, part, None)
+    if fn is None:
+      raise ConfigError(
+          f"dataset {dataset!r}: key {key!r}: module {module_name!r} has "
+          f"no attribute {attr!r}"
+      )
+  if not callable(fn):
+    raise ConfigError(f"dataset {dataset!r}: key {key!r}: {spec!r} is not callable")
+  return fn
+
+
+def _expect(dataset: str, key: str, value: Any, cls: type, what: str) -> None:
+  # bool is an int subclass; never accept it where a number is wanted.
+  if not isinstance(value, cls) or (cls is not bool and isinstance(value, bool)):
+    raise ConfigError(
+        f"dataset {dataset!r}: key {key!r} must be {what}, got {value!r}"
+    )
+
+
+def _expand_paths(name: str, table: dict[str, Any], base_dir: pathlib.Path) -> set[str]:
+  if "paths" not in table:
+    raise ConfigError(f"dataset {name!r}: key 'paths' (or 'tfds') is required")
+  given = sorted(_TFDS_KEYS & set(table))
+  if given:
+    raise ConfigError(
+        f"dataset {name!r}: key(s) {', '.join(map(repr, given))} belong to a "
+        "'tfds' dataset; with 'paths' they mean nothing")
+  paths = table["paths"]
+  if isinstance(paths, str):
+    paths = [paths]
+  _expect(name, "paths", paths, list, "a list of glob strings")
+  files: set[str] = set()
+  for pattern in paths:
+    _expect(name, "paths", pattern, str, "a list of glob strings")
+    full = os.path.join(base_dir, os.path.expanduser(pattern))
+    matched = [p for p in glob.glob(full, recursive=True) if os.path.isfile(p)]
+    if not matched:
+      raise ConfigError(
+          f"dataset {name!r}: key 'paths': {pattern!r} matches no files "
+          f"(looked for {full})"
+      )
+    files.update(os.path.abspath(p) for p in matched)
+  return files
+
+
+def _parse_tfds(name: str, table: dict[str, Any], base_dir: pathlib.Path) -> TfdsSplit:
+  """`tfds`, `split` (default "train") and `data_dir` (relative to the
+  config's folder; default TFDS's own), resolved to the split's shards now."""
+  if "paths" in table:
+    raise ConfigError(f"dataset {name!r}: give 'paths' or 'tfds', not both")
+  tfds_name = table["tfds"]
+  _expect(name, "tfds", tfds_name, str, 'a TFDS name such as "mnist" or "mnist:3.0.1"')
+  if not tfds_name.strip():
+    raise ConfigError(f"dataset {name!r}: key 'tfds' is empty")
+  split = table.get("split", "train")
+  _expect(name, "split", split, str, 'a TFDS split such as "train" or "train[:90%]"')
+  data_dir = table.get("data_dir")
+  if data_dir is not None:
+    _expect(name, "data_dir", data_dir, str, "a folder path")
+    data_dir = str((base_dir / os.path.expanduser(data_dir)).resolve())
+  from grain_elevator.server.data import tfds_source  # pylint: disable=g-import-not-at-top
+  return tfds_source.resolve(name, tfds_name.strip(), split, data_dir)
+
+
+def _parse_weights(name: str, where: str, weights: Any) -> tuple[tuple[str, float], ...]:
+  if not isinstance(weights, dict) or not weights:
+    raise ConfigError(f"dataset {name!r}: {where} must be a table of component = weight, "
+                      f"got {weights!r}")
+  for component, w in weights.items():
+    if not isinstance(w, (int, float)) or isinstance(w, bool) or not w >= 0 or w == float("inf"):
+      raise ConfigError(f"dataset {name!r}: {where}: weight of {component!r} must be a "
+                        f"finite number >= 0, got {w!r}")
+  total = sum(weights.values())
+  if total <= 0:
+    raise ConfigError(f"dataset {name!r}: {where}: the weights are all zero")
+  return tuple((c, w / total) for c, w in weights.items())
+
+
+def _parse_mixture(name: str, table: dict[str, Any]) -> DatasetConfig:
+  other = sorted(set(table) - _MIXTURE_KEYS)
+  if other or len(_MIXTURE_KEYS & set(table)) != 1:
+    raise ConfigError(
+        f"dataset {name!r}: a mixture has 'mixture' or 'schedule', not both, and no other "
+        f"key (its components keep their own); got {', '.join(map(repr, sorted(table)))}")
+  if "mixture" in table:
+    return DatasetConfig(name=name, files=(), schedule=(
+        (0, _parse_weights(name, "key 'mixture'", table["mixture"])),))
+  entries = table["schedule"]
+  if not isinstance(entries, list) or not entries:
+    raise ConfigError(f"dataset {name!r}: 'schedule' must be [[datasets.{name}.schedule]] "
+                      "entries with 'step' and 'weights'")
+  segments, last = [], -1
+  for i, entry in enumerate(entries):
+    where = f"schedule entry {i}"
+    if not isinstance(entry, dict) or set(entry) != {"step", "weights"}:
+      raise ConfigError(f"dataset {name!r}: {where} must have exactly 'step' and 'weights', "
+                        f"got {entry!r}")
+    step = entry["step"]
+    _expect(name, f"{where}: 'step'", step, int, "an integer >= 0")
+    if i == 0 and step != 0:
+      raise ConfigError(f"dataset {name!r}: the schedule must start at step 0, got {step}")
+    if step <= last:
+      raise ConfigError(f"dataset {name!r}: schedule steps must increase: entry {i} has "
+                        f"step {step} after {last}")
+    last = step
+    segments.append((step, _parse_weights(name, where + ": 'weights'", entry["weights"])))
+  return DatasetConfig(name=name, files=(), schedule=tuple(segments))
+
+
+def check_mixtures(datasets: dict[str, DatasetConfig]) -> None:
+  """Every mixture's components are registered datasets that are not mixtures."""
+  for name, config in datasets.items():
+    for _, weights in config.schedule or ():
+      for component, _ in weights:
+        target = datasets.get(component)
+        if target is None:
+          raise ConfigError(f"dataset {name!r}: unknown component {component!r}; registered: "
+                            f"{', '.join(sorted(n for n in datasets if n != name))}")
+        if target.schedule is not None:
+          raise ConfigError(f"dataset {name!r}: component {component!r} is itself a mixture")
+
+
+def parse_dataset(name: str, table: Any, base_dir: pathlib.Path) -> DatasetConfig:
+  """Validates one dataset table; every error names the dataset and key."""
+  if not isinstance(table, dict):
+    raise ConfigError(f"dataset {name!r}: [datasets.{name}] must be a table")
+  if _MIXTURE_KEYS & set(table):
+    return _parse_mixture(name, table)
+  unknown = sorted(set(table) - _KEYS)
+  if unknown:
+    raise ConfigError(
+        f"dataset {name!r}: unknown key(s) {', '.join(map(repr, unknown))}; "
+        f"allowed: {', '.join(sorted(_KEYS))}"
+    )
+  if "tfds" in table:
+    tfds_split = _parse_tfds(name, table, base_dir)
+    files: set[str] = set(tfds_split.files)
+  else:
+    tfds_split = None
+    files = _expand_paths(name, table, base_dir)
+
+  seed = table.get("seed", 0)
+  _expect(name, "seed", seed, int, "an integer in [0, 2**32)")
+  if not 0 <= seed < 2**32:
+    raise ConfigError(f"dataset {name!r}: key 'seed' must be in [0, 2**32), got {seed}")
+  shuffle = table.get("shuffle", True)
+  _expect(name, "shuffle", shuffle, bool, "true or false")
+  num_epochs = table.get("num_epochs", 1)
+  _expect(name, "num_epochs", num_epochs, int, "an integer >= 0 (0 = forever)")
+  if num_epochs < 0:
+    raise ConfigError(
+        f"dataset {name!r}: key 'num_epochs' must be >= 0 (0 = forever), got {num_epochs}"
+    )
+  drop_remainder = table.get("drop_remainder", True)
+  _expect(name, "drop_remainder", drop_remainder, bool, "true or false")
+  if not drop_remainder and num_epochs == 0:
+    raise ConfigError(
+        f"dataset {name!r}: drop_remainder = false (evaluation mode) needs a finite "
+        "num_epochs: a stream that repeats forever has no final batch to pad")
+  pipeline = table.get("pipeline")
+  if pipeline is not None:
+    _expect(name, "pipeline", pipeline, str, "a 'package.module:function' string")
+  batch_transform = table.get("batch_transform")
+  if batch_transform is not None:
+    _expect(name, "batch_transform", batch_transform, str,
+            "a 'package.module:function' string")
+  options = table.get("options", {})
+  _expect(name, "options", options, dict, "a table of keyword arguments")
+  if options and pipeline is None and batch_transform is None:
+    raise ConfigError(f"dataset {name!r}: key 'options' given without a 'pipeline'")
+
+  config = DatasetConfig(
+      name=name, files=tuple(sorted(files)), pipeline=pipeline,
+      batch_transform=batch_transform, seed=seed,
+      shuffle=shuffle, num_epochs=num_epochs, drop_remainder=drop_remainder,
+      options=dict(options), tfds=tfds_split,
+  )
+  config.pipeline_fn()  # Fail at start-up, not on the first request.
+  config.batch_transform_fn()
+  return config
+
+
+def load_config(path: str | os.PathLike[str]) -> ServerConfig:
+  """Reads and validates a server config file."""
+  path = pathlib.Path(path).expanduser().resolve()
+  try:
+    with open(path, "rb") as f:
+      data = tomllib.load(f)
+  except FileNotFoundError as e:
+    raise ConfigError(f"config file {str(path)!r} does not exist") from e
+  except tomllib.TOMLDecodeError as e:
+    raise ConfigError(f"config file {str(path)!r} is not valid TOML: {e}") from e
+  unknown = sorted(set(data) - _TOP_KEYS)
+  if unknown:
+    raise ConfigError(
+        f"config {str(path)!r}: unknown top-level key(s) "
+        f"{', '.join(map(repr, unknown))}; datasets go under [datasets.NAME]"
+    )
+  tables = data.get("datasets")
+  if not isinstance(tables, dict) or not tables:
+    raise ConfigError(f"config {str(path)!r} defines no [datasets.NAME] table")
+  datasets = {
+      name: parse_dataset(name, table, path.parent) for name, table in tables.items()
+  }
+  check_mixtures(datasets)
+  return ServerConfig(path=str(path), datasets=datasets)

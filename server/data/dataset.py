@@ -1,0 +1,377 @@
+"""A registered dataset: the contract's record stream and its host batches.
+
+`records` is built exactly as the contract states (docs/concepts.md), with
+Grain's own `seed().shuffle().repeat()`; a batch's records are read in one
+batched call (Grain's `_getitems` path) rather than one ~60 µs call each.
+
+The fingerprint covers each shard's identity, recorded when the server
+started, and shards are read only while they still have it
+(server/data/shards/identity.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+from typing import Any, Mapping, Sequence
+
+import grain
+import numpy as np
+
+from grain_elevator.proto import contract
+from grain_elevator.proto import tree
+from grain_elevator.proto.errors import ConfigError, ShardChangedError, UnknownDatasetError
+from grain_elevator.proto.spec import DatasetInfo, ElementSpec
+from grain_elevator.server.data import collate as collate_lib
+from grain_elevator.server.data import grain_private
+from grain_elevator.server.data import shuffle as shuffle_lib
+from grain_elevator.server.data.config import DatasetConfig, ServerConfig
+from grain_elevator.server.data.record_source import BatchedArrayRecordSource
+from grain_elevator.server.data.served import ServedDataset
+from grain_elevator.server.data.shards import reader as shard_reader
+from grain_elevator.server.data.shards.identity import ShardIdentity, shard_identities
+
+log = logging.getLogger("grain_elevator.server")
+
+# A whole-batch decode (batch_transform, TFDS's batch decoder) must give the
+# per-record pipeline's rows: checked at start-up on this many positions at
+# the start of epoch 0 and of epoch 1.
+BATCH_CHECK_RECORDS = 64
+
+__all__ = ["BatchedArrayRecordSource", "Datasets", "ElevatorDataset", "build_records"]
+
+
+def mark_absl_flags_parsed() -> None:
+  """Grain reads absl flags; outside `absl.app.run` they must be marked parsed."""
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  if not flags.FLAGS.is_parsed():
+    flags.FLAGS.mark_as_parsed()
+
+
+def build_raw_records(config: DatasetConfig, source: Any | None = None) -> grain.MapDataset:
+  """The shuffled, repeated stream of raw records, before the pipeline
+  (read unchecked unless `source` is a BatchedArrayRecordSource given identities)."""
+  if source is None:
+    source = open_source(config)
+  ds = grain_private.without_read_metrics(grain.MapDataset.source(source))
+  ds = ds.seed(config.seed)
+  if config.shuffle:
+    ds = ds.shuffle()
+  return ds.repeat(config.num_epochs or None)
+
+
+def open_source(config: DatasetConfig,
+                identities: Mapping[str, ShardIdentity | None] | None = None
+                ) -> BatchedArrayRecordSource:
+  """The dataset's record source: its ArrayRecord shards as raw bytes, or a
+  TFDS split's records decoded as `tfds.data_source` decodes them."""
+  if config.tfds is not None:
+    from grain_elevator.server.data import tfds_source  # pylint: disable=g-import-not-at-top
+    return tfds_source.TfdsSource(config.tfds, identities=identities)
+  return BatchedArrayRecordSource(list(config.files), identities=identities)
+
+
+def build_records(config: DatasetConfig, source: Any | None = None) -> grain.MapDataset:
+  """The contract's record stream for one dataset (docs/concepts.md)."""
+  return apply_pipeline(config, build_raw_records(config, source))
+
+
+def apply_pipeline(config: DatasetConfig, ds: grain.MapDataset) -> grain.MapDataset:
+  fn = config.pipeline_fn()
+  if fn is None:
+    return ds
+  try:
+    out = fn(ds, **config.options)
+  except Exception as e:
+    raise ConfigError(
+        f"dataset {config.name!r}: pipeline {config.pipeline!r} failed: "
+        f"{type(e).__name__}: {e} (check [datasets.{config.name}.options])") from e
+  if not isinstance(out, grain.MapDataset):
+    raise ConfigError(
+        f"dataset {config.name!r}: pipeline {config.pipeline!r} returned "
+        f"{type(out).__name__}, expected a grain.MapDataset (random access is "
+        "what lets any worker serve any step)")
+  if len(out) != len(ds):
+    raise ConfigError(
+        f"dataset {config.name!r}: pipeline {config.pipeline!r} changed the "
+        f"number of records ({len(ds)} -> {len(out)}); it must be 1:1 "
+        "(map/random_map, no filter or batch)")
+  return out
+
+
+def fingerprint(config: DatasetConfig, num_records: int,
+                identities: Mapping[str, ShardIdentity | None]) -> str:
+  """The stream fingerprint of a dataset: everything that defines its records,
+  its shards' recorded identities included, so a server started on changed
+  files has another (and refuses cursors of the old one). File names without
+  their folder: the same files elsewhere are the same stream, if their
+  copies kept the mtime (cp -p, rsync -a)."""
+  shards = [None if i is None else [i.size, i.mtime_ns, i.tail_hash]
+            for i in (identities.get(f) for f in config.files)]
+  fields: dict[str, Any] = {}
+  if config.tfds is not None:  # absent otherwise: other datasets' cursors stay valid
+    fields["tfds"] = config.tfds.fingerprint_fields()
+  if not config.drop_remainder:  # likewise
+    fields["drop_remainder"] = False
+  return contract.stream_fingerprint({
+      **fields,
+      "name": config.name,
+      "files": [os.path.basename(f) for f in config.files],
+      "shards": shards,
+      "num_records": num_records,
+      "pipeline": config.pipeline,
+      "options": config.options,
+      "seed": config.seed,
+      "shuffle": config.shuffle,
+      "num_epochs": config.num_epochs,
+  })
+
+
+class ElevatorDataset:
+  """One registered dataset, ready to cut host batches for any step.
+
+  `identities`: its shards' identities as the server recorded them at
+  start-up (`record_identities`); None records them now (embedded mode,
+  which opens a dataset on first use). Its shards are read only while they
+  still match, and its fingerprint covers them.
+  """
+
+  def __init__(self, config: DatasetConfig,
+               identities: Mapping[str, ShardIdentity | None] | None = None):
+    mark_absl_flags_parsed()
+    self.config = config
+    try:
+      shard_reader.check_setup()
+    except ValueError as e:
+      raise ConfigError(str(e)) from e
+    if identities is None:
+      identities = shard_identities(config.files)
+    # A file the config's globs match now but did not at start-up has none: refused.
+    self.identities = {f: identities.get(f) for f in config.files}
+    try:
+      source = open_source(config, self.identities)
+    except ConfigError:
+      raise
+    except Exception as e:
+      raise ConfigError(
+          f"dataset {config.name!r}: cannot open its shards (truncated or not "
+          f"ArrayRecord?): {type(e).__name__}: {e}") from e
+    num_records = len(source)
+    if num_records == 0:
+      raise ConfigError(f"dataset {config.name!r}: its files hold no records")
+    self._source = source
+    self.raw_records = build_raw_records(config, source)
+    # The same chain over range(n) yields source indices: the reference for
+    # the batch-at-a-time shuffle that raw_batch uses.
+    self._source_index = shuffle_lib.SourceIndexMap(
+        build_raw_records(config, range(num_records)), num_records)
+    self.records = apply_pipeline(config, self.raw_records)
+    try:
+      first = self.records[0]
+    except ShardChangedError:
+      raise
+    except Exception as e:
+      raise ConfigError(
+          f"dataset {config.name!r}: the pipeline fails on record 0: "
+          f"{type(e).__name__}: {e}") from e
+    # The spec of a record; a batch's is the same, plus the mask in evaluation mode.
+    self._record_spec = ElementSpec.of(first)
+    self._leaf_specs = [(l.path, l.dtype, l.shape) for l in self._record_spec.leaves]
+    self.info = DatasetInfo(
+        name=config.name, num_records=num_records,
+        num_epochs=config.num_epochs, shuffle=config.shuffle, seed=config.seed,
+        config_fingerprint=fingerprint(config, num_records, self.identities),
+        element_spec=self._batch_spec(first), stream_length=len(self.records),
+        drop_remainder=config.drop_remainder)
+    self._batch_fn = config.batch_transform_fn()
+    if self._batch_fn is not None:
+      self._verify_batch_transform(min(num_records, BATCH_CHECK_RECORDS))
+    elif config.tfds is not None and config.pipeline is None:
+      self._use_tfds_batch_decoder(min(num_records, BATCH_CHECK_RECORDS))
+
+  def _batch_spec(self, first: Any) -> ElementSpec:
+    """The record spec, with evaluation mode's mask leaf where it applies."""
+    if self.config.drop_remainder:
+      return self._record_spec
+    if not isinstance(first, dict) or contract.MASK_KEY in first:
+      raise ConfigError(
+          f"dataset {self.config.name!r}: drop_remainder = false (evaluation mode) "
+          f"needs records that are dicts without a {contract.MASK_KEY!r} key, for the "
+          f"mask it adds; record 0 is {type(first).__name__}"
+          + (f" with keys {sorted(first)}" if isinstance(first, dict) else ""))
+    spec = ElementSpec.of({**first, contract.MASK_KEY: np.bool_(True)})
+    self._mask_index = [l.path for l in spec.leaves].index(contract.MASK_KEY)
+    return spec
+
+  def _use_tfds_batch_decoder(self, rows: int) -> None:
+    """A TFDS dataset served as decoded (no pipeline): where its features
+    allow, a whole batch is decoded at once, checked like a batch_transform
+    against TFDS's per-record decode; where not, or if the check fails, the
+    per-record decode stays."""
+    from grain_elevator.server.data import tfds_source  # pylint: disable=g-import-not-at-top
+    self._batch_fn = tfds_source.batch_decoder(self.config.tfds)
+    if self._batch_fn is None:
+      return
+    try:
+      self._verify_batch_transform(rows)
+    except ConfigError as e:
+      log.warning("%s; decoding its records one by one", e)
+      self._batch_fn = None
+
+  def _verify_batch_transform(self, rows: int) -> None:
+    """Refuses a batch_transform that does not reproduce the pipeline, on
+    the first positions of epoch 0 and, where the stream has one, epoch 1."""
+    n = self.info.num_records
+    positions = list(range(rows))
+    if self.info.stream_length >= 2 * n:
+      positions += [n + p for p in range(rows)]
+    c = self.config
+    where = f"positions {positions[0]}..{positions[rows - 1]}" + (
+        f" and {n}..{n + rows - 1}" if len(positions) > rows else "")
+    try:
+      fast = self._transform_batch(positions, fall_back=False)
+    except ShardChangedError:
+      raise
+    except Exception as e:
+      raise ConfigError(
+          f"dataset {c.name!r}: batch_transform {c.batch_transform or self._batch_fn!r} fails on "
+          f"{where}: {type(e).__name__}: {e}") from e
+    slow = self._collate_records(positions)
+    for (path, _, _), a, b in zip(self._leaf_specs, fast, slow):
+      if a.tobytes() != b.tobytes():
+        raise ConfigError(
+            f"dataset {c.name!r}: batch_transform {c.batch_transform or self._batch_fn!r} does not "
+            f"reproduce pipeline {c.pipeline!r}: leaf {path!r} differs on "
+            f"{where}; it must give exactly the per-record rows, stacked")
+
+  def _collate_records(self, positions: list[int], stack: bool = True
+                       ) -> list[collate_lib.Leaf]:
+    rows = grain_private.getitems(self.records, positions)
+    return collate_lib.collate(rows, self._record_spec.structure, self._leaf_specs,
+                               stack=stack)
+
+  def raw_batch(self, positions: Sequence[int]) -> Sequence[bytes]:
+    """The raw records at these stream positions: `raw_records`' items,
+    with the shuffle computed for the whole batch (server/data/shuffle.py)."""
+    return self._source.read_raw(self._source_index(positions))
+
+  def _transform_batch(self, positions: list[int], stack: bool = True, *,
+                       fall_back: bool = True) -> list[collate_lib.Leaf]:
+    raw = self.raw_batch(positions)
+    try:
+      out = self._batch_fn(raw, **self.config.options)
+    except Exception as e:  # pylint: disable=broad-except
+      if not fall_back:
+        raise
+      # The per-record path gives the same rows by contract, and names the
+      # record that fails (DATA_LOSS for a record TFDS cannot decode).
+      log.warning("dataset %r: batch_transform failed (%s: %s); reading these "
+                  "records one by one", self.config.name, type(e).__name__, e)
+      return self._collate_records(positions, stack)
+    leaves, structure, _ = tree.flatten(out)
+    return collate_lib.check_batch(leaves, structure, len(positions),
+                                   self._record_spec.structure, self._leaf_specs,
+                                   stack=stack)
+
+  def check_batch_size(self, global_batch_size: int) -> None:
+    """Any G the contract allows is served (ServedDataset)."""
+    del global_batch_size
+
+  def host_batch_leaves(self, step: int, global_batch_size: int,
+                        shard_index: int, shard_count: int, *, record_offset: int = 0,
+                        stack: bool = True) -> list[collate_lib.Leaf]:
+    """Host h's rows of global batch `step` (counted from `record_offset`),
+    one stacked array per leaf.
+
+    `stack=False` (the servers' send path) may leave leaves of big rows as
+    RowStacks, which the socket gathers without a stacking copy
+    (proto/rows.py); the bytes sent are the same.
+    """
+    positions = list(contract.host_positions(step, global_batch_size, shard_index,
+                                             shard_count, record_offset))
+    if self.config.drop_remainder:
+      return self._rows(positions, stack)
+    # Evaluation mode: positions past the stream are zero rows, masked out.
+    real = min(len(positions), max(0, self.info.stream_length - positions[0]))  # a prefix
+    if real == len(positions):
+      leaves = self._rows(positions, stack)
+    else:
+      leaves = [np.zeros((len(positions), *shape), dtype) for _, dtype, shape in self._leaf_specs]
+      if real:
+        for padded, rows in zip(leaves, self._rows(positions[:real], stack=True)):
+          padded[:real] = rows
+    mask = np.zeros(len(positions), dtype=np.bool_)
+    mask[:real] = True
+    leaves.insert(self._mask_index, mask)
+    return leaves
+
+  def component_rows(self, positions: list[int]) -> list[np.ndarray]:
+    """Stacked rows at these stream positions, for a mixture (server/data/mixture.py)."""
+    return self._rows(positions, stack=True)
+
+  def _rows(self, positions: list[int], stack: bool) -> list[collate_lib.Leaf]:
+    if self._batch_fn is not None:
+      return self._transform_batch(positions, stack)
+    return self._collate_records(positions, stack)
+
+
+class Datasets:
+  """A config's datasets by name, each opened once: every one at start-up
+  (a server: a bad dataset stops it before it serves), or each on first use
+  (embedded mode opens only what the trainer reads).
+
+  `identities`: the shards' identities the supervisor recorded when the
+  server started (`record_identities`), the same for every worker however
+  late it starts; None records each dataset's when it is opened.
+  """
+
+  def __init__(self, config: ServerConfig, *, open_now: bool = True,
+               identities: Mapping[str, ShardIdentity] | None = None):
+    self.config = config
+    self._identities = identities
+    self._opened: dict[str, ServedDataset] = {}
+    self._forever: dict[str, ElevatorDataset] = {}  # mixtures' components
+    self._lock = threading.Lock()
+    if open_now:
+      for name in config.datasets:
+        self.get(name)
+
+  @property
+  def names(self) -> list[str]:
+    return sorted(self.config.datasets)
+
+  @property
+  def num_shards(self) -> int:
+    """Distinct shard files of the datasets opened (each may hold descriptors)."""
+    with self._lock:
+      opened = [*self._opened.values(), *self._forever.values()]
+    return len({f for ds in opened for f in getattr(ds, "identities", {})})
+
+  def get(self, name: str) -> ServedDataset:
+    """The opened dataset; UnknownDatasetError (NOT_FOUND) naming what exists."""
+    with self._lock:
+      ds = self._opened.get(name)
+      if ds is None:
+        dataset_config = self.config.datasets.get(name)
+        if dataset_config is None:
+          raise UnknownDatasetError(
+              f"unknown dataset {name!r}; this server offers: "
+              f"{', '.join(self.names) or '(none)'}")
+        if dataset_config.schedule is not None:
+          from grain_elevator.server.data.mixture import MixtureDataset  # pylint: disable=g-import-not-at-top
+          ds = MixtureDataset(dataset_config, self._open_forever)
+        else:
+          ds = ElevatorDataset(dataset_config, self._identities)
+        self._opened[name] = ds
+      return ds
+
+  def _open_forever(self, name: str) -> ElevatorDataset:
+    """A mixture's component: its own stream, repeated forever."""
+    ds = self._forever.get(name)
+    if ds is None:
+      config = dataclasses.replace(self.config.datasets[name], num_epochs=0,
+                                   drop_remainder=True)
+      ds = self._forever[name] = ElevatorDataset(config, self._identities)
+    return ds

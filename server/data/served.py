@@ -1,0 +1,32 @@
+"""What the request path serves: a dataset that answers for any step.
+
+A registered dataset (dataset.py's `ElevatorDataset`) and a mixture of them
+(mixture.py's `MixtureDataset`) both are one; the request path sees nothing
+else of either.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+
+from grain_elevator.proto.rows import RowStack
+from grain_elevator.proto.spec import DatasetInfo
+
+
+class ServedDataset(Protocol):
+  """A dataset the server offers by name."""
+
+  info: DatasetInfo  # what Describe says of it: records, epochs, element spec, fingerprint
+
+  def check_batch_size(self, global_batch_size: int) -> None:
+    """Raises InvalidRequestError if no request of this G can be served
+    (beyond the contract's own checks)."""
+
+  def host_batch_leaves(self, step: int, global_batch_size: int, shard_index: int,
+                        shard_count: int, *, record_offset: int = 0,
+                        stack: bool = True) -> list[np.ndarray | RowStack]:
+    """Host `shard_index` of `shard_count`'s rows of global batch `step`
+    (counted from `record_offset`), one leaf each; `stack=False` may leave
+    big rows as RowStacks for the socket to gather."""

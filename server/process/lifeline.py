@@ -1,0 +1,54 @@
+"""A worker's tie to its supervisor: no worker outlives it, even one starting.
+
+Linux sends a process its parent-death signal (PR_SET_PDEATHSIG) only if the
+parent dies after the process asked for it. A worker spawned just before its
+supervisor was SIGKILLed would otherwise ask too late, finish starting as an
+orphan and serve the shared port for good. So a worker asks first thing, then
+checks that its parent is still the supervisor that spawned it: a different
+parent (init, a subreaper) means the supervisor died before the signal was
+set, and the worker exits at once. It checks again before it binds a port.
+
+`start_worker` is the spawn target, so this module is the first of ours a
+worker runs; it imports nothing heavy, so the tie is made before the worker
+loads gRPC, its datasets and the request path (worker.run), about a second
+earlier. What the spawn bootstrap loads before any target runs (the parent's
+main module, the pickled arguments) can still precede it; the parent check is
+what makes that harmless.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+from typing import Any
+
+_PR_SET_PDEATHSIG = 1
+# Exit status of a worker that found its supervisor gone; nobody waits for it.
+EXIT_ORPHANED = 3
+
+
+def tie(supervisor_pid: int | None, sig: int = signal.SIGTERM) -> None:
+  """Asks for `sig` when the parent dies; exits now if the parent is no
+  longer `supervisor_pid` (None: no check)."""
+  if sys.platform.startswith("linux"):
+    try:
+      ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(sig))
+    except (OSError, AttributeError):
+      pass
+  if orphaned(supervisor_pid):
+    os._exit(EXIT_ORPHANED)  # pylint: disable=protected-access
+
+
+def orphaned(supervisor_pid: int | None) -> bool:
+  """True when this process's parent is no longer `supervisor_pid`."""
+  return supervisor_pid is not None and os.getppid() != supervisor_pid
+
+
+def start_worker(supervisor_pid: int, *args: Any, **kwargs: Any) -> None:
+  """Spawn target of a worker: ties it to `supervisor_pid`, then runs
+  worker.run(*args, **kwargs)."""
+  tie(supervisor_pid)
+  from grain_elevator.server.process import worker  # pylint: disable=g-import-not-at-top
+  worker.run(*args, supervisor_pid=supervisor_pid, **kwargs)

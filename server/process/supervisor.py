@@ -1,0 +1,386 @@
+"""A server: N worker processes on one port, kept alive; `elevator serve`.
+
+`Server` is the Python API (a context manager: tests and programs start a
+real server without a shell); `serve` is the CLI's blocking form, stopped by
+SIGINT/SIGTERM. Either validates the config and options first, starts the
+workers, restarts any that die (logging why) and stops them all on exit.
+
+Restarts back off per worker slot (restarts.py): the first after
+RESTART_DELAY_MIN_S, doubling to at most RESTART_DELAY_MAX_S, back to the
+minimum once a worker has stayed up RESTART_STABLE_AFTER_S. One thread does all of it and never blocks on one worker, so a slot
+waiting out its delay holds up neither the others nor `stop`.
+
+A slot whose worker died more than CRASH_LOOP_RESTARTS times in a row, each
+within RESTART_STABLE_AFTER_S of its start, is crash-looping until a worker
+of it stays up that long. Each of its deaths is logged at ERROR (worker, deaths in a row, exit
+code or signal, next delay), and every worker's health service says
+NOT_SERVING, for "" and the Elevator service alike: the supervisor counts the
+looping slots in a shared integer (restarts.CrashLoopFlag) that each worker
+polls. The whole server goes out of a load balancer's or readiness probe's
+rotation rather than one worker of it, since a probe cannot pick the worker
+its connection reaches (SO_REUSEPORT), and a server that keeps losing a
+worker resets some clients' connections whichever one answered. Requests
+are still served; only health reports the loop.
+
+Workers are started with multiprocessing's "spawn": a program that starts a
+Server at import time must guard it with `if __name__ == "__main__":`. Their
+spawn target is lifeline.start_worker, which ties each to this process (a
+worker gets SIGTERM when it dies, or exits if it died already) before the
+worker loads anything heavy. Linux sends that signal when the spawning
+thread ends, so workers are spawned only by the thread that calls `start`
+and by the supervise thread, which both last as long as the server.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import logging
+import math
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import queue
+import re
+import signal
+import threading
+import time
+from typing import Any, Iterator
+
+from grain_elevator.proto import malloc
+from grain_elevator.proto.errors import ElevatorError
+from grain_elevator.server.data import config as config_lib
+from grain_elevator.server.data.shards import identity as shard_identity
+from grain_elevator.server.process import lifeline
+from grain_elevator.server.process import restarts
+from grain_elevator.server.process import sockets
+from grain_elevator.server.process.options import ServerOptions
+from grain_elevator.server.serving import auth
+from grain_elevator.server.serving import metrics as metrics_lib
+
+log = logging.getLogger("grain_elevator.server")
+
+_START_TIMEOUT_S = 120.0
+# The longest the supervise thread sleeps: how soon it sees `stop`, a
+# restarted worker's start-up error and a slot that has become stable.
+_POLL_S = 0.2
+
+# Environment of every worker, unless the operator set a variable already:
+# glibc's allocator settings (proto/malloc.py), and numpy's huge-page advice
+# off: numpy madvises arrays of 4 MiB and up as transparent huge pages, and
+# each new multi-megabyte batch then faults in and zeroes fresh 2 MiB pages,
+# ~20% of a worker's CPU samples on the large bench workload (perf), ~2%
+# without.
+WORKER_ENV = {**malloc.ENV, "NUMPY_MADVISE_HUGEPAGE": "0"}
+_env_lock = threading.Lock()
+
+
+class StartError(ElevatorError):
+  """The workers could not start (bad dataset, port in use)."""
+
+
+@contextlib.contextmanager
+def _worker_environment(forced: dict[str, str]) -> Iterator[None]:
+  """WORKER_ENV's defaults and `forced` in os.environ while a worker is
+  spawned (it inherits them), and this process's own environment as it was
+  after."""
+  with _env_lock:
+    before = {k: os.environ.get(k) for k in [*WORKER_ENV, *forced]}
+    os.environ.update({k: v for k, v in WORKER_ENV.items() if before[k] is None})
+    os.environ.update(forced)
+    try:
+      yield
+    finally:
+      for k, v in before.items():
+        if v is None:
+          os.environ.pop(k, None)
+        else:
+          os.environ[k] = v
+
+
+class Server:
+  """`elevator serve` in this process: worker processes sharing one port.
+
+  Example:
+    with Server("elevator.toml", ServerOptions(port=0, workers=2)) as server:
+      ds = RemoteDataset(server.target, "train", global_batch_size=256)
+
+  `start` (and entering the context) raises ConfigError for a bad config
+  file or options, StartError when a worker cannot start and BindError for a
+  port in use.
+  """
+
+  def __init__(self, config: str | os.PathLike[str],
+               options: ServerOptions = ServerOptions()):
+    self.config_path = str(config)
+    self.options = options
+    self.config: config_lib.ServerConfig | None = None
+    self._ctx = mp.get_context("spawn")
+    self._ready = self._ctx.Queue()
+    self._procs: dict[int, mp.process.BaseProcess] = {}
+    self._history: collections.defaultdict[int, restarts.SlotHistory] = (
+        collections.defaultdict(restarts.SlotHistory))
+    self._crash_loop = restarts.CrashLoopFlag(self._ctx)
+    self._identities: dict[str, shard_identity.ShardIdentity] = {}
+    self._stop = threading.Event()
+    self._supervisor: threading.Thread | None = None
+    self._metrics: metrics_lib.Exporter | None = None
+    # A shared double per worker slot (made by `start`), set by its worker:
+    # inf while a request is in flight, else time.monotonic() when its last
+    # request ended (CLOCK_MONOTONIC is one clock for every process of the
+    # machine). One per slot: one worker's end must not hide another's stream.
+    self._activity: list[Any] = []
+
+  # -- what it serves --------------------------------------------------------
+
+  @property
+  def host(self) -> str:
+    return self.options.host
+
+  @property
+  def port(self) -> int:
+    return self.options.port
+
+  @property
+  def bulk_port(self) -> int | None:
+    return self.options.bulk_port if self.options.serves_bulk else None
+
+  @property
+  def target(self) -> str:
+    host = f"[{self.host}]" if ":" in self.host else self.host
+    return f"{host}:{self.port}"
+
+  @property
+  def num_workers(self) -> int:
+    return self.options.num_workers
+
+  @property
+  def metrics_port(self) -> int | None:
+    """Where /metrics is served, once started (None: no metrics)."""
+    return self._metrics.port if self._metrics else None
+
+  def idle_s(self) -> float:
+    """Seconds since the last request ended (or since start); 0 while any
+    request is in flight, however long it streams."""
+    last = max([v.value for v in self._activity], default=time.monotonic())
+    return 0.0 if math.isinf(last) else max(0.0, time.monotonic() - last)
+
+  def worker_pids(self) -> list[int]:
+    return [p.pid for p in self._procs.values() if p.is_alive() and p.pid]
+
+  # -- lifecycle -------------------------------------------------------------
+
+  def start(self) -> "Server":
+    """Checks config and options, starts every worker, and supervises them
+    from a background thread; returns once all serve."""
+    self.config = config_lib.load_config(self.config_path)  # fail fast on a bad file
+    # The shards as they are now, recorded once: every worker, a restarted one
+    # too, reads a shard only while it still matches, and fingerprints with them.
+    self._identities = shard_identity.record_identities(self.config)
+    opts = self.options
+    if opts.tls:
+      auth.server_credentials(opts.tls_cert, opts.tls_key, opts.tls_client_ca)  # readable?
+    if opts.auth_token_file:
+      auth.read_token(opts.auth_token_file)
+    if opts.metrics_port is not None:
+      self._metrics = metrics_lib.Exporter(self.worker_pids, self.num_workers)
+      try:
+        self._metrics.start(opts.host, opts.metrics_port)
+      except OSError as e:
+        self._metrics.stop()
+        raise sockets.BindError(
+            f"cannot serve metrics on {opts.host}:{opts.metrics_port}: {e}") from e
+    self._activity = [self._ctx.RawValue("d", time.monotonic())
+                      for _ in range(self.num_workers)]
+    self._start_workers()
+    self._supervisor = threading.Thread(target=self._supervise, daemon=True,
+                                        name="elevator-supervisor")
+    self._supervisor.start()
+    return self
+
+  def _start_workers(self) -> None:
+    reservations = [sockets.bind_shared(self.options.host, self.options.port)]
+    try:
+      resolved = {"port": reservations[0].getsockname()[1]}
+      if self.options.serves_bulk:
+        reservations.append(sockets.bind_shared(self.options.host, self.options.bulk_port))
+        resolved["bulk_port"] = reservations[1].getsockname()[1]
+      self.options = dataclasses.replace(self.options, **resolved)
+      for i in range(self.num_workers):
+        self._spawn(i)
+      self._await_ready(set(range(self.num_workers)))
+    except BaseException:
+      self.stop()
+      raise
+    finally:
+      for sock in reservations:
+        sock.close()
+
+  def _spawn(self, index: int) -> None:
+    """Starts worker `index`; call only from a thread that lasts as long as
+    the server (module docstring)."""
+    p = self._ctx.Process(
+        target=lifeline.start_worker,
+        args=(os.getpid(), self.config_path, self.options, index, self.num_workers,
+              self._ready, self._identities),
+        kwargs={"crash_loop": self._crash_loop, "last_request": self._activity[index]},
+        name=f"elevator-worker-{index}", daemon=True)
+    with _worker_environment(self._metrics.worker_env() if self._metrics else {}):
+      p.start()
+    self._procs[index] = p
+    self._history[index].started(time.monotonic())
+
+  def _await_ready(self, indices: set[int]) -> None:
+    deadline = time.monotonic() + _START_TIMEOUT_S
+    pending = set(indices)
+    while pending:
+      try:
+        index, error = self._ready.get(timeout=0.2)
+      except queue.Empty:
+        for i in pending:
+          if not self._procs[i].is_alive():
+            raise StartError(
+                f"worker {i} exited with code {self._procs[i].exitcode} while starting")
+        if time.monotonic() > deadline:
+          raise StartError(f"workers {sorted(pending)} did not start within "
+                           f"{_START_TIMEOUT_S:.0f}s")
+        continue
+      if error is not None:
+        raise StartError(error)
+      pending.discard(index)
+
+  def _supervise(self) -> None:
+    """Restarts each dead worker once its slot's backoff has passed, until
+    `stop`; sleeps at most _POLL_S at a time, so `stop` is never kept
+    waiting by a backoff."""
+    due: dict[int, float] = {}  # dead slot -> when to restart it
+    while not self._stop.is_set():
+      now = time.monotonic()
+      for i in [i for i, at in due.items() if at <= now]:
+        try:
+          self._spawn(i)
+          del due[i]
+        except OSError as e:  # fork refused (EAGAIN, ENOMEM): try again later
+          due[i] = now + self._history[i].died(now)
+          log.error("worker %d could not be restarted: %s; trying again in %.1fs",
+                    i, e, due[i] - now)
+          self._publish_crash_loops()
+      for i, history in self._history.items():
+        if history.stable(now):
+          log.info("worker %d has stayed up %.0fs: its crash loop is over", i,
+                   restarts.RESTART_STABLE_AFTER_S)
+          self._publish_crash_loops()
+      live = {p.sentinel: i for i, p in self._procs.items() if i not in due}
+      timeout = max(0.0, min([_POLL_S, *(at - now for at in due.values())]))
+      dead = mp.connection.wait(list(live), timeout=timeout)
+      self._log_start_errors()  # before the exit they explain
+      for sentinel in dead:
+        if self._stop.is_set():
+          break
+        i = live[sentinel]
+        due[i] = time.monotonic() + self._note_death(i)
+
+  def _note_death(self, index: int) -> float:
+    """Logs why worker `index` died; returns the delay before its restart."""
+    p = self._procs[index]
+    p.join()
+    if self._metrics:
+      self._metrics.worker_died(p.pid)
+    if math.isinf(self._activity[index].value):  # its requests ended with it
+      self._activity[index].value = time.monotonic()
+    history = self._history[index]
+    delay = history.died(time.monotonic())
+    code = p.exitcode
+    why = (f"killed by signal {signal.Signals(-code).name}" if code and code < 0
+           else f"exited with code {code}")
+    if history.crash_loop:
+      log.error("worker %d (pid %s) %s; restarting it in %.1fs; crash loop: died %d "
+                "times in a row, each within %.0fs of its start", index, p.pid, why,
+                delay, history.deaths, restarts.RESTART_STABLE_AFTER_S)
+    else:
+      log.warning("worker %d (pid %s) %s; restarting it in %.1fs", index, p.pid, why, delay)
+    self._publish_crash_loops()
+    return delay
+
+  def _publish_crash_loops(self) -> None:
+    """Tells the workers how many slots are crash-looping (health)."""
+    self._crash_loop.set(sum(h.crash_loop for h in self._history.values()))
+
+  def _log_start_errors(self) -> None:
+    """Logs what restarted workers reported failing at start-up (they then
+    exit, and are restarted after their backoff)."""
+    while True:
+      try:
+        index, error = self._ready.get_nowait()
+      except queue.Empty:
+        return
+      if error is not None:
+        log.error("worker %d failed to restart: %s", index, error)
+
+  def stop(self) -> None:
+    """SIGTERM every worker, wait out their grace period, then SIGKILL."""
+    self._stop.set()
+    if self._supervisor is not None and self._supervisor is not threading.current_thread():
+      self._supervisor.join()
+    for p in self._procs.values():
+      if p.is_alive():
+        p.terminate()
+    deadline = time.monotonic() + self.options.grace_s + 5.0
+    for p in self._procs.values():
+      p.join(max(0.0, deadline - time.monotonic()))
+      if p.is_alive():
+        p.kill()
+        p.join()
+    if self._metrics:
+      self._metrics.stop()
+
+  def __enter__(self) -> "Server":
+    return self.start()
+
+  def __exit__(self, *exc: object) -> None:
+    self.stop()
+
+
+# The line `serve` prints once every worker is ready; tools/launcher.py reads
+# the address from it.
+_READY = re.compile(r" on (\S+):(\d+) with \d+ worker processes(?:, bulk port (\d+))? ")
+
+
+def ready_line(server: Server) -> str:
+  names = ", ".join(sorted(server.config.datasets)) if server.config else ""
+  bulk = f", bulk port {server.bulk_port}" if server.bulk_port is not None else ""
+  metrics = (f"; metrics at http://{server.host}:{server.metrics_port}/metrics"
+             if server.metrics_port is not None else "")
+  return (f"elevator: serving [{names}] on {server.host}:{server.port} with "
+          f"{server.num_workers} worker processes{bulk} (pid {os.getpid()}){metrics}")
+
+
+def parse_ready_line(line: str) -> tuple[str, int, int | None] | None:
+  """(host, port, bulk port or None) of a ready line; None for any other line."""
+  match = _READY.search(line)
+  if not match:
+    return None
+  bulk = match.group(3)
+  return match.group(1), int(match.group(2)), int(bulk) if bulk else None
+
+
+def serve(config: str | os.PathLike[str], options: ServerOptions = ServerOptions()) -> int:
+  """Runs a server until SIGINT/SIGTERM; returns the process exit code."""
+  server = Server(config, options)
+  stop = threading.Event()
+  signal.signal(signal.SIGTERM, lambda *_: stop.set())
+  signal.signal(signal.SIGINT, lambda *_: stop.set())
+  server.start()
+  print(ready_line(server), flush=True)
+  idle_exit_s = options.idle_exit_s
+  try:
+    while not stop.wait(min(1.0, idle_exit_s or 1.0)):
+      if idle_exit_s is not None and server.idle_s() >= idle_exit_s:
+        print(f"elevator: no request for {idle_exit_s:g}s (--idle-exit-s): stopping",
+              flush=True)
+        break
+  finally:
+    server.stop()
+  print("elevator: stopped", flush=True)
+  return 0

@@ -1,0 +1,206 @@
+"""The request path: every request, whichever way it came, goes through here.
+
+gRPC (grpc_service.py), the bulk transport (bulk.py) and embedded mode
+(client/embedded.py) are thin adapters around one `RequestPath`, so the
+rules live once, and hold by construction: an answer is produced only for
+a `Ticket`, and only `admit` issues one, after authenticating.
+
+  1. authenticate: the bearer token, checked before any per-request work
+     (gRPC also checks it from a call's metadata before reading the
+     message, with `authenticate`);
+  2. admit: at most `max_concurrent` requests at once over every transport
+     (RESOURCE_EXHAUSTED beyond; UNAVAILABLE once the server is stopping);
+     requests whose client does not read yield their slot (admission.py);
+  3. validate: dataset, fingerprint, geometry, steps, compression, and the
+     batch size limit, all before a record is read;
+  4. produce each step's rows (errors name the dataset and step), or take
+     the encoded step from the worker's cache of steps served lately, which
+     trainers reading the same stream share (batch_cache.py);
+  5. map errors to statuses: every failure leaves as an `ElevatorError`,
+     whose class and code the transports send (proto/errors.py).
+
+Requests themselves are bounded before they are parsed, by the transports:
+proto/limits.py's MAX_REQUEST_BYTES.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import logging
+import time
+from typing import Any, Callable, Iterator
+
+from grain_elevator.proto import contract
+from grain_elevator.proto import elevator_pb2 as pb
+from grain_elevator.proto import wire
+from grain_elevator.proto.errors import (ElevatorError, InternalError, InvalidRequestError,
+                                         StreamMismatchError, UnauthenticatedError)
+from grain_elevator.proto.spec import DatasetInfo
+from grain_elevator.server.data import collate as collate_lib
+from grain_elevator.server.data.dataset import Datasets
+from grain_elevator.server.data.served import ServedDataset
+from grain_elevator.server.process.options import DEFAULT_MAX_MESSAGE_BYTES
+from grain_elevator.server.serving import metrics
+from grain_elevator.server.serving.admission import Admission, Ticket
+from grain_elevator.server.serving.batch_cache import BatchCache
+
+log = logging.getLogger("grain_elevator.server")
+
+
+class RequestPath:
+  """One worker's (or one embedded backend's) way from a request to batches."""
+
+  def __init__(self, datasets: Datasets, *, auth_token: str | None = None,
+               max_concurrent: int | None = None,
+               max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+               write_timeout_s: float | None = None,
+               server_info: pb.ServerInfo | None = None, batch_cache_bytes: int = 0):
+    self.datasets = datasets
+    self.cache = BatchCache(batch_cache_bytes)
+    self.server_info = server_info or pb.ServerInfo(num_workers=1)
+    self.admission = Admission(max_concurrent, write_timeout_s=write_timeout_s)
+    self._expected_token = auth_token.encode() if auth_token else None
+    self._max_message_bytes = max_message_bytes
+
+  # 1. authentication -------------------------------------------------------
+
+  def authenticate(self, token: str | None) -> None:
+    """Raises UnauthenticatedError unless `token` is the server's (compared
+    in constant time; never logged)."""
+    if self._expected_token is None:
+      return
+    if not token:
+      raise UnauthenticatedError(
+          "missing bearer token: this server requires one (authorization metadata "
+          "'Bearer <token>' over gRPC, auth_token over the bulk transport)")
+    if not hmac.compare_digest(token.encode(), self._expected_token):
+      raise UnauthenticatedError("wrong bearer token")
+
+  # 2. admission -------------------------------------------------------------
+
+  def admit(self, token: str | None, cancel: Callable[[], None] | None = None, *,
+            steps: int = 1) -> Ticket:
+    """A ticket for one request of `steps` steps, once its token is the
+    server's and a slot is free (admission.py); a typed error otherwise.
+    `cancel` ends the request from another thread (a client not reading);
+    without one it is never cancelled (Describe). Release it when done."""
+    self.authenticate(token)
+    return self.admission.acquire(cancel, steps=steps)
+
+  @contextlib.contextmanager
+  def admitted(self, token: str | None, cancel: Callable[[], None] | None = None, *,
+               steps: int = 1) -> Iterator[Ticket]:
+    """`admit`, released on leaving."""
+    ticket = self.admit(token, cancel, steps=steps)
+    try:
+      yield ticket
+    finally:
+      ticket.release()
+
+  # 3. validation -------------------------------------------------------------
+
+  def validate(self, r: pb.BatchRequest) -> ServedDataset:
+    """The dataset that serves `r`; a typed error unless every step can be
+    served within the limits."""
+    ds = self.datasets.get(r.dataset)
+    info = ds.info
+    if r.config_fingerprint and r.config_fingerprint != info.config_fingerprint:
+      raise StreamMismatchError(
+          f"dataset {info.name!r}: the client expects config fingerprint "
+          f"{r.config_fingerprint}, this server has {info.config_fingerprint}; "
+          "replicas must share one config")
+    contract.check_geometry(r.global_batch_size, r.shard_index, r.shard_count)
+    rows = r.global_batch_size // r.shard_count
+    batch_bytes = rows * info.element_spec.record_bytes
+    if batch_bytes > self._max_message_bytes:
+      raise InvalidRequestError(
+          f"dataset {info.name!r}: {rows} rows of {info.element_spec.record_bytes} "
+          f"bytes is {batch_bytes} bytes per step, over the server's "
+          f"--max-message-bytes of {self._max_message_bytes}; use a smaller "
+          "global_batch_size or more shards")
+    ds.check_batch_size(r.global_batch_size)  # a scheduled mixture: G times its steps fit int64
+    contract.check_steps(r.start_step, r.num_steps, info.stream_length,
+                         r.global_batch_size, r.record_offset, info.drop_remainder)
+    if r.compression not in wire.COMPRESSIONS.values():
+      raise InvalidRequestError(f"unknown compression {r.compression}")
+    return ds
+
+  # 4. answers ----------------------------------------------------------------
+
+  def describe(self, ticket: Ticket, request: pb.DescribeRequest) -> list[DatasetInfo]:
+    _check(ticket)
+    if request.global_batch_size < 0:
+      raise InvalidRequestError(
+          f"global_batch_size must be >= 0, got {request.global_batch_size}")
+    names = [request.dataset] if request.dataset else self.datasets.names
+    return [self.datasets.get(n).info for n in names]
+
+  def describe_response(self, ticket: Ticket,
+                        request: pb.DescribeRequest) -> pb.DescribeResponse:
+    return pb.DescribeResponse(
+        datasets=[i.to_proto(request.global_batch_size) for i in self.describe(ticket, request)],
+        server=self.server_info)
+
+  def steps(self, ticket: Ticket, r: pb.BatchRequest,
+            is_active: Callable[[], bool] = lambda: True
+            ) -> Iterator[tuple[int, list[collate_lib.Leaf]]]:
+    """(step, leaves) for each step of `r`, in order, until `is_active()` is
+    False (embedded mode)."""
+    _check(ticket)
+    ds = self.validate(r)
+    for step in range(r.start_step, r.start_step + r.num_steps):
+      if not is_active():  # the client went away: stop computing
+        return
+      leaves = self._produce(ds, r, step, stack=True)
+      metrics.current().served(ds.info.name, cached=False)
+      yield step, leaves
+
+  def encoded_steps(self, ticket: Ticket, r: pb.BatchRequest,
+                    is_active: Callable[[], bool] = lambda: True) -> Iterator[list[Any]]:
+    """Each step of `r` as the buffers of one serialized Batch (the servers'
+    send path): from the cache when a request served it lately."""
+    _check(ticket)
+    ds = self.validate(r)
+    info = ds.info
+    stream = (info.name, info.config_fingerprint, r.global_batch_size, r.shard_index,
+              r.shard_count, r.record_offset, r.compression)
+    recorded = metrics.current()
+    for step in range(r.start_step, r.start_step + r.num_steps):
+      if not is_active():
+        return
+      parts, cached = self.cache.get((*stream, step), lambda: wire.encode_batch_parts(
+          step, self._produce(ds, r, step, stack=False), r.compression))
+      recorded.served(info.name, cached=cached)
+      recorded.cache_bytes(self.cache.bytes)
+      yield parts
+
+  @staticmethod
+  def _produce(ds: ServedDataset, r: pb.BatchRequest, step: int, *,
+               stack: bool) -> list[collate_lib.Leaf]:
+    """Step `step`'s leaves; `stack=False` may leave big rows as RowStacks
+    for the socket to gather."""
+    start = time.perf_counter()
+    leaves = _named(ds.info.name, step, ds.host_batch_leaves, step, r.global_batch_size,
+                    r.shard_index, r.shard_count, record_offset=r.record_offset, stack=stack)
+    metrics.current().produced(ds.info.name, time.perf_counter() - start)
+    return leaves
+
+def _check(ticket: Ticket) -> None:
+  if not isinstance(ticket, Ticket):
+    raise TypeError(f"a request is answered for a Ticket from RequestPath.admit, not "
+                    f"{type(ticket).__name__}")
+
+
+def _named(dataset: str, step: int, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+  """`fn(...)`, its failure re-raised as an ElevatorError of the same class
+  (INTERNAL for anything else) whose message names the dataset and step."""
+  try:
+    return fn(*args, **kwargs)
+  except ElevatorError as e:  # e.g. DATA_LOSS naming the shard and record
+    log.error("dataset %r step %d: %s", dataset, step, e)
+    raise type(e)(f"dataset {dataset!r}, step {step}: {e}") from e
+  except Exception as e:  # pylint: disable=broad-except
+    log.exception("dataset %r step %d failed", dataset, step)
+    raise InternalError(f"dataset {dataset!r}, step {step}: "
+                        f"{type(e).__name__}: {e}") from e

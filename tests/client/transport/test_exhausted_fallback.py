@@ -1,0 +1,103 @@
+"""A replica whose every request slot is taken answers RESOURCE_EXHAUSTED:
+the client takes that as "full right now" and retries on another replica,
+or over gRPC where there is no other (the request came over bulk). The
+stream stays exact, and one warning, not one per request, says so."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from typing import Iterator
+
+import grpc
+
+from grain_elevator.client import RemoteDataset
+from grain_elevator.proto import elevator_pb2 as pb
+from grain_elevator.proto import elevator_pb2_grpc as pb_grpc
+from grain_elevator.tools.launcher import LocalServer
+from helpers import assert_streams_equal
+
+ENDLESS = pb.BatchRequest(dataset="forever", global_batch_size=256, shard_count=1,
+                          start_step=0, num_steps=1_000_000)
+# Under the server's limits on a stream that holds a slot unread (yields to
+# a newcomer after 1 s without reading or 2 s streaming: server/serving/admission.py).
+HOLD_S = 0.6
+FULL = "is full (RESOURCE_EXHAUSTED"
+
+
+@contextlib.contextmanager
+def _every_slot_held(server: LocalServer, for_s: float = 1e9) -> Iterator[None]:
+  """A hostile client keeps the one request slot of `server` (started with
+  --max-concurrent-requests 1) taken for `for_s`: an endless stream it does
+  not read, renewed before admission would hand the slot to a newcomer."""
+  stop, held = threading.Event(), threading.Event()
+
+  def hold() -> None:
+    until = time.monotonic() + for_s
+    with grpc.insecure_channel(server.target,
+                               options=[("grpc.use_local_subchannel_pool", 1)]) as channel:
+      get_batches = pb_grpc.ElevatorStub(channel).GetBatches
+      while not stop.is_set() and time.monotonic() < until:
+        call = get_batches(ENDLESS, timeout=30)
+        try:
+          next(call)  # admitted: it holds the slot
+          held.set()
+          stop.wait(HOLD_S)
+        except grpc.RpcError:
+          time.sleep(0.005)  # refused: the slot is not free yet
+        finally:
+          call.cancel()
+
+  thread = threading.Thread(target=hold, daemon=True)
+  thread.start()
+  assert held.wait(30), "the hostile client never got the slot"
+  try:
+    yield
+  finally:
+    stop.set()
+    thread.join(30)
+
+
+def _full_server(config_path: str) -> LocalServer:
+  return LocalServer(config_path, workers=1, extra_args=("--max-concurrent-requests", "1"))
+
+
+def _warnings(caplog, text: str) -> list[str]:
+  return [r.getMessage() for r in caplog.records
+          if r.name == "grain_elevator.client" and r.levelno == logging.WARNING
+          and FULL in r.getMessage() and text in r.getMessage()]
+
+
+def test_a_full_replica_is_left_for_another(server, config_path, caplog):
+  caplog.set_level(logging.WARNING, logger="grain_elevator.client")
+  with _full_server(config_path) as full:
+    with RemoteDataset([full.target, server.target], "aug2", 8) as remote, \
+         RemoteDataset.embedded(config_path, "aug2", 8) as local:
+      it = iter(remote)  # connected to both while they have room
+      with _every_slot_held(full):
+        started = time.monotonic()
+        got = list(it)
+        took = time.monotonic() - started
+      assert assert_streams_equal(got, local) == 250
+  moved = _warnings(caplog, "retrying on another replica")
+  assert any(full.target in m and "dataset 'aug2'" in m for m in moved), caplog.text
+  # Rate-limited: one line per 10 s for the same replica and move.
+  assert len(moved) <= 1 + took // 10, moved
+
+
+def test_the_only_replica_full_over_bulk_is_retried_over_grpc(config_path, caplog):
+  caplog.set_level(logging.WARNING, logger="grain_elevator.client")
+  with _full_server(config_path) as full:
+    with RemoteDataset(full.target, "aug2", 8) as remote, \
+         RemoteDataset.embedded(config_path, "aug2", 8) as local:
+      it = iter(remote)
+      got = [next(it) for _ in range(20)]
+      assert it._backend.uses_bulk  # pylint: disable=protected-access
+      with _every_slot_held(full, for_s=3.0):
+        got += list(it)  # the hold ends while the client retries, within its timeout
+      assert assert_streams_equal(got, local) == 250
+      stats = it.stats()  # what the trainer's author sees of it
+      assert stats.retries >= 1 and stats.fallbacks >= 1, stats
+  assert _warnings(caplog, "retrying over gRPC"), caplog.text

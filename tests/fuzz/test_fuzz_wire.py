@@ -1,0 +1,31 @@
+"""A bounded run of the wire fuzzer (tests/fuzz/fuzz_wire.py): mutated
+batches through the client's decoding, mutated bulk sessions against a live
+server (checked against a model of the protocol), mutated answers of a fake
+bulk server to the bulk client, under a memory bound. Any exception other
+than the documented refusals, a batch accepted against its element spec, an
+answer the model does not predict, a connection left open, a traceback in
+the server's log or a stream that differs afterwards fails the test.
+`make fuzz` runs the same for 30 minutes."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.slow  # starts a server, then fuzzes for seconds
+
+FUZZER = pathlib.Path(__file__).parent / "fuzz_wire.py"
+
+
+def test_the_wire_survives_10_seconds_of_mutants(tmp_path):
+  result = subprocess.run(
+      [sys.executable, str(FUZZER), "--seconds", "10", "--seed", "17",
+       "--out", str(tmp_path / "findings")],
+      capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+  assert re.search(r"inputs in \d+ s, 0 findings$", result.stdout.rstrip()), \
+      result.stdout[-3000:]

@@ -1,0 +1,108 @@
+"""A bad config fails at start-up with a message naming dataset, key and problem."""
+
+from __future__ import annotations
+
+import subprocess
+import textwrap
+
+import pytest
+
+from grain_elevator.proto.errors import ConfigError
+from grain_elevator.server.data import dataset as dataset_lib
+from grain_elevator.server.data.config import load_config
+from grain_elevator.tools.launcher import ELEVATOR
+
+GOOD = """\
+[datasets.d]
+paths = ["shards/*.array_record"]
+pipeline = "grain_elevator.pipelines.examples:decode_images"
+{extra}
+[datasets.d.options]
+height = 4
+width = 4
+channels = 3
+"""
+
+
+def _write(data_dir, text: str, name: str = "bad.toml") -> str:
+  path = data_dir / name
+  path.write_text(textwrap.dedent(text).replace("{extra}", ""))
+  return str(path)
+
+
+@pytest.mark.parametrize("text,message", [
+    (GOOD.replace("paths", "pathz"), "dataset 'd': unknown key(s) 'pathz'"),
+    (GOOD.replace("{extra}", 'colour = 3'), "dataset 'd': unknown key(s) 'colour'"),
+    (GOOD.replace("shards/*", "missing/*"),
+     "dataset 'd': key 'paths': 'missing/*.array_record' matches no files"),
+    (GOOD.replace("examples:decode_images", "nosuchmodule:f"),
+     "dataset 'd': key 'pipeline': cannot import module 'grain_elevator.pipelines.nosuchmodule'"),
+    (GOOD.replace("examples:decode_images", "examples:nope"),
+     "dataset 'd': key 'pipeline': module 'grain_elevator.pipelines.examples' has no attribute 'nope'"),
+    (GOOD.replace('"grain_elevator.pipelines.examples:decode_images"', '"no_colon"'),
+     "key 'pipeline' must look like 'package.module:function'"),
+    (GOOD.replace("{extra}", 'seed = -1'), "dataset 'd': key 'seed' must be in [0, 2**32)"),
+    (GOOD.replace("{extra}", 'seed = "x"'), "dataset 'd': key 'seed' must be an integer"),
+    (GOOD.replace("{extra}", 'shuffle = 1'), "dataset 'd': key 'shuffle' must be true or false"),
+    (GOOD.replace("{extra}", 'num_epochs = -2'), "dataset 'd': key 'num_epochs' must be >= 0"),
+    (GOOD.replace("{extra}", 'num_epochs = true'), "dataset 'd': key 'num_epochs' must be an integer"),
+    ("[datasets]\n", "defines no [datasets.NAME] table"),
+    ("[dataset.x]\npaths=[]\n", "unknown top-level key(s) 'dataset'"),
+    ("this is not toml", "is not valid TOML"),
+])
+def test_bad_config_names_the_problem(data_dir, text, message):
+  with pytest.raises(ConfigError) as info:
+    load_config(_write(data_dir, text))
+  assert message in str(info.value)
+
+
+@pytest.mark.parametrize("pipeline,message", [
+    ("grain_elevator.pipelines.examples:encode_record",  # wrong signature
+     "pipeline 'grain_elevator.pipelines.examples:encode_record' failed: TypeError"),
+    ("builtins:list", "returned list, expected a grain.MapDataset"),
+])
+def test_pipeline_that_cannot_serve_is_refused(data_dir, pipeline, message):
+  text = f'[datasets.d]\npaths = ["shards/*.array_record"]\npipeline = "{pipeline}"\n'
+  with pytest.raises(ConfigError, match="dataset 'd'") as info:
+    dataset_lib.Datasets(load_config(_write(data_dir, text)))
+  assert message in str(info.value)
+
+
+def test_unknown_pipeline_option_is_named(data_dir):
+  text = GOOD.replace("channels = 3", "channels = 3\ncolour = 1")
+  with pytest.raises(ConfigError, match=r"dataset 'd': pipeline .* failed: TypeError: .*colour"):
+    dataset_lib.Datasets(load_config(_write(data_dir, text)))
+
+
+def test_pipeline_must_be_one_to_one(data_dir, tmp_path, monkeypatch):
+  (tmp_path / "filtering_pipeline.py").write_text(
+      "def drop_half(ds):\n  return ds[::2]\n")
+  monkeypatch.syspath_prepend(str(tmp_path))
+  text = '[datasets.d]\npaths = ["shards/*.array_record"]\npipeline = "filtering_pipeline:drop_half"\n'
+  with pytest.raises(ConfigError, match=r"changed the number of records \(1000 -> 500\); it must be 1:1"):
+    dataset_lib.Datasets(load_config(_write(data_dir, text)))
+
+
+def test_serve_exits_with_the_message(data_dir):
+  path = _write(data_dir, GOOD.replace("paths", "pathz"), "bad_serve.toml")
+  result = subprocess.run([*ELEVATOR, "serve", "--config", path, "--port", "0"],
+                          capture_output=True, text=True, timeout=120)
+  assert result.returncode == 2
+  assert "elevator: error: dataset 'd': unknown key(s) 'pathz'" in result.stderr
+
+
+def test_serve_refuses_a_missing_config(tmp_path):
+  result = subprocess.run(
+      [*ELEVATOR, "serve", "--config", str(tmp_path / "none.toml"), "--port", "0"],
+      capture_output=True, text=True, timeout=120)
+  assert result.returncode == 2
+  assert "none.toml' does not exist" in result.stderr
+
+
+def test_truncated_shard_is_refused_at_start_up(data_dir, tmp_path):
+  (shard,) = [p for p in (data_dir / "shards").iterdir() if p.name.startswith("train-00000")]
+  (tmp_path / "shards").mkdir()
+  (tmp_path / "shards" / shard.name).write_bytes(shard.read_bytes()[:-100])
+  path = _write(tmp_path, GOOD, "truncated.toml")
+  with pytest.raises(ConfigError, match="dataset 'd': cannot open its shards"):
+    dataset_lib.Datasets(load_config(path))

@@ -1,0 +1,166 @@
+"""Clients that hold slots without reading, idle sockets, silent peers: the
+health check still answers, and a well-behaved client with default settings
+still reads the exact stream."""
+
+from __future__ import annotations
+
+import contextlib
+import resource
+import socket
+import time
+from typing import Iterator
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from grain_elevator.client import RemoteDataset, TransportOptions
+from grain_elevator.proto import elevator_pb2 as pb
+from grain_elevator.proto import elevator_pb2_grpc as pb_grpc
+from grain_elevator.proto import framing
+from grain_elevator.server.process.options import ServerOptions
+from grain_elevator.tools.launcher import LocalServer
+from helpers import assert_streams_equal
+
+LONG_SLOTS = ServerOptions().max_concurrent_requests // 2
+ENDLESS = pb.BatchRequest(dataset="forever", global_batch_size=256, shard_count=1,
+                          start_step=0, num_steps=1_000_000)
+
+
+def _health(server, timeout_s: float = 5.0) -> float:
+  """Seconds the health check took; it must answer SERVING."""
+  with grpc.insecure_channel(server.target,
+                             options=[("grpc.use_local_subchannel_pool", 1)]) as channel:
+    start = time.monotonic()
+    reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
+                                                      timeout=timeout_s)
+    took = time.monotonic() - start
+  assert reply.status == health_pb2.HealthCheckResponse.SERVING
+  return took
+
+
+def _exact(server, config_path, kind: str = "auto") -> None:
+  with RemoteDataset(server.target, "plain", 64, transport=TransportOptions(kind=kind)) as ds:
+    with RemoteDataset.embedded(config_path, "plain", 64) as local:
+      assert assert_streams_equal(ds, local) == 15
+
+
+@contextlib.contextmanager
+def _unread_grpc_streams(server, n: int) -> Iterator[list]:
+  """`n` GetBatches calls nobody reads: each holds a request slot."""
+  channel = grpc.insecure_channel(server.target)
+  calls = [pb_grpc.ElevatorStub(channel).GetBatches(ENDLESS, timeout=120) for _ in range(n)]
+  try:
+    yield calls
+  finally:
+    for call in calls:
+      call.cancel()
+    channel.close()
+
+
+def _bulk_socket(server, *, greet: bool = True) -> socket.socket:
+  s = socket.create_connection((server.host, server.bulk_port), timeout=10)
+  if greet:
+    s.sendall(framing.MAGIC)
+    assert s.recv(len(framing.MAGIC), socket.MSG_WAITALL) == framing.MAGIC
+  return s
+
+
+@contextlib.contextmanager
+def _unread_bulk_requests(server, n: int) -> Iterator[list[socket.socket]]:
+  """`n` bulk connections that ask for an endless stream and never read it."""
+  socks = []
+  try:
+    for _ in range(n):
+      s = _bulk_socket(server)
+      s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+      payload = pb.BulkRequest(request=ENDLESS).SerializeToString()
+      s.sendall(framing.frame(framing.REQUEST, payload))
+      socks.append(s)
+    yield socks
+  finally:
+    for s in socks:
+      s.close()
+
+
+@pytest.fixture(scope="module")
+def server(config_path):
+  """One worker with the default limits (16 request slots)."""
+  with LocalServer(config_path, workers=1) as s:
+    yield s
+
+
+@pytest.mark.parametrize("kind", ["grpc", "auto"])
+def test_unread_grpc_streams_on_every_slot(server, config_path, kind):
+  with _unread_grpc_streams(server, 32) as calls:
+    time.sleep(2)  # they fill their windows and stall
+    refused = [c for c in calls if c.done() and c.code() == grpc.StatusCode.RESOURCE_EXHAUSTED]
+    assert len(refused) == 32 - LONG_SLOTS  # endless streams get half the slots
+    _health(server)
+    _exact(server, config_path, kind)  # short requests: the other half
+    _health(server)
+
+
+def _answer_kind(s: socket.socket) -> int:
+  """The kind of the first frame after the server's greeting."""
+  s.settimeout(10)
+  kind, size = framing.parse_header(s.recv(framing.HEADER_SIZE, socket.MSG_WAITALL))
+  assert kind == framing.HELLO
+  s.recv(size, socket.MSG_WAITALL)
+  return framing.parse_header(s.recv(framing.HEADER_SIZE, socket.MSG_WAITALL))[0]
+
+
+def test_unread_bulk_requests_on_every_slot(server, config_path):
+  with _unread_bulk_requests(server, 32) as socks:
+    time.sleep(2)
+    _health(server)
+    _exact(server, config_path)
+    _exact(server, config_path, "grpc")
+    kinds = [_answer_kind(s) for s in socks]
+  # Endless streams got at most half the slots (more only by replacing one
+  # that stalled); the rest were refused at once.
+  assert kinds.count(framing.STATUS) >= 32 - 2 * LONG_SLOTS
+  assert set(kinds) == {framing.STATUS, framing.BATCH}
+
+
+def test_idle_bulk_connections_past_the_cap(config_path):
+  soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+  if hard != resource.RLIM_INFINITY and hard < 512:
+    pytest.skip(f"the open-files limit ({hard}) is too low for this test")
+  resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 1024)), hard))
+  with LocalServer(config_path, workers=1,
+                   extra_args=("--max-bulk-connections", "64")) as server:
+    socks = [_bulk_socket(server) for _ in range(150)]
+    try:
+      _exact(server, config_path)  # bulk: the longest-idle sockets made room
+      _health(server)
+    finally:
+      for s in socks:
+        s.close()
+    assert "closing the longest idle one" in server.stderr()
+
+
+def test_idle_connections_are_closed(config_path):
+  with LocalServer(config_path, workers=1, extra_args=("--idle-timeout-s", "1")) as server:
+    s = _bulk_socket(server)
+    s.settimeout(15)
+    hello = s.recv(65536)  # the server's greeting, then nothing until it hangs up
+    assert hello[:1] == bytes([framing.HELLO])
+    start = time.monotonic()
+    assert s.recv(1) == b""
+    assert time.monotonic() - start < 10
+    s.close()
+    _exact(server, config_path)  # a client reconnects without noticing
+
+
+def test_a_stalled_request_is_cancelled_after_the_write_timeout(config_path):
+  with LocalServer(config_path, workers=1, extra_args=("--write-timeout-s", "2")) as server:
+    with _unread_grpc_streams(server, 1) as (call,):
+      deadline = time.monotonic() + 30
+      while "(--write-timeout-s)" not in server.stderr() and time.monotonic() < deadline:
+        time.sleep(0.2)
+      assert "its client has not read for 2s (--write-timeout-s)" in server.stderr()
+      with pytest.raises(grpc.RpcError) as info:
+        for _ in call:
+          pass
+      assert info.value.code() == grpc.StatusCode.CANCELLED

@@ -1,0 +1,93 @@
+"""The package graph runs one way: proto <- server, proto <- client,
+proto <- pipelines, and tools on top. Each package is imported in a fresh
+interpreter and what it loaded is inspected; so is what a running worker
+loaded."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from grain_elevator.tools.launcher import LocalServer
+from helpers import ROOT, worker_pids
+
+# What importing each package may load of the others.
+ALLOWED = {
+    "proto": {"proto"},
+    "server": {"proto", "server"},
+    "client": {"proto", "client"},
+    "pipelines": {"proto", "pipelines"},
+}
+
+
+def _loaded_after(code: str) -> set[str]:
+  """The grain_elevator packages (proto, server, ...) loaded after running `code`."""
+  probe = (f"{code}\nimport json, sys\nprint(json.dumps(sorted(m.split('.')[1] for m in "
+           "sys.modules if m.startswith('grain_elevator.'))))")
+  out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                       timeout=120, check=True).stdout
+  return set(json.loads(out.strip().splitlines()[-1]))
+
+
+@pytest.mark.parametrize("side", sorted(ALLOWED))
+def test_a_side_loads_only_what_is_below_it(side):
+  """Every module of the side, not only its __init__: the client's modules
+  load no server module (embedded mode imports the engine inside a
+  function), the server's no client module, and proto's neither."""
+  modules = [
+      "grain_elevator." + ".".join((side, *f.relative_to(ROOT / side).with_suffix("").parts))
+      .removesuffix(".__init__")
+      for f in sorted((ROOT / side).rglob("*.py")) if f.stem != "generate"]  # a dev script
+  loaded = _loaded_after("import importlib\n" + "\n".join(
+      f"importlib.import_module({m!r})" for m in modules))
+  assert side in loaded
+  assert loaded <= ALLOWED[side], f"{side} loads {sorted(loaded - ALLOWED[side])}"
+
+
+def test_embedded_mode_loads_the_serving_engine_only_when_used(config_path):
+  before = "from grain_elevator.client import RemoteDataset\n"
+  assert "server" not in _loaded_after(
+      before + f"ds = RemoteDataset('local:{config_path}', 'plain', 8)")
+  assert "server" in _loaded_after(
+      before + f"next(iter(RemoteDataset('local:{config_path}', 'plain', 8)))")
+
+
+_PROBE = '''
+import json, os, sys
+from grain_elevator.pipelines import examples
+
+def decode(ds, *, out, **options):
+  """decode_images, writing down which tools modules this process has loaded."""
+  loaded = sorted(m for m in sys.modules if m.startswith("grain_elevator.tools"))
+  with open(os.path.join(out, f"{os.getpid()}.json"), "w") as f:
+    json.dump(loaded, f)
+  return examples.decode_images(ds, **options)
+'''
+
+
+def test_a_worker_runs_nothing_from_tools(data_dir, tmp_path):
+  """What a config names is runtime code (grain_elevator.pipelines): a worker
+  loads no module of tools/ but the `elevator` entry module itself, which
+  multiprocessing's spawn re-imports in every child."""
+  (tmp_path / "probe_pipeline.py").write_text(_PROBE)
+  config = tmp_path / "elevator.toml"
+  config.write_text(textwrap.dedent(f"""\
+      [datasets.probe]
+      paths = ["{data_dir}/shards/*.array_record"]
+      pipeline = "probe_pipeline:decode"
+      [datasets.probe.options]
+      out = "{tmp_path}"
+      height = 4
+      width = 4
+      channels = 3
+      """))
+  with LocalServer(str(config), workers=2, env={"PYTHONPATH": str(tmp_path)}) as server:
+    workers = worker_pids(server)
+  assert len(workers) == 2
+  for pid in workers:
+    loaded = json.loads((tmp_path / f"{pid}.json").read_text())
+    assert set(loaded) <= {"grain_elevator.tools", "grain_elevator.tools.cli"}, loaded
