@@ -229,14 +229,19 @@ def _get(tensor: Field, number: int) -> Field | None:
 
 
 def _dims(f: Field | None) -> list[int]:
+  """The dims of a shape field as written, even ones an earlier mutation
+  made over 64 bits (which proto/varint.py refuses)."""
   if f is None:
     return []
   if f.wire_type == varint.VARINT:
     return [f.value]
-  dims, pos = [], 0
-  while pos < len(f.value):
-    d, pos = varint.decode(f.value, pos)
-    dims.append(d)
+  dims, d, shift = [], 0, 0
+  for byte in f.value:
+    d |= (byte & 0x7F) << shift
+    shift += 7
+    if not byte & 0x80:
+      dims.append(d)
+      d = shift = 0
   return dims
 
 
