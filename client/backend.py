@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from typing import Any, Protocol, Sequence
 
-import numpy as np
 
 from grain_elevator.client.options import RetryPolicy, Security, TransportOptions
 from grain_elevator.client.transport import targets as targets_lib
+from grain_elevator.client.transport.connection import Step
 from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.proto.spec import DatasetInfo
 
@@ -27,7 +27,7 @@ class Backend(Protocol):
     """What is offered; with a global batch size, also ready to fetch it."""
 
   def fetch(self, request: pb.BatchRequest, token: Any,
-            out: list[list[np.ndarray]] | None = None) -> list[list[np.ndarray]]:
+            out: list[Step] | None = None) -> list[Step]:
     """The steps of `request`, in order, each appended to `out` as it arrives."""
 
   def close(self) -> None:

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 
 from grain_elevator.client.transport import targets as targets_lib
+from grain_elevator.client.transport.connection import Step
 from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.proto.errors import Cancelled
 from grain_elevator.proto.spec import DatasetInfo
@@ -40,13 +40,13 @@ class EmbeddedBackend:
           dataset=dataset, global_batch_size=global_batch_size))
 
   def fetch(self, request: pb.BatchRequest, token: Any = None,
-            out: list[list[np.ndarray]] | None = None) -> list[list[np.ndarray]]:
+            out: list[Step] | None = None) -> list[Step]:
     """Like ConnectionPool.fetch: steps appended to `out` as they are made."""
     out = [] if out is None else out
     cancelled = (lambda: token.cancelled) if token is not None else (lambda: False)
     with self._path.admitted(None) as ticket:
-      for _, leaves in self._path.steps(ticket, request, lambda: not cancelled()):
-        out.append(leaves)
+      for _, leaves, state in self._path.steps(ticket, request, lambda: not cancelled()):
+        out.append(Step(leaves, state))
     if cancelled():
       raise Cancelled(f"dataset {request.dataset!r}: cancelled")
     return out

@@ -26,7 +26,7 @@ from grain_elevator.client import window as window_lib
 from grain_elevator.client.backend import Backend, make_backend
 from grain_elevator.client.options import RetryPolicy, Security, TransportOptions
 from grain_elevator.client.transport import targets as targets_lib
-from grain_elevator.client.transport.connection import CancelToken
+from grain_elevator.client.transport.connection import CancelToken, Step
 from grain_elevator.proto import contract
 from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.proto import tree
@@ -162,8 +162,20 @@ class RemoteDataset(grain.IterDataset):
     """Embedded mode: the same stream computed in-process from a config."""
     return cls(targets_lib.local_target(str(config_path)), dataset, global_batch_size, **kwargs)
 
-  def __iter__(self) -> "_RemoteIterator":
-    it = _RemoteIterator(self)
+  def __iter__(self) -> grain.DatasetIterator:
+    backend = self._new_backend()
+    try:
+      (info,) = backend.describe(self.dataset, self.global_batch_size)
+      if info.name != self.dataset:
+        raise UnknownDatasetError(f"server answered for {info.name!r}, not {self.dataset!r}")
+    except BaseException:
+      backend.close()
+      raise
+    if info.stream:  # sequential, from a stream position (client/stream_iterator.py)
+      from grain_elevator.client.stream_iterator import StreamIterator  # pylint: disable=g-import-not-at-top
+      it: Any = StreamIterator(self, backend, info)
+    else:
+      it = _RemoteIterator(self, backend, info)
     self._iterators.add(it)
     return it
 
@@ -191,19 +203,12 @@ class RemoteDataset(grain.IterDataset):
 class _RemoteIterator(grain.DatasetIterator):
   """Delivers steps in order while keeping `prefetch` of them in flight."""
 
-  def __init__(self, ds: RemoteDataset):
+  def __init__(self, ds: RemoteDataset, backend: Backend, info: DatasetInfo):
     super().__init__()
     self._ds = ds
-    self._backend = ds._new_backend()  # pylint: disable=protected-access
+    self._backend = backend
     self._closed = False
-    try:
-      (self._info,) = self._backend.describe(ds.dataset, ds.global_batch_size)
-    except BaseException:
-      self._backend.close()
-      raise
-    if self._info.name != ds.dataset:
-      raise UnknownDatasetError(f"server answered for {self._info.name!r}, "
-                                f"not {ds.dataset!r}")
+    self._info = info
     self._offset = 0  # records before step 0: nonzero once G changed at a checkpoint
     self._total = self._info.total_steps(ds.global_batch_size)
     self._window = window_lib.plan(
@@ -273,8 +278,10 @@ class _RemoteIterator(grain.DatasetIterator):
       while len(chunk.steps) <= i and not chunk.future.done():
         self._arrived.wait()
     if len(chunk.steps) > i:
-      leaves, chunk.steps[i] = chunk.steps[i], None  # the trainer's now, not the window's
-      return leaves
+      taken = chunk.steps[i]
+      # The trainer's now, not the window's; the position stays (a retry continues from it).
+      chunk.steps[i] = Step([], taken.next_stream_state)
+      return taken.leaves
     chunk.future.result()  # raises what ended the fetch
     raise ElevatorError(f"{self._ds}: step {chunk.start + i} was not received")
 

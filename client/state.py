@@ -9,13 +9,21 @@ The global batch size G may change at a checkpoint (a batch-size ramp-up,
 under G0 resumes at record k*G0, and steps count afresh from there under the
 new G ("record_offset", present only once that has happened; the contract,
 proto/contract.py). Nothing is skipped or repeated.
+
+A stream dataset (server/data/stream.py) has no arithmetic from steps to
+records: its state also holds "stream_state", the position of its Grain
+pipeline where the next global batch starts (Grain's own iterator state,
+JSON: an upstream position and a few counters, never elements; null at the
+start). A new G continues from that position, steps counted afresh.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any
 
+from grain_elevator.proto import contract
 from grain_elevator.proto.errors import InvalidRequestError, StreamMismatchError
 from grain_elevator.proto.spec import DatasetInfo
 
@@ -25,10 +33,13 @@ _STREAM_KEYS = ("dataset", "seed", "config_fingerprint")
 
 @dataclasses.dataclass(frozen=True)
 class Cursor:
-  """Next global step, counted from `record_offset` records into the stream."""
+  """Next global step, counted from `record_offset` records into the stream;
+  for a stream dataset, the position where that step starts (its JSON text,
+  "" at the stream's start)."""
 
   step: int
   record_offset: int = 0
+  stream_state: str = ""
 
 
 def make(cursor: Cursor, info: DatasetInfo, global_batch_size: int) -> dict[str, Any]:
@@ -42,6 +53,8 @@ def make(cursor: Cursor, info: DatasetInfo, global_batch_size: int) -> dict[str,
   }
   if cursor.record_offset:
     state["record_offset"] = cursor.record_offset
+  if info.stream:
+    state["stream_state"] = json.loads(cursor.stream_state) if cursor.stream_state else None
   return state
 
 
@@ -79,6 +92,11 @@ def check(state: Any, info: DatasetInfo, global_batch_size: int) -> Cursor:
         "any number of hosts is fine.")
   offset = _int(state, "record_offset", 0)
   saved_g = _int(state, "global_batch_size", minimum=1)
+  if info.stream:
+    return _stream_cursor(state, info, saved_g, global_batch_size, step, offset)
+  if "stream_state" in state:
+    raise InvalidRequestError(f"this state has a stream_state, but dataset {info.name!r} is "
+                              "not a stream dataset")
   if not info.repeats_forever and offset > info.stream_length:
     raise InvalidRequestError(f"state record_offset {offset} is past the end of dataset "
                               f"{info.name!r}, which has {info.stream_length} records")
@@ -93,3 +111,23 @@ def check(state: Any, info: DatasetInfo, global_batch_size: int) -> Cursor:
   # A new G: steps count afresh from the record reached (the end, at most).
   return Cursor(0, min(offset + step * saved_g, info.stream_length))
 
+
+
+def _stream_cursor(state: dict[str, Any], info: DatasetInfo, saved_g: int,
+                   global_batch_size: int, step: int, offset: int) -> Cursor:
+  """A stream dataset's cursor: its position, checked for shape only (the
+  server refuses one that is not a position of its pipeline)."""
+  if offset:
+    raise InvalidRequestError(f"dataset {info.name!r} is a stream dataset: a state "
+                              "continues from its stream_state, not a record_offset")
+  if "stream_state" not in state:
+    raise InvalidRequestError(f"not a state of stream dataset {info.name!r}: it has no "
+                              "stream_state (saved for the dataset before it was a stream?)")
+  position = state["stream_state"]
+  if position is not None and not isinstance(position, dict):
+    raise InvalidRequestError(f"state stream_state must be a Grain iterator state (a JSON "
+                              f"object) or null, got {type(position).__name__}")
+  text = contract.position_text(position) if position else ""
+  if saved_g == global_batch_size:
+    return Cursor(step, stream_state=text)
+  return Cursor(0, stream_state=text)  # a new G: steps count afresh from the position

@@ -23,20 +23,46 @@ A pipeline of your own imports what it needs from here:
 ``RowStack`` hands a batch leaf's rows to the socket unstacked (one copy
 fewer for big rows); ``DataLossError`` marks a record that cannot be decoded
 (clients see DATA_LOSS naming the dataset and step, and every other step is
-still served); ``ConfigError`` refuses bad options when the server starts.
+still served); ``ConfigError`` refuses bad options when the server starts;
+``config_path`` resolves a file an option names (a tokenizer, a vocabulary)
+relative to the config file's folder, as `paths` are.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import importlib
-from typing import TYPE_CHECKING, Any
+import os
+from typing import TYPE_CHECKING, Any, Iterator
 
 from grain_elevator.proto.rows import MIN_ROW_BYTES, RowStack
 
 if TYPE_CHECKING:
   from grain_elevator.proto.errors import ConfigError, DataLossError
 
-__all__ = ["RowStack", "MIN_ROW_BYTES", "DataLossError", "ConfigError"]
+__all__ = ["RowStack", "MIN_ROW_BYTES", "DataLossError", "ConfigError", "config_path"]
+
+# The folder of the config whose pipeline is being built (set by the server).
+_CONFIG_DIR: contextvars.ContextVar[str] = contextvars.ContextVar("config_dir", default="")
+
+
+def config_path(path: str) -> str:
+  """`path` from a pipeline's options, absolute: relative paths are taken
+  from the folder of the config that names the pipeline (as its `paths`
+  are), or the working directory outside a server."""
+  path = os.path.expanduser(path)
+  return os.path.abspath(os.path.join(_CONFIG_DIR.get(), path))
+
+
+@contextlib.contextmanager
+def building_from(config_dir: str) -> Iterator[None]:
+  """While a config's pipelines are built: `config_path` resolves there."""
+  token = _CONFIG_DIR.set(config_dir)
+  try:
+    yield
+  finally:
+    _CONFIG_DIR.reset(token)
 
 
 def __getattr__(name: str) -> Any:

@@ -144,3 +144,58 @@ def _flip_and_tag(record: dict[str, Any], rng: np.random.Generator) -> dict[str,
     image = image[:, ::-1, :]
   return {**record, "image": np.ascontiguousarray(image),
           "noise": np.float32(rng.standard_normal())}
+
+
+# -- stream pipelines: not 1:1, served as stream datasets (server/data/stream.py) ----
+
+
+class _KeepLabels:
+  """A filter's predicate; picklable."""
+
+  def __init__(self, labels: list[int]):
+    self.labels = frozenset(labels)
+
+  def __call__(self, record: dict[str, Any]) -> bool:
+    return int(record["label"]) in self.labels
+
+
+def decode_some(ds: grain.MapDataset, *, height: int, width: int, channels: int = 1,
+                labels: list[int]) -> grain.MapDataset:
+  """`decode_images`, keeping only the records whose label is in `labels`
+  (a filter: the dataset becomes a stream dataset)."""
+  return decode_images(ds, height=height, width=width, channels=channels).filter(
+      _KeepLabels(labels))
+
+
+class _Rows(grain.experimental.FlatMapTransform):
+  """An image's first label % height + 1 rows, one element each."""
+
+  def __init__(self, height: int):
+    self.max_fan_out = height
+
+  def flat_map(self, record: dict[str, Any]) -> list[dict[str, Any]]:
+    image = record["image"]
+    n = int(record["label"]) % len(image) + 1
+    return [{"id": record["id"], "row": np.int32(r), "pixels": image[r]} for r in range(n)]
+
+
+def decode_rows(ds: grain.MapDataset, *, height: int, width: int,
+                channels: int = 1) -> grain.MapDataset:
+  """`decode_images`, each image then split into some of its rows (a
+  flat_map, 1 to `height` elements per record: a stream dataset)."""
+  return grain.experimental.FlatMapMapDataset(
+      decode_images(ds, height=height, width=width, channels=channels), _Rows(height))
+
+
+def only_labels(ds: grain.MapDataset, *, labels: list[int]) -> grain.MapDataset:
+  """Decoded records (a mixture's, say) whose label is in `labels`: a filter."""
+  return ds.filter(_KeepLabels(labels))
+
+
+def batch_centered(values: list[dict[str, Any]]) -> dict[str, np.ndarray]:
+  """A batch function (Grain's `batch_fn`): the records stacked, their images
+  as float32 less the batch's mean image."""
+  out = {key: np.stack([v[key] for v in values]) for key in values[0]}
+  images = out["image"].astype(np.float32)
+  out["image"] = images - images.mean(axis=0, keepdims=True)
+  return out

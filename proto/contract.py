@@ -110,3 +110,16 @@ def stream_fingerprint(definition: Mapping[str, Any]) -> str:
   that yield the same records."""
   text = json.dumps(definition, sort_keys=True, default=repr)
   return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def position_text(state: Any) -> str:
+  """A stream dataset's position (its Grain iterator's state) as the JSON
+  that travels and is saved: sorted keys, no spaces, so that one position is
+  one string on every host, and numpy scalars as plain numbers."""
+  return json.dumps(state, sort_keys=True, separators=(",", ":"), default=_plain_number)
+
+
+def _plain_number(value: Any) -> Any:
+  if hasattr(value, "item") and hasattr(value, "dtype"):  # a numpy scalar
+    return value.item()
+  raise TypeError(f"a stream position holds a {type(value).__name__}, which is not JSON")

@@ -41,7 +41,7 @@ class ServerInfo(_message.Message):
     def __init__(self, worker_index: _Optional[int] = ..., num_workers: _Optional[int] = ..., bulk_port: _Optional[int] = ...) -> None: ...
 
 class DatasetInfo(_message.Message):
-    __slots__ = ("name", "num_records", "num_epochs", "shuffle", "seed", "config_fingerprint", "element_spec", "global_batch_size", "steps_per_epoch", "total_steps", "pad_remainder", "segment_steps", "segment_fingerprints")
+    __slots__ = ("name", "num_records", "num_epochs", "shuffle", "seed", "config_fingerprint", "element_spec", "global_batch_size", "steps_per_epoch", "total_steps", "pad_remainder", "segment_steps", "segment_fingerprints", "stream", "stream_start")
     NAME_FIELD_NUMBER: _ClassVar[int]
     NUM_RECORDS_FIELD_NUMBER: _ClassVar[int]
     NUM_EPOCHS_FIELD_NUMBER: _ClassVar[int]
@@ -55,6 +55,8 @@ class DatasetInfo(_message.Message):
     PAD_REMAINDER_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_STEPS_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_FINGERPRINTS_FIELD_NUMBER: _ClassVar[int]
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    STREAM_START_FIELD_NUMBER: _ClassVar[int]
     name: str
     num_records: int
     num_epochs: int
@@ -68,7 +70,9 @@ class DatasetInfo(_message.Message):
     pad_remainder: bool
     segment_steps: _containers.RepeatedScalarFieldContainer[int]
     segment_fingerprints: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, name: _Optional[str] = ..., num_records: _Optional[int] = ..., num_epochs: _Optional[int] = ..., shuffle: _Optional[bool] = ..., seed: _Optional[int] = ..., config_fingerprint: _Optional[str] = ..., element_spec: _Optional[_Union[ElementSpec, _Mapping]] = ..., global_batch_size: _Optional[int] = ..., steps_per_epoch: _Optional[int] = ..., total_steps: _Optional[int] = ..., pad_remainder: _Optional[bool] = ..., segment_steps: _Optional[_Iterable[int]] = ..., segment_fingerprints: _Optional[_Iterable[str]] = ...) -> None: ...
+    stream: bool
+    stream_start: str
+    def __init__(self, name: _Optional[str] = ..., num_records: _Optional[int] = ..., num_epochs: _Optional[int] = ..., shuffle: _Optional[bool] = ..., seed: _Optional[int] = ..., config_fingerprint: _Optional[str] = ..., element_spec: _Optional[_Union[ElementSpec, _Mapping]] = ..., global_batch_size: _Optional[int] = ..., steps_per_epoch: _Optional[int] = ..., total_steps: _Optional[int] = ..., pad_remainder: _Optional[bool] = ..., segment_steps: _Optional[_Iterable[int]] = ..., segment_fingerprints: _Optional[_Iterable[str]] = ..., stream: _Optional[bool] = ..., stream_start: _Optional[str] = ...) -> None: ...
 
 class ElementSpec(_message.Message):
     __slots__ = ("structure", "leaves")
@@ -89,7 +93,7 @@ class LeafSpec(_message.Message):
     def __init__(self, path: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class BatchRequest(_message.Message):
-    __slots__ = ("dataset", "global_batch_size", "shard_index", "shard_count", "start_step", "num_steps", "config_fingerprint", "compression", "record_offset")
+    __slots__ = ("dataset", "global_batch_size", "shard_index", "shard_count", "start_step", "num_steps", "config_fingerprint", "compression", "record_offset", "stream_state")
     DATASET_FIELD_NUMBER: _ClassVar[int]
     GLOBAL_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -99,6 +103,7 @@ class BatchRequest(_message.Message):
     CONFIG_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     COMPRESSION_FIELD_NUMBER: _ClassVar[int]
     RECORD_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    STREAM_STATE_FIELD_NUMBER: _ClassVar[int]
     dataset: str
     global_batch_size: int
     shard_index: int
@@ -108,7 +113,8 @@ class BatchRequest(_message.Message):
     config_fingerprint: str
     compression: Compression
     record_offset: int
-    def __init__(self, dataset: _Optional[str] = ..., global_batch_size: _Optional[int] = ..., shard_index: _Optional[int] = ..., shard_count: _Optional[int] = ..., start_step: _Optional[int] = ..., num_steps: _Optional[int] = ..., config_fingerprint: _Optional[str] = ..., compression: _Optional[_Union[Compression, str]] = ..., record_offset: _Optional[int] = ...) -> None: ...
+    stream_state: str
+    def __init__(self, dataset: _Optional[str] = ..., global_batch_size: _Optional[int] = ..., shard_index: _Optional[int] = ..., shard_count: _Optional[int] = ..., start_step: _Optional[int] = ..., num_steps: _Optional[int] = ..., config_fingerprint: _Optional[str] = ..., compression: _Optional[_Union[Compression, str]] = ..., record_offset: _Optional[int] = ..., stream_state: _Optional[str] = ...) -> None: ...
 
 class Tensor(_message.Message):
     __slots__ = ("dtype", "shape", "data", "compression")
@@ -123,12 +129,14 @@ class Tensor(_message.Message):
     def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., compression: _Optional[_Union[Compression, str]] = ...) -> None: ...
 
 class Batch(_message.Message):
-    __slots__ = ("step", "leaves")
+    __slots__ = ("step", "leaves", "next_stream_state")
     STEP_FIELD_NUMBER: _ClassVar[int]
     LEAVES_FIELD_NUMBER: _ClassVar[int]
+    NEXT_STREAM_STATE_FIELD_NUMBER: _ClassVar[int]
     step: int
     leaves: _containers.RepeatedCompositeFieldContainer[Tensor]
-    def __init__(self, step: _Optional[int] = ..., leaves: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ...) -> None: ...
+    next_stream_state: str
+    def __init__(self, step: _Optional[int] = ..., leaves: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., next_stream_state: _Optional[str] = ...) -> None: ...
 
 class BulkRequest(_message.Message):
     __slots__ = ("request", "auth_token")

@@ -86,6 +86,12 @@ class DatasetInfo:
   # a cursor inside each segment names in place of config_fingerprint.
   segment_steps: tuple[int, ...] = ()
   segment_fingerprints: tuple[str, ...] = ()
+  # A stream dataset (server/data/stream.py): batches are the k-th of its Grain
+  # pipeline, found from a stream position, not from step arithmetic; its
+  # steps are not known ahead (total_steps is None) and num_records counts
+  # its source's records per epoch.
+  stream: bool = False
+  stream_start: str = ""  # a stream dataset's first position (JSON), where step 0 starts
 
   def cursor_fingerprint(self, step: int) -> str:
     """What a cursor at `step` names: the whole config's fingerprint, or for a
@@ -100,11 +106,14 @@ class DatasetInfo:
     return self.num_epochs == 0
 
   def steps_per_epoch(self, global_batch_size: int) -> int:
+    if self.stream:
+      return 0
     return contract.steps_per_epoch(self.num_records, global_batch_size)
 
   def total_steps(self, global_batch_size: int, record_offset: int = 0) -> int | None:
-    """Steps in the stream from `record_offset` on, or None if it repeats forever."""
-    if self.repeats_forever:
+    """Steps in the stream from `record_offset` on, or None if it repeats
+    forever or is a stream dataset (whose end shows only when it comes)."""
+    if self.repeats_forever or self.stream:
       return None
     return contract.total_steps(self.stream_length, global_batch_size, record_offset,
                                 self.drop_remainder)
@@ -116,8 +125,9 @@ class DatasetInfo:
         config_fingerprint=self.config_fingerprint,
         element_spec=self.element_spec.to_proto(),
         global_batch_size=global_batch_size, pad_remainder=not self.drop_remainder,
-        segment_steps=self.segment_steps, segment_fingerprints=self.segment_fingerprints)
-    if global_batch_size > 0:
+        segment_steps=self.segment_steps, segment_fingerprints=self.segment_fingerprints,
+        stream=self.stream, stream_start=self.stream_start)
+    if global_batch_size > 0 and not self.stream:
       msg.steps_per_epoch = self.steps_per_epoch(global_batch_size)
       total = self.total_steps(global_batch_size)
       msg.total_steps = -1 if total is None else total
@@ -132,5 +142,6 @@ class DatasetInfo:
                num_epochs=msg.num_epochs, shuffle=msg.shuffle, seed=msg.seed,
                config_fingerprint=msg.config_fingerprint, element_spec=spec,
                stream_length=length, drop_remainder=not msg.pad_remainder,
-               segment_steps=tuple(msg.segment_steps),
+               segment_steps=tuple(msg.segment_steps), stream=msg.stream,
+               stream_start=msg.stream_start,
                segment_fingerprints=tuple(msg.segment_fingerprints))

@@ -86,10 +86,12 @@ def _tensor_data(a: np.ndarray | RowStack, compression: int
 
 
 def encode_batch_parts(step: int, leaves: Sequence[np.ndarray | RowStack],
-                       compression: int = COMPRESSION_NONE) -> list[Any]:
+                       compression: int = COMPRESSION_NONE,
+                       next_stream_state: str = "") -> list[Any]:
   """The proto3 encoding of a Batch as a list of buffers, tensor data not
   copied (unless compressed): a socket can send them with one `sendmsg`.
-  A RowStack leaf contributes one buffer per row (proto/rows.py)."""
+  A RowStack leaf contributes one buffer per row (proto/rows.py).
+  `next_stream_state`: a stream dataset's position after this step."""
   parts: list[Any] = []
   if step:
     parts += [b"\x08", varint.encode(step)]
@@ -107,13 +109,17 @@ def encode_batch_parts(step: int, leaves: Sequence[np.ndarray | RowStack],
     parts += [b"\x12", varint.encode(len(head_bytes) + size + len(tail)), head_bytes, *data]
     if tail:
       parts.append(tail)
+  if next_stream_state:
+    state = next_stream_state.encode()
+    parts += [b"\x1a", varint.encode(len(state)), state]
   return parts
 
 
 def encode_batch_bytes(step: int, leaves: Sequence[np.ndarray | RowStack],
-                       compression: int = COMPRESSION_NONE) -> bytes:
+                       compression: int = COMPRESSION_NONE,
+                       next_stream_state: str = "") -> bytes:
   """The serialized Batch in one buffer (one copy of the tensor data)."""
-  return b"".join(encode_batch_parts(step, leaves, compression))
+  return b"".join(encode_batch_parts(step, leaves, compression, next_stream_state))
 
 
 def _decompress(frame: memoryview, size: int) -> bytes:
@@ -187,8 +193,17 @@ def _decode_tensor(data: Any, buf: memoryview, pos: int, end: int,
 
 def decode_batch_bytes(data: Any, expect: Sequence[LeafSpec] | None = None
                        ) -> tuple[int, list[np.ndarray]]:
-  """(step, leaves) of a serialized Batch (bytes or any byte buffer); raw
-  leaves are views of `data`, compressed ones own their bytes.
+  """(step, leaves) of a serialized Batch: `decode_batch_message` without
+  the stream position."""
+  step, leaves, _ = decode_batch_message(data, expect)
+  return step, leaves
+
+
+def decode_batch_message(data: Any, expect: Sequence[LeafSpec] | None = None
+                         ) -> tuple[int, list[np.ndarray], str]:
+  """(step, leaves, next_stream_state) of a serialized Batch (bytes or any
+  byte buffer); raw leaves are views of `data`, compressed ones own their
+  bytes.
 
   `expect`: the leaves the batch must hold, in order (a client's
   `ElementSpec.batch_leaves`); each Tensor's dtype and shape are checked
@@ -196,7 +211,7 @@ def decode_batch_bytes(data: Any, expect: Sequence[LeafSpec] | None = None
   message that is malformed or breaks `expect`.
   """
   buf = memoryview(data)
-  pos, step, leaves = 0, 0, []
+  pos, step, leaves, state = 0, 0, [], ""
   try:
     while pos < len(buf):
       key, pos = varint.decode(buf, pos)
@@ -216,6 +231,15 @@ def decode_batch_bytes(data: Any, expect: Sequence[LeafSpec] | None = None
           where = f"leaf {len(leaves)}" + (f" ({want.path!r})" if want else "")
           raise BadBatchError(f"{where}: {e}") from None
         pos += n
+      elif field == 3 and wire_type == varint.LEN:
+        n, pos = varint.decode(buf, pos)
+        if pos + n > len(buf):
+          raise BadBatchError("next_stream_state overruns its Batch message")
+        try:
+          state = bytes(buf[pos:pos + n]).decode()
+        except UnicodeDecodeError as e:
+          raise BadBatchError(f"next_stream_state is not UTF-8: {e}") from None
+        pos += n
       else:
         pos = varint.skip(buf, pos, wire_type)
   except BadBatchError:
@@ -226,7 +250,7 @@ def decode_batch_bytes(data: Any, expect: Sequence[LeafSpec] | None = None
     raise BadBatchError("truncated Batch message")
   if expect is not None and len(leaves) != len(expect):
     raise BadBatchError(f"{len(leaves)} leaves where the element spec has {len(expect)}")
-  return step, leaves
+  return step, leaves, state
 
 
 def decode_batch(data: Any, structure: tree.Structure) -> tuple[int, Any]:

@@ -40,10 +40,10 @@ def assert_streams_equal(a: Iterable[Any], b: Iterable[Any]) -> int:
 def oracle_batch(oracle, dataset: str, step: int, g: int, h: int = 0, n: int = 1) -> Any:
   """Host h of n's batch for `step`, computed in-process."""
   (info,) = oracle.describe(dataset)
-  (leaves,) = oracle.fetch(pb.BatchRequest(
+  (got,) = oracle.fetch(pb.BatchRequest(
       dataset=dataset, global_batch_size=g, shard_index=h, shard_count=n,
       start_step=step, num_steps=1))
-  return tree.unflatten(info.element_spec.structure, leaves)
+  return tree.unflatten(info.element_spec.structure, got.leaves)
 
 
 def worker_pids(server) -> list[int]:

@@ -78,6 +78,19 @@ def _make_dataset(args: argparse.Namespace) -> int:
   return 0
 
 
+def _make_tokenizer(args: argparse.Namespace) -> int:
+  from grain_elevator.tools import tokenizer  # pylint: disable=g-import-not-at-top
+  try:
+    out = tokenizer.train(args.out, args.vocab_size)
+  except ImportError:
+    print("elevator: error: make-tokenizer needs the `tokenizers` package: "
+          "pip install 'grain-elevator[text]'", file=sys.stderr)
+    return 2
+  print(f"wrote {out}: a byte-level BPE of {args.vocab_size} tokens trained on CPython's "
+        "pydoc topics")
+  return 0
+
+
 def _bench(args: argparse.Namespace) -> int:
   from grain_elevator.tools.bench import run  # pylint: disable=g-import-not-at-top
   report = run.run(
@@ -85,7 +98,7 @@ def _bench(args: argparse.Namespace) -> int:
       workers=[int(w) for w in args.workers.split(",")], repeats=args.repeats,
       seconds=args.seconds, warmup_s=args.warmup,
       records={"small": args.small_records, "large": args.large_records,
-               "image": args.image_records},
+               "image": args.image_records, "text": args.text_records},
       tfdata=not args.no_tfdata)
   print(run.table(report))
   if args.json:
@@ -144,6 +157,11 @@ def _demo(args: argparse.Namespace) -> int:
                   source=args.source, fmt=args.format)
 
 
+def _demo_lm(args: argparse.Namespace) -> int:
+  from grain_elevator.tools import demo_lm  # pylint: disable=g-import-not-at-top
+  return demo_lm.run(steps=args.steps, workers=args.workers, data_dir=args.data_dir)
+
+
 def _convert(args: argparse.Namespace) -> int:
   from grain_elevator.tools.convert import cli as convert_cli  # pylint: disable=g-import-not-at-top
   return convert_cli.run(args)
@@ -194,11 +212,20 @@ def build_parser() -> argparse.ArgumentParser:
                       "tfds if tensorflow-datasets is installed")
   p.set_defaults(fn=_make_dataset)
 
+  p = sub.add_parser("make-tokenizer",
+                     help="train a byte-level BPE for the text pipelines, locally, from "
+                          "text that ships with CPython")
+  p.add_argument("out", help="the tokenizers JSON file to write")
+  p.add_argument("--vocab-size", type=int, default=4096, help="tokens (default 4096)")
+  p.set_defaults(fn=_make_tokenizer)
+
   p = sub.add_parser("bench", help="measure against local Grain, tf.data service "
                                    "and the wire's limit")
   p.add_argument("--workloads", default="small,large",
-                 help="any of small,large,image (default small,large); image: JPEG "
-                      "decode + random resized crop + flip (needs grain-elevator[images])")
+                 help="any of small,large,image,text (default small,large); image: JPEG "
+                      "decode + random resized crop + flip (needs grain-elevator[images]); "
+                      "text: tokenize, chunk and pack documents for a language model "
+                      "(needs grain-elevator[text])")
   p.add_argument("--data", default=None,
                  help="folder for the benchmark's shards (default: a temp folder, "
                       "reused across runs)")
@@ -213,6 +240,8 @@ def build_parser() -> argparse.ArgumentParser:
                  help="records in the large workload (default 4,000)")
   p.add_argument("--image-records", type=int, default=0,
                  help="records in the image workload (default 2,000)")
+  p.add_argument("--text-records", type=int, default=0,
+                 help="documents in the text workload (default 20,000)")
   p.add_argument("--json", default=None, help="also write the full results here")
   p.add_argument("--plot", default=None, help="also draw a PNG here (needs matplotlib)")
   p.add_argument("--no-tfdata", action="store_true",
@@ -251,6 +280,13 @@ def build_parser() -> argparse.ArgumentParser:
                       "arrayrecord: shards of the example record format; auto "
                       "(default): tfds if tensorflow-datasets is installed")
   p.set_defaults(fn=_demo)
+
+  p = sub.add_parser("demo-lm", help="train a small language model from packed text "
+                                     "served by a stream dataset, stop, resume, check")
+  p.add_argument("--steps", type=int, default=120, help="training steps (default 120)")
+  p.add_argument("--workers", type=int, default=2, help="server worker processes")
+  p.add_argument("--data-dir", default=None, help="where to write the data (default: temp)")
+  p.set_defaults(fn=_demo_lm)
 
   from grain_elevator.tools.convert import cli as convert_cli  # pylint: disable=g-import-not-at-top
   p = sub.add_parser("convert", help="convert TFRecord, image folders, Parquet or .npz "

@@ -14,6 +14,7 @@ a `BadReplyError`, which the pool retries on another replica.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from typing import Any, Iterator, Protocol, Sequence
 
@@ -25,7 +26,19 @@ from grain_elevator.proto import errors
 from grain_elevator.proto import wire
 from grain_elevator.proto.spec import LeafSpec
 
-Steps = Iterator[tuple[int, list[np.ndarray]]]
+
+
+@dataclasses.dataclass
+class Step:
+  """One step as it arrived: its leaves, and for a stream dataset the
+  position after it (the stream_state a request for the next step names)."""
+
+  leaves: list[np.ndarray]
+  next_stream_state: str = ""
+
+
+# What a connection yields per step: (step, leaves, next_stream_state).
+Steps = Iterator[tuple[int, list[np.ndarray], str]]
 # The longest Describe answer a client accepts (a few KiB is usual), and the
 # limit on batches of a channel opened before any element spec is known.
 MAX_CONTROL_MESSAGE_BYTES = 4 << 20
@@ -60,7 +73,8 @@ class BadReplyError(TransportError):
 
 
 def decode_step(payload: Any, request: pb.BatchRequest, index: int, max_bytes: int,
-                expect: Sequence[LeafSpec] | None, server: str) -> tuple[int, list[np.ndarray]]:
+                expect: Sequence[LeafSpec] | None, server: str
+                ) -> tuple[int, list[np.ndarray], str]:
   """Step `index` of `request` from a received Batch, checked against its
   size bound, `expect` (the leaves the spec gives it) and the step it must
   be. `server` names the sender and its transport for the error."""
@@ -70,14 +84,14 @@ def decode_step(payload: Any, request: pb.BatchRequest, index: int, max_bytes: i
         f"{server} sent {len(payload)} bytes for dataset {request.dataset!r} step {step}, "
         f"over the {max_bytes} its element spec allows")
   try:
-    got, leaves = wire.decode_batch_bytes(payload, expect)
+    got, leaves, state = wire.decode_batch_message(payload, expect)
   except wire.BadBatchError as e:
     raise BadReplyError(f"{server} sent a bad batch for dataset {request.dataset!r} "
                         f"step {step}: {e}") from None
   if got != step:
     raise BadReplyError(f"{server} sent step {got} for dataset {request.dataset!r} "
                         f"step {step}")
-  return got, leaves
+  return got, leaves, state
 
 
 class CancelToken:
@@ -117,7 +131,7 @@ class Connection(Protocol):
 
   def stream(self, request: pb.BatchRequest, *, timeout_s: float, token: CancelToken,
              max_frame_bytes: int, expect: Sequence[LeafSpec] | None = None) -> Steps:
-    """(step, leaves) for each step of `request`, in order; TransportError
+    """(step, leaves, next_stream_state) for each step of `request`, in order; TransportError
     on failure. `timeout_s` bounds the request (bulk: each wait for data). A
     step message over `max_frame_bytes`, or whose leaves are not those
     `expect` gives, is a BadReplyError before it is decoded; what is

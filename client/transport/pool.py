@@ -25,16 +25,16 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import zlib
 from typing import Any, Callable, Sequence, TypeVar
 
 import grpc
-import numpy as np
 
 from grain_elevator.client.options import RetryPolicy, Security, TransportOptions
 from grain_elevator.client.transport.buffers import BufferPool
 from grain_elevator.client.transport.bulk_connection import BulkConnection
 from grain_elevator.client.transport.connection import (MAX_CONTROL_MESSAGE_BYTES,
-                                                        BadReplyError, CancelToken,
+                                                        BadReplyError, CancelToken, Step,
                                                         TransportError)
 from grain_elevator.client.transport.grpc_connection import GrpcConnection
 from grain_elevator.client.transport.retry import REFUSED, RETRIABLE, Retrier
@@ -355,7 +355,7 @@ class ConnectionPool:
     return infos
 
   def fetch(self, request: pb.BatchRequest, token: CancelToken,
-            out: list[list[np.ndarray]] | None = None) -> list[list[np.ndarray]]:
+            out: list[Step] | None = None) -> list[Step]:
     """Steps [start, start+num) of `request`, in order, from any replica.
 
     Each step is appended to `out` (a new list by default) as it arrives, so
@@ -367,24 +367,33 @@ class ConnectionPool:
     limit, expect = self._expect(request)
     self._refresh_if_due()
     out = [] if out is None else out
+    info = self._infos.get(request.dataset)
+    if info is not None and info.stream:
+      # A stream's chunks all go to one worker, whose live iterator continues
+      # from each chunk's end (server/serving/stream_sessions.py).
+      route = zlib.crc32(f"{request.dataset}/{info.config_fingerprint}".encode())
+    else:
+      route = request.start_step // max(1, request.num_steps)
     liars: set[tuple[str, str]] = set()
 
-    def attempt(slots: Slots | None) -> list[list[np.ndarray]]:
+    def attempt(slots: Slots | None) -> list[Step]:
       assert slots is not None
       remaining = pb.BatchRequest()
       remaining.CopyFrom(request)
       remaining.start_step = request.start_step + len(out)
       remaining.num_steps = request.num_steps - len(out)
+      if out and out[-1].next_stream_state:
+        remaining.stream_state = out[-1].next_stream_state  # a stream: after the last
 
       def stream(slot: Slot) -> None:
-        for _, leaves in slot.conn.stream(remaining, timeout_s=self.retry.request_timeout_s,
-                                          token=token, max_frame_bytes=limit, expect=expect):
-          out.append(leaves)  # the step it must be, checked (transport.decode_step)
+        for _, leaves, state in slot.conn.stream(
+            remaining, timeout_s=self.retry.request_timeout_s, token=token,
+            max_frame_bytes=limit, expect=expect):
+          out.append(Step(leaves, state))  # the step it must be, checked (decode_step)
           slot.served += 1
 
       try:
-        self._with_slot(slots, stream, lambda: token.cancelled,
-                        route=request.start_step // max(1, request.num_steps))
+        self._with_slot(slots, stream, lambda: token.cancelled, route=route)
       except BadReplyError as e:
         self._retrier.lied(e, liars, {s.replica for s in self._data if not s.retired})
         raise

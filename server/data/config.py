@@ -5,7 +5,7 @@
 paths = ["shards/train-*.array_record"]  # globs, relative to this file's folder
 # or, in place of `paths`, a prepared TFDS dataset (server/data/tfds_source.py):
 # tfds = "mnist:3.0.1"   split = "train[:90%]"   data_dir = "tfds_data"
-pipeline = "package.module:function"     # optional, 1:1 record-level MapDataset
+pipeline = "package.module:function"     # optional: MapDataset -> MapDataset
 batch_transform = "package.module:fn"    # optional, the same on a whole batch
 seed = 42
 shuffle = true
@@ -29,6 +29,19 @@ step = 50
 weights = { a = 0.2, b = 0.8 }
 ```
 
+A stream dataset (server/data/stream.py) is one whose `pipeline` filters or
+flat-maps, or that names what runs after it:
+
+```toml
+[datasets.lm]
+paths = ["text/*.array_record"]          # or tfds = ..., or source = "mix":
+                                         # a registered mixture of fixed weights
+pipeline = "lm.pipes:tokenize"           # MapDataset -> MapDataset (holes allowed)
+iter_pipeline = "lm.pipes:pack"          # IterDataset -> IterDataset, optional
+batch_fn = "lm.pipes:collate"            # Grain's batch_fn, optional
+[datasets.lm.iter_options]               # keyword arguments for `iter_pipeline`
+```
+
 Clients only name a dataset; paths and code come from this file alone.
 """
 
@@ -47,8 +60,11 @@ from grain_elevator.proto.errors import ConfigError
 if TYPE_CHECKING:
   from grain_elevator.server.data.tfds_source import TfdsSplit
 
-_KEYS = {"paths", "tfds", "split", "data_dir", "pipeline", "batch_transform", "seed",
-         "shuffle", "num_epochs", "drop_remainder", "options", "mixture", "schedule"}
+_KEYS = {"paths", "tfds", "split", "data_dir", "source", "pipeline", "batch_transform",
+         "iter_pipeline", "batch_fn", "seed", "shuffle", "num_epochs", "drop_remainder",
+         "options", "iter_options", "mixture", "schedule"}
+# What a dataset reads: exactly one of these.
+_SOURCE_KEYS = ("paths", "tfds", "source")
 _TFDS_KEYS = {"split", "data_dir"}
 _MIXTURE_KEYS = {"mixture", "schedule"}
 _TOP_KEYS = {"datasets"}
@@ -74,6 +90,22 @@ class DatasetConfig:
   # A mixture in place of a source: (first global step, ((component, weight), ...))
   # per segment, steps increasing from 0, weights normalised (server/data/mixture.py).
   schedule: tuple[tuple[int, tuple[tuple[str, float], ...]], ...] | None = None
+  # A stream dataset's keys (server/data/stream.py): the registered mixture of
+  # fixed weights whose records it reads (in place of files), what runs after
+  # `pipeline` on its IterDataset, and the batch function.
+  source: str | None = None
+  iter_pipeline: str | None = None
+  batch_fn: str | None = None
+  iter_options: dict[str, Any] = dataclasses.field(default_factory=dict)
+  # The config file's folder: where relative paths in options are taken from
+  # (grain_elevator.pipelines.config_path).
+  base_dir: str = ""
+
+  @property
+  def names_a_stream(self) -> bool:
+    """Whether the config alone makes it a stream dataset (a pipeline that
+    filters or flat-maps makes it one too, found when it is opened)."""
+    return bool(self.iter_pipeline or self.batch_fn or self.source)
 
   def pipeline_fn(self) -> Callable[..., Any] | None:
     return None if self.pipeline is None else import_function(
@@ -82,6 +114,14 @@ class DatasetConfig:
   def batch_transform_fn(self) -> Callable[..., Any] | None:
     return None if self.batch_transform is None else import_function(
         self.name, "batch_transform", self.batch_transform)
+
+  def iter_pipeline_fn(self) -> Callable[..., Any] | None:
+    return None if self.iter_pipeline is None else import_function(
+        self.name, "iter_pipeline", self.iter_pipeline)
+
+  def batch_fn_fn(self) -> Callable[..., Any] | None:
+    return None if self.batch_fn is None else import_function(
+        self.name, "batch_fn", self.batch_fn)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,7 +168,7 @@ def _expect(dataset: str, key: str, value: Any, cls: type, what: str) -> None:
 
 def _expand_paths(name: str, table: dict[str, Any], base_dir: pathlib.Path) -> set[str]:
   if "paths" not in table:
-    raise ConfigError(f"dataset {name!r}: key 'paths' (or 'tfds') is required")
+    raise ConfigError(f"dataset {name!r}: key 'paths' (or 'tfds', or 'source') is required")
   given = sorted(_TFDS_KEYS & set(table))
   if given:
     raise ConfigError(
@@ -217,8 +257,17 @@ def _parse_mixture(name: str, table: dict[str, Any]) -> DatasetConfig:
 
 
 def check_mixtures(datasets: dict[str, DatasetConfig]) -> None:
-  """Every mixture's components are registered datasets that are not mixtures."""
+  """Every mixture's components are registered datasets that are not mixtures,
+  and a stream's `source` is a registered mixture of fixed weights."""
   for name, config in datasets.items():
+    if config.source is not None:
+      target = datasets.get(config.source)
+      if target is None or target.schedule is None or len(target.schedule) != 1:
+        raise ConfigError(
+            f"dataset {name!r}: key 'source' must name a registered mixture of fixed "
+            f"weights (mixture = {{...}}), got {config.source!r}"
+            + ("" if target is None else " (a dataset that is not one)" if target.schedule
+               is None else " (a mixture with a schedule)"))
     for _, weights in config.schedule or ():
       for component, _ in weights:
         target = datasets.get(component)
@@ -241,11 +290,23 @@ def parse_dataset(name: str, table: Any, base_dir: pathlib.Path) -> DatasetConfi
         f"dataset {name!r}: unknown key(s) {', '.join(map(repr, unknown))}; "
         f"allowed: {', '.join(sorted(_KEYS))}"
     )
-  if "tfds" in table:
+  given = [k for k in _SOURCE_KEYS if k in table]
+  if len(given) > 1:
+    raise ConfigError(f"dataset {name!r}: give one of {', '.join(map(repr, _SOURCE_KEYS))}, "
+                      f"not {' and '.join(map(repr, given))}")
+  source = table.get("source")
+  tfds_split, files = None, set()
+  if source is not None:
+    _expect(name, "source", source, str, "the name of a registered mixture")
+    stray = sorted((_TFDS_KEYS | {"seed", "shuffle", "num_epochs"}) & set(table))
+    if stray:
+      raise ConfigError(f"dataset {name!r}: key(s) {', '.join(map(repr, stray))} mean "
+                        "nothing with 'source': the mixture's components keep their own, "
+                        "and its records repeat forever")
+  elif "tfds" in table:
     tfds_split = _parse_tfds(name, table, base_dir)
-    files: set[str] = set(tfds_split.files)
+    files = set(tfds_split.files)
   else:
-    tfds_split = None
     files = _expand_paths(name, table, base_dir)
 
   seed = table.get("seed", 0)
@@ -254,7 +315,7 @@ def parse_dataset(name: str, table: Any, base_dir: pathlib.Path) -> DatasetConfi
     raise ConfigError(f"dataset {name!r}: key 'seed' must be in [0, 2**32), got {seed}")
   shuffle = table.get("shuffle", True)
   _expect(name, "shuffle", shuffle, bool, "true or false")
-  num_epochs = table.get("num_epochs", 1)
+  num_epochs = table.get("num_epochs", 0 if source is not None else 1)  # a mixture: forever
   _expect(name, "num_epochs", num_epochs, int, "an integer >= 0 (0 = forever)")
   if num_epochs < 0:
     raise ConfigError(
@@ -277,15 +338,32 @@ def parse_dataset(name: str, table: Any, base_dir: pathlib.Path) -> DatasetConfi
   _expect(name, "options", options, dict, "a table of keyword arguments")
   if options and pipeline is None and batch_transform is None:
     raise ConfigError(f"dataset {name!r}: key 'options' given without a 'pipeline'")
+  iter_pipeline, batch_fn = table.get("iter_pipeline"), table.get("batch_fn")
+  for key, value in (("iter_pipeline", iter_pipeline), ("batch_fn", batch_fn)):
+    if value is not None:
+      _expect(name, key, value, str, "a 'package.module:function' string")
+  iter_options = table.get("iter_options", {})
+  _expect(name, "iter_options", iter_options, dict, "a table of keyword arguments")
+  if iter_options and iter_pipeline is None:
+    raise ConfigError(f"dataset {name!r}: key 'iter_options' given without an "
+                      "'iter_pipeline'")
+  if batch_transform is not None and (iter_pipeline or batch_fn or source):
+    raise ConfigError(f"dataset {name!r}: 'batch_transform' is a whole-batch fast path for "
+                      "a 1:1 pipeline; a stream dataset ('iter_pipeline', 'batch_fn', "
+                      "'source') batches with Grain ('batch_fn')")
 
   config = DatasetConfig(
       name=name, files=tuple(sorted(files)), pipeline=pipeline,
       batch_transform=batch_transform, seed=seed,
       shuffle=shuffle, num_epochs=num_epochs, drop_remainder=drop_remainder,
-      options=dict(options), tfds=tfds_split,
+      options=dict(options), tfds=tfds_split, source=source,
+      iter_pipeline=iter_pipeline, batch_fn=batch_fn, iter_options=dict(iter_options),
+      base_dir=str(base_dir),
   )
   config.pipeline_fn()  # Fail at start-up, not on the first request.
   config.batch_transform_fn()
+  config.iter_pipeline_fn()
+  config.batch_fn_fn()
   return config
 
 

@@ -15,10 +15,12 @@ import dataclasses
 import logging
 import os
 import threading
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import grain
 import numpy as np
+
+from grain_elevator import pipelines
 
 from grain_elevator.proto import contract
 from grain_elevator.proto import tree
@@ -78,12 +80,16 @@ def build_records(config: DatasetConfig, source: Any | None = None) -> grain.Map
   return apply_pipeline(config, build_raw_records(config, source))
 
 
-def apply_pipeline(config: DatasetConfig, ds: grain.MapDataset) -> grain.MapDataset:
+def apply_pipeline(config: DatasetConfig, ds: grain.MapDataset, *,
+                   one_to_one: bool = True) -> grain.MapDataset:
+  """`pipeline(ds, **options)`; `one_to_one`: refuse one that changes the
+  number of records (a stream dataset's may: server/data/stream.py)."""
   fn = config.pipeline_fn()
   if fn is None:
     return ds
   try:
-    out = fn(ds, **config.options)
+    with pipelines.building_from(config.base_dir):
+      out = fn(ds, **config.options)
   except Exception as e:
     raise ConfigError(
         f"dataset {config.name!r}: pipeline {config.pipeline!r} failed: "
@@ -93,7 +99,7 @@ def apply_pipeline(config: DatasetConfig, ds: grain.MapDataset) -> grain.MapData
         f"dataset {config.name!r}: pipeline {config.pipeline!r} returned "
         f"{type(out).__name__}, expected a grain.MapDataset (random access is "
         "what lets any worker serve any step)")
-  if len(out) != len(ds):
+  if one_to_one and len(out) != len(ds):
     raise ConfigError(
         f"dataset {config.name!r}: pipeline {config.pipeline!r} changed the "
         f"number of records ({len(ds)} -> {len(out)}); it must be 1:1 "
@@ -115,6 +121,9 @@ def fingerprint(config: DatasetConfig, num_records: int,
     fields["tfds"] = config.tfds.fingerprint_fields()
   if not config.drop_remainder:  # likewise
     fields["drop_remainder"] = False
+  if config.iter_pipeline or config.batch_fn or config.iter_options:  # likewise
+    fields["stream"] = {"iter_pipeline": config.iter_pipeline, "batch_fn": config.batch_fn,
+                        "iter_options": config.iter_options}
   return contract.stream_fingerprint({
       **fields,
       "name": config.name,
@@ -129,6 +138,89 @@ def fingerprint(config: DatasetConfig, num_records: int,
   })
 
 
+@dataclasses.dataclass
+class OpenedSource:
+  """A dataset's shards opened (through their recorded identities) and its
+  raw record stream: seed, shuffle, repeat."""
+
+  identities: dict[str, ShardIdentity | None]
+  source: Any
+  raw_records: grain.MapDataset
+
+  @property
+  def num_records(self) -> int:
+    return len(self.source)
+
+  @classmethod
+  def open(cls, config: DatasetConfig,
+           identities: Mapping[str, ShardIdentity | None] | None) -> "OpenedSource":
+    mark_absl_flags_parsed()
+    try:
+      shard_reader.check_setup()
+    except ValueError as e:
+      raise ConfigError(str(e)) from e
+    if identities is None:
+      identities = shard_identities(config.files)
+    # A file the config's globs match now but did not at start-up has none: refused.
+    checked = {f: identities.get(f) for f in config.files}
+    try:
+      source = open_source(config, checked)
+    except ConfigError:
+      raise
+    except Exception as e:
+      raise ConfigError(
+          f"dataset {config.name!r}: cannot open its shards (truncated or not "
+          f"ArrayRecord?): {type(e).__name__}: {e}") from e
+    if len(source) == 0:
+      raise ConfigError(f"dataset {config.name!r}: its files hold no records")
+    return cls(checked, source, build_raw_records(config, source))
+
+
+def open_dataset(config: DatasetConfig,
+                 identities: Mapping[str, ShardIdentity | None] | None,
+                 open_forever: Callable[[str], "ElevatorDataset"],
+                 open_named: Callable[[str], ServedDataset]) -> ServedDataset:
+  """A registered dataset as the request path serves it: a mixture, a
+  stream dataset (a pipeline that is not 1:1, or one the config makes so),
+  or a dataset whose steps map to records in O(1)."""
+  from grain_elevator.server.data import stream  # pylint: disable=g-import-not-at-top
+  if config.schedule is not None:
+    from grain_elevator.server.data.mixture import MixtureDataset  # pylint: disable=g-import-not-at-top
+    return MixtureDataset(config, open_forever)
+  if config.source is not None:  # a mixture's records, mixed by Grain itself
+    mixture = open_named(config.source)
+    records = mixture.fixed_records()
+    num_records, fp = mixture.info.num_records, mixture.info.config_fingerprint
+    head = apply_pipeline(config, records, one_to_one=False)
+    return stream.StreamDataset(config, records, head, num_records=num_records,
+                                fingerprint=contract.stream_fingerprint({
+                                    "name": config.name, "source": fp,
+                                    "pipeline": config.pipeline, "options": config.options,
+                                    "drop_remainder": config.drop_remainder,
+                                    "iter_pipeline": config.iter_pipeline,
+                                    "batch_fn": config.batch_fn,
+                                    "iter_options": config.iter_options}))
+  opened = OpenedSource.open(config, identities)
+  head = apply_pipeline(config, opened.raw_records, one_to_one=False)
+  if config.names_a_stream or stream.is_stream_pipeline(opened.raw_records, head):
+    ds = stream.StreamDataset(config, opened.raw_records, head,
+                              num_records=opened.num_records,
+                              fingerprint=_stream_fingerprint(config, opened))
+    ds.identities = opened.identities
+    return ds
+  return ElevatorDataset(config, identities, opened=opened, records=head)
+
+
+def _stream_fingerprint(config: DatasetConfig, opened: OpenedSource) -> str:
+  """A stream dataset's fingerprint: its records' and every stream key, even
+  when only its pipeline makes it a stream (a 1:1 dataset's cursors do not
+  fit a stream dataset of the same name)."""
+  base = fingerprint(config, opened.num_records, opened.identities)
+  return contract.stream_fingerprint({
+      "records": base, "stream": True, "iter_pipeline": config.iter_pipeline,
+      "batch_fn": config.batch_fn, "iter_options": config.iter_options})
+
+
 class ElevatorDataset:
   """One registered dataset, ready to cut host batches for any step.
 
@@ -139,35 +231,21 @@ class ElevatorDataset:
   """
 
   def __init__(self, config: DatasetConfig,
-               identities: Mapping[str, ShardIdentity | None] | None = None):
-    mark_absl_flags_parsed()
+               identities: Mapping[str, ShardIdentity | None] | None = None, *,
+               opened: OpenedSource | None = None, records: grain.MapDataset | None = None):
+    """`opened` and `records` (its raw records with the pipeline applied):
+    what `open_dataset` found already, else opened here."""
     self.config = config
-    try:
-      shard_reader.check_setup()
-    except ValueError as e:
-      raise ConfigError(str(e)) from e
-    if identities is None:
-      identities = shard_identities(config.files)
-    # A file the config's globs match now but did not at start-up has none: refused.
-    self.identities = {f: identities.get(f) for f in config.files}
-    try:
-      source = open_source(config, self.identities)
-    except ConfigError:
-      raise
-    except Exception as e:
-      raise ConfigError(
-          f"dataset {config.name!r}: cannot open its shards (truncated or not "
-          f"ArrayRecord?): {type(e).__name__}: {e}") from e
-    num_records = len(source)
-    if num_records == 0:
-      raise ConfigError(f"dataset {config.name!r}: its files hold no records")
-    self._source = source
-    self.raw_records = build_raw_records(config, source)
+    opened = opened or OpenedSource.open(config, identities)
+    self.identities = opened.identities
+    num_records = opened.num_records
+    self._source = opened.source
+    self.raw_records = opened.raw_records
     # The same chain over range(n) yields source indices: the reference for
     # the batch-at-a-time shuffle that raw_batch uses.
     self._source_index = shuffle_lib.SourceIndexMap(
         build_raw_records(config, range(num_records)), num_records)
-    self.records = apply_pipeline(config, self.raw_records)
+    self.records = records if records is not None else apply_pipeline(config, self.raw_records)
     try:
       first = self.records[0]
     except ShardChangedError:
@@ -352,20 +430,21 @@ class Datasets:
   def get(self, name: str) -> ServedDataset:
     """The opened dataset; UnknownDatasetError (NOT_FOUND) naming what exists."""
     with self._lock:
-      ds = self._opened.get(name)
-      if ds is None:
-        dataset_config = self.config.datasets.get(name)
-        if dataset_config is None:
-          raise UnknownDatasetError(
-              f"unknown dataset {name!r}; this server offers: "
-              f"{', '.join(self.names) or '(none)'}")
-        if dataset_config.schedule is not None:
-          from grain_elevator.server.data.mixture import MixtureDataset  # pylint: disable=g-import-not-at-top
-          ds = MixtureDataset(dataset_config, self._open_forever)
-        else:
-          ds = ElevatorDataset(dataset_config, self._identities)
-        self._opened[name] = ds
-      return ds
+      return self._get_unlocked(name)
+
+  def _get_unlocked(self, name: str) -> ServedDataset:
+    """`get`, with the lock held (a stream's source opens its mixture)."""
+    ds = self._opened.get(name)
+    if ds is None:
+      dataset_config = self.config.datasets.get(name)
+      if dataset_config is None:
+        raise UnknownDatasetError(
+            f"unknown dataset {name!r}; this server offers: "
+            f"{', '.join(self.names) or '(none)'}")
+      ds = open_dataset(dataset_config, self._identities, self._open_forever,
+                        self._get_unlocked)
+      self._opened[name] = ds
+    return ds
 
   def _open_forever(self, name: str) -> ElevatorDataset:
     """A mixture's component: its own stream, repeated forever."""

@@ -53,6 +53,24 @@ def array_record_reader(path: str, options: str) -> Any:
   return array_record_data_source._create_reader(path, options)  # pylint: disable=protected-access
 
 
+def state_from_json(state: Any) -> Any:
+  """A Grain iterator state that went through JSON, as its iterator expects
+  it back. JSON has no tuples, and ConcatThenSplitIterDataset compares its
+  remainder slices with the tuple (-1, -1) ("no remainder"): read back as a
+  list, that slice would be taken as a real one and its elements cut wrong
+  (Grain's issue #1178 was this kind). Its slices become tuples again."""
+  if isinstance(state, dict):
+    out = {}
+    for key, value in state.items():
+      if key == "remainder_slices" and isinstance(value, dict):
+        value = {k: tuple(v) if isinstance(v, list) else v for k, v in value.items()}
+      out[key] = state_from_json(value)
+    return out
+  if isinstance(state, list):
+    return [state_from_json(v) for v in state]
+  return state
+
+
 def index_shuffle(index: int, max_index: int, seed: int, rounds: int) -> int:
   """Grain's own global shuffle of one index (its C++ function), the oracle
   of server/data/shuffle.py."""

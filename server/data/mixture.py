@@ -16,6 +16,7 @@ import dataclasses
 import functools
 from typing import Any, Callable, Sequence
 
+import grain
 import numpy as np
 
 from grain_elevator.proto import contract
@@ -109,6 +110,17 @@ class MixtureDataset:
         element_spec=first.element_spec, stream_length=contract.FOREVER_LENGTH,
         segment_steps=tuple(s for s, _ in config.schedule),
         segment_fingerprints=tuple(through(i) for i in range(len(config.schedule))))
+
+  def fixed_records(self) -> grain.MapDataset:
+    """The records of a mixture of fixed weights as Grain itself mixes them:
+    what a stream dataset naming it as its `source` reads."""
+    if len(self._segments) != 1:
+      raise ConfigError(f"dataset {self.config.name!r}: a mixture with a schedule cannot be "
+                        "a stream's source (its records depend on G)")
+    (segment,) = self._segments
+    _, weights = self.config.schedule[0]
+    return grain.MapDataset.mix([self.components[j].records for j in segment.components],
+                                [w for _, w in weights if w > 0])
 
   def check_batch_size(self, global_batch_size: int) -> None:
     """InvalidRequestError unless every schedule entry's first record,

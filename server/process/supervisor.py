@@ -51,6 +51,7 @@ from typing import Any, Iterator
 from grain_elevator.proto import malloc
 from grain_elevator.proto.errors import ElevatorError
 from grain_elevator.server.data import config as config_lib
+from grain_elevator.server.data import parallel_head
 from grain_elevator.server.data.shards import identity as shard_identity
 from grain_elevator.server.process import lifeline
 from grain_elevator.server.process import restarts
@@ -193,6 +194,9 @@ class Server:
             f"cannot serve metrics on {opts.host}:{opts.metrics_port}: {e}") from e
     self._activity = [self._ctx.RawValue("d", time.monotonic())
                       for _ in range(self.num_workers)]
+    # Stream datasets' heads are computed by every worker (server/data/parallel_head.py).
+    self._head_queues = (parallel_head.HeadQueues(self._ctx, self.num_workers)
+                         if self.num_workers > 1 else None)
     self._start_workers()
     self._supervisor = threading.Thread(target=self._supervise, daemon=True,
                                         name="elevator-supervisor")
@@ -224,7 +228,8 @@ class Server:
         target=lifeline.start_worker,
         args=(os.getpid(), self.config_path, self.options, index, self.num_workers,
               self._ready, self._identities),
-        kwargs={"crash_loop": self._crash_loop, "last_request": self._activity[index]},
+        kwargs={"crash_loop": self._crash_loop, "last_request": self._activity[index],
+                "head_queues": self._head_queues},
         name=f"elevator-worker-{index}", daemon=True)
     with _worker_environment(self._metrics.worker_env() if self._metrics else {}):
       p.start()

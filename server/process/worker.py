@@ -22,7 +22,9 @@ from grain_elevator.proto.errors import ElevatorError
 from grain_elevator.proto.limits import MAX_REQUEST_BYTES
 from grain_elevator.server.data import config as config_lib
 from grain_elevator.server.data import dataset as dataset_lib
+from grain_elevator.server.data import parallel_head
 from grain_elevator.server.data.shards import identity as shard_identity
+from grain_elevator.server.data.stream import StreamDataset
 from grain_elevator.server.process import descriptors
 from grain_elevator.server.process import lifeline
 from grain_elevator.server.process import logs
@@ -135,14 +137,16 @@ def build_servers(datasets: dataset_lib.Datasets, opts: ServerOptions, index: in
 def run(config_path: str, opts: ServerOptions, index: int, num_workers: int,
         ready: Any, identities: dict[str, shard_identity.ShardIdentity] | None = None,
         *, supervisor_pid: int | None = None, crash_loop: Any = None,
-        last_request: Any = None) -> None:
+        last_request: Any = None, head_queues: Any = None) -> None:
   """Worker process entry point; reports (index, error or None) on `ready`.
   `identities`: the shards as the supervisor recorded them at start-up.
   `supervisor_pid`: the parent it must not outlive (lifeline.py).
   `crash_loop`: a restarts.CrashLoopFlag; health is NOT_SERVING while it is on.
   `last_request`: a shared double this worker sets to inf while it has a
   request in flight and to time.monotonic() when its last one ends (the
-  supervisor's `--idle-exit-s`)."""
+  supervisor's `--idle-exit-s`).
+  `head_queues`: a parallel_head.HeadQueues shared by the server's workers,
+  which compute its stream datasets' heads together (None: one worker)."""
   lifeline.tie(supervisor_pid)  # again, for a worker spawned with `run` as its target
   signal.signal(signal.SIGINT, signal.SIG_IGN)  # The supervisor handles Ctrl-C.
   logs.setup(f"elevator[worker {index}]")
@@ -161,6 +165,12 @@ def run(config_path: str, opts: ServerOptions, index: int, num_workers: int,
   except (ElevatorError, OSError) as e:
     ready.put((index, str(e)))
     return
+  if head_queues is not None:
+    heads = parallel_head.HeadService(head_queues, index, datasets)
+    for name in datasets.names:
+      ds = datasets.get(name)
+      if isinstance(ds, StreamDataset):
+        ds.use_head(heads.factory(name, ds.info.config_fingerprint))
   if last_request is not None:
     def note_in_flight(requests: int) -> None:  # busy (inf) until the last one ends
       last_request.value = float("inf") if requests else time.monotonic()

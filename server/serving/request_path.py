@@ -31,19 +31,25 @@ import logging
 import time
 from typing import Any, Callable, Iterator
 
+import numpy as np
+
 from grain_elevator.proto import contract
 from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.proto import wire
-from grain_elevator.proto.errors import (ElevatorError, InternalError, InvalidRequestError,
-                                         StreamMismatchError, UnauthenticatedError)
+from grain_elevator.proto.errors import (ElevatorError, EndOfDataError, InternalError,
+                                         InvalidRequestError, StreamMismatchError,
+                                         UnauthenticatedError)
 from grain_elevator.proto.spec import DatasetInfo
 from grain_elevator.server.data import collate as collate_lib
+from grain_elevator.server.data import stream as stream_lib
 from grain_elevator.server.data.dataset import Datasets
 from grain_elevator.server.data.served import ServedDataset
+from grain_elevator.server.data.stream import StreamDataset
 from grain_elevator.server.process.options import DEFAULT_MAX_MESSAGE_BYTES
 from grain_elevator.server.serving import metrics
 from grain_elevator.server.serving.admission import Admission, Ticket
 from grain_elevator.server.serving.batch_cache import BatchCache
+from grain_elevator.server.serving.stream_sessions import StreamSessions
 
 log = logging.getLogger("grain_elevator.server")
 
@@ -58,6 +64,8 @@ class RequestPath:
                server_info: pb.ServerInfo | None = None, batch_cache_bytes: int = 0):
     self.datasets = datasets
     self.cache = BatchCache(batch_cache_bytes)
+    # Stream datasets' global batches, shared by their hosts (the same budget).
+    self.streams = StreamSessions(batch_cache_bytes)
     self.server_info = server_info or pb.ServerInfo(num_workers=1)
     self.admission = Admission(max_concurrent, write_timeout_s=write_timeout_s)
     self._expected_token = auth_token.encode() if auth_token else None
@@ -122,6 +130,13 @@ class RequestPath:
     ds.check_batch_size(r.global_batch_size)  # a scheduled mixture: G times its steps fit int64
     contract.check_steps(r.start_step, r.num_steps, info.stream_length,
                          r.global_batch_size, r.record_offset, info.drop_remainder)
+    if info.stream and r.record_offset:
+      raise InvalidRequestError(
+          f"dataset {info.name!r} is a stream dataset: it continues from stream_state, "
+          f"not from a record_offset ({r.record_offset})")
+    if r.stream_state and not info.stream:
+      raise InvalidRequestError(
+          f"dataset {info.name!r} is not a stream dataset: stream_state means nothing for it")
     if r.compression not in wire.COMPRESSIONS.values():
       raise InvalidRequestError(f"unknown compression {r.compression}")
     return ds
@@ -144,17 +159,21 @@ class RequestPath:
 
   def steps(self, ticket: Ticket, r: pb.BatchRequest,
             is_active: Callable[[], bool] = lambda: True
-            ) -> Iterator[tuple[int, list[collate_lib.Leaf]]]:
-    """(step, leaves) for each step of `r`, in order, until `is_active()` is
-    False (embedded mode)."""
+            ) -> Iterator[tuple[int, list[collate_lib.Leaf], str]]:
+    """(step, leaves, next_stream_state) for each step of `r`, in order,
+    until `is_active()` is False (embedded mode); the state is "" but for a
+    stream dataset."""
     _check(ticket)
     ds = self.validate(r)
+    if ds.info.stream:
+      yield from self._stream_steps(ds, r, is_active)
+      return
     for step in range(r.start_step, r.start_step + r.num_steps):
       if not is_active():  # the client went away: stop computing
         return
       leaves = self._produce(ds, r, step, stack=True)
       metrics.current().served(ds.info.name, cached=False)
-      yield step, leaves
+      yield step, leaves, ""
 
   def encoded_steps(self, ticket: Ticket, r: pb.BatchRequest,
                     is_active: Callable[[], bool] = lambda: True) -> Iterator[list[Any]]:
@@ -163,6 +182,10 @@ class RequestPath:
     _check(ticket)
     ds = self.validate(r)
     info = ds.info
+    if info.stream:
+      for step, leaves, state in self._stream_steps(ds, r, is_active):
+        yield wire.encode_batch_parts(step, leaves, r.compression, state)
+      return
     stream = (info.name, info.config_fingerprint, r.global_batch_size, r.shard_index,
               r.shard_count, r.record_offset, r.compression)
     recorded = metrics.current()
@@ -174,6 +197,33 @@ class RequestPath:
       recorded.served(info.name, cached=cached)
       recorded.cache_bytes(self.cache.bytes)
       yield parts
+
+  def _stream_steps(self, ds: StreamDataset, r: pb.BatchRequest,
+                    is_active: Callable[[], bool]
+                    ) -> Iterator[tuple[int, list[np.ndarray], str]]:
+    """A stream dataset's steps from r.stream_state: host rows of global
+    batches produced once for every host (stream_sessions.py). Fewer than
+    asked if the stream ends, then EndOfDataError (OUT_OF_RANGE)."""
+    name = ds.info.name
+    start = stream_lib.dumps(stream_lib.loads(r.stream_state, name)) if r.stream_state else ""
+    rows = contract.host_rows(r.global_batch_size, r.shard_index, r.shard_count)
+    recorded = metrics.current()
+    step = r.start_step
+    batches = self.streams.batches(ds, r.global_batch_size, start, r.num_steps, is_active)
+    while True:
+      began = time.perf_counter()
+      got = _named(name, step, next, batches, None)
+      if got is None:
+        break
+      (leaves, state), produced = got
+      if produced:
+        recorded.produced(name, time.perf_counter() - began)
+      recorded.served(name, cached=not produced)
+      yield step, [a[rows.start:rows.stop] for a in leaves], state
+      step += 1
+    if step < r.start_step + r.num_steps and is_active():
+      raise EndOfDataError(f"dataset {name!r}: the stream ended after step {step - 1} "
+                           f"(asked for steps up to {r.start_step + r.num_steps - 1})")
 
   @staticmethod
   def _produce(ds: ServedDataset, r: pb.BatchRequest, step: int, *,

@@ -146,7 +146,8 @@ def _vm_size() -> int:
 def _steps(path: RequestPath, request: pb.BatchRequest, token: str | None = None) -> Any:
   """What the request path answers `request` (the model's oracle)."""
   with path.admitted(token) as ticket:
-    yield from path.steps(ticket, request)
+    for step, leaves, _ in path.steps(ticket, request):
+      yield step, leaves
 
 
 def _escaped(e: BaseException, what: str) -> str:
@@ -825,7 +826,7 @@ class DecodeTarget:
          transport.BadReplyError)):
       try:
         with self.fuzzer.bounded():
-          step, leaves = decode()
+          step, leaves = decode()[:2]
       except refusal as e:
         self.stats[f"{how} refused"] += 1
         self.stats[f"{how} refused: " + _refusal_kind(str(e))] += 1
@@ -1516,7 +1517,7 @@ class ClientTarget:
       if len(got) != stream.request.num_steps:
         problems.append(f"{len(got)} steps yielded for a request of "
                         f"{stream.request.num_steps}, without an error")
-    for (step, leaves), seed in zip(got, stream.seeds):
+    for (step, leaves, _), seed in zip(got, stream.seeds):
       if step != seed.step:
         problems.append(f"step {step} yielded as step {seed.step}")
       problems += check_leaves(leaves, stream.expect, seed.values if unmutated else None)

@@ -16,6 +16,7 @@ import numpy as np
 import psutil
 
 RESUME_STEP = 10**6
+RESUME_TEXT_STEP = 10**5  # a stream's resume costs a restore, not arithmetic
 
 
 def tree_cpu(proc: psutil.Process) -> float:
@@ -37,11 +38,36 @@ def _nbytes(batch: Any) -> int:
   return int(np.asarray(batch).nbytes)
 
 
+def _grain_text(spec: dict[str, Any]) -> Callable[[], Any]:
+  """The text workload's pipeline in the trainer's process: the stream the
+  service serves (tools/bench/text.py), with Grain's read threads and
+  mp_prefetch (which packs per worker: faster, not the same stream)."""
+  import grain  # pylint: disable=g-import-not-at-top
+  from grain_elevator.pipelines import text  # pylint: disable=g-import-not-at-top
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  flags.FLAGS.mark_as_parsed()
+  o = spec["options"]
+
+  def make():
+    ds = grain.MapDataset.source(grain.sources.ArrayRecordDataSource(spec["files"]))
+    ds = text.tokenize(ds.seed(1).shuffle().repeat(None), **o["options"])
+    read = grain.ReadOptions(num_threads=spec["threads"], prefetch_buffer_size=max(
+        1, spec["threads"]) * 2 if spec["threads"] else 0)
+    it_ds = text.chunk_and_pack(ds.to_iter_dataset(read), **o["iter_options"])
+    it_ds = it_ds.batch(spec["global_batch_size"], drop_remainder=True)
+    if spec["mp_workers"]:
+      it_ds = it_ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=spec["mp_workers"]))
+    return iter(it_ds)
+  return make
+
+
 def _grain_local(spec: dict[str, Any]) -> Callable[[], Any]:
   import grain  # pylint: disable=g-import-not-at-top
   from grain_elevator.pipelines import examples  # pylint: disable=g-import-not-at-top
   from absl import flags  # pylint: disable=g-import-not-at-top
   flags.FLAGS.mark_as_parsed()
+  if spec.get("pipeline") == "text":
+    return _grain_text(spec)
   pipeline = examples.decode_images  # per record, as a user writes it
   if spec.get("pipeline") == "image":
     from grain_elevator.pipelines import images  # pylint: disable=g-import-not-at-top
@@ -123,6 +149,51 @@ def _resume(make: Callable[[], Any]) -> float | None:
   return elapsed
 
 
+def _deep_state(state: Any, scale: float) -> Any:
+  """`state` with every "next_index" (where the head's iterator stands)
+  scaled by `scale`, and a step, if it has one, set to RESUME_TEXT_STEP: a
+  position about that far into a stream, as a Grain state."""
+  if isinstance(state, dict):
+    out = {}
+    for key, value in state.items():
+      if key == "next_index" and isinstance(value, int):
+        out[key] = int(value * scale)
+      elif key == "step" and isinstance(value, int):
+        out[key] = RESUME_TEXT_STEP
+      else:
+        out[key] = _deep_state(value, scale)
+    return out
+  return state
+
+
+def _resume_text(make: Callable[[], Any], steps: int) -> float | None:
+  """Seconds from a new iterator + set_state(a position about step
+  RESUME_TEXT_STEP, extrapolated from where `steps` steps led) to its first
+  batch. A stream has no O(1) step arithmetic, so the position is made from
+  the head's index after `steps` steps, scaled."""
+  it = make()
+  for _ in range(steps):
+    next(it)
+  state = it.get_state()
+  _close(it)
+  if "next_index" not in json.dumps(state):
+    return None  # no head position to scale
+  deep = _deep_state(state, RESUME_TEXT_STEP / steps)
+  t = time.perf_counter()
+  it = make()
+  it.set_state(deep)
+  next(it)
+  elapsed = time.perf_counter() - t
+  _close(it)
+  return elapsed
+
+
+def _tokens(batch: Any) -> tuple[int, int]:
+  """(tokens that are text, token slots) of a packed batch."""
+  segments = np.asarray(batch["tokens_segment_ids"])
+  return int(np.count_nonzero(segments)), int(segments.size)
+
+
 def _close(it: Any) -> None:
   close = getattr(it, "close", None)
   if close:
@@ -162,12 +233,17 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
   deadline = time.perf_counter() + spec["warmup_s"]
   while time.perf_counter() < deadline:
     next(it)
+  text = spec.get("pipeline") == "text"
   server0 = _server_cpu(server_pids)
   cpu0, t1 = tree_cpu(proc), time.perf_counter()
-  batches, nbytes = 0, 0
+  batches, nbytes, tokens, slots = 0, 0, 0, 0
   while time.perf_counter() - t1 < spec["seconds"]:
-    nbytes += size(next(it))
+    batch = next(it)
+    nbytes += size(batch)
     batches += 1
+    if text:
+      real, total = _tokens(batch)
+      tokens, slots = tokens + real, slots + total
   wall = time.perf_counter() - t1
   cpu = tree_cpu(proc) - cpu0
   server_cpu = _server_cpu(server_pids) - server0
@@ -183,6 +259,13 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
   }
   if server_pids:
     result["server_cores"] = server_cpu / wall
+  if text:
+    result.update(tokens_per_s=tokens / wall, padding_fraction=1 - tokens / slots,
+                  client_cpu_s_per_mtok=cpu / (tokens / 1e6),
+                  resume_first_batch_s=_resume_text(make, 8))
+    if server_pids:
+      result["server_cpu_s_per_mtok"] = server_cpu / (tokens / 1e6)
+    return result
   if kind == "tfdata":  # tf.data service iterators cannot be saved or restored
     result["resume_first_batch_s"] = None
   elif kind not in ("tcp", "floor"):

@@ -119,6 +119,12 @@ def run(*, data_dir: str | None, workload_names: list[str], workers: list[int],
   report: dict[str, Any] = {"machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
                             "repeats": repeats, "seconds": seconds, "workloads": {}}
   for name in workload_names:
+    if name == "text":  # its own systems and figures: bench/text.py
+      from grain_elevator.tools.bench import text  # pylint: disable=g-import-not-at-top
+      report["workloads"][name] = text.run_workload(
+          root, records.get(name) or text.WORKLOAD.default_records, workers=workers,
+          repeats=repeats, seconds=seconds, warmup_s=warmup_s)
+      continue
     w = workloads_lib.WORKLOADS[name]
     n = records.get(name) or w.default_records
     if w.kind == "image":  # its own systems and figures: bench/images.py
@@ -209,6 +215,10 @@ def table(report: dict[str, Any]) -> str:
       from grain_elevator.tools.bench import images  # pylint: disable=g-import-not-at-top
       lines += images.table(name, wl, report["repeats"])
       continue
+    if wl.get("kind") == "text":
+      from grain_elevator.tools.bench import text  # pylint: disable=g-import-not-at-top
+      lines += text.table(name, wl, report["repeats"])
+      continue
     rows = wl["systems"]
     grain_best = max((r for r in rows.values() if r["kind"] == "grain"),
                      key=lambda r: r["records_per_s"]["median"])
@@ -234,7 +244,7 @@ def plot(report: dict[str, Any], path: str) -> None:
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
-  names = list(report["workloads"])
+  names = [n for n, wl in report["workloads"].items() if wl.get("kind") != "text"]
   fig, axes = plt.subplots(1, len(names), figsize=(7 * len(names), 5), squeeze=False)
   for ax, name in zip(axes[0], names):
     rows = list(report["workloads"][name]["systems"].values())

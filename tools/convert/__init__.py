@@ -1,10 +1,10 @@
-"""`elevator convert`: users' data (TFRecord, image folders, Parquet, .npz)
-into ArrayRecord shards that `elevator serve` reads, plus the codec and the
+"""`elevator convert`: users' data (TFRecord, image folders, Parquet, .npz,
+JSON Lines, plain text) into ArrayRecord shards that `elevator serve` reads, plus the codec and the
 pipeline that parse `tf.train.Example` records back (example.py).
 
 One module per concern: shards.py (the parallel, atomic, deterministic shard
 writer all converters share), one module per input format (tfrecord.py,
-images.py, parquet.py, npz.py), example.py (the Example wire format without
+images.py, parquet.py, npz.py; text.py for JSON Lines and text), example.py (the Example wire format without
 TensorFlow or protobuf), snippet.py (the TOML that serves the result),
 cli.py (the `elevator convert` subcommands) and beam.py (the same
 conversions as an Apache Beam pipeline). docs/convert.md has the formats

@@ -23,7 +23,9 @@ examples:
   elevator convert tfrecord 'data/train-*.tfrecord' shards/train
   elevator convert images ~/imagenet/train shards/imagenet --shards 1024
   elevator convert parquet 'table/*.parquet' shards/table
-  elevator convert npz 'arrays/*.npz' shards/arrays"""
+  elevator convert npz 'arrays/*.npz' shards/arrays
+  elevator convert jsonl 'corpus/*.jsonl.gz' shards/corpus --field text
+  elevator convert text 'books/*.txt' shards/books --split paragraphs"""
 
 
 def _common(p: argparse.ArgumentParser, local: bool) -> None:
@@ -44,7 +46,7 @@ def _common(p: argparse.ArgumentParser, local: bool) -> None:
 
 
 def add_subcommands(parser: argparse.ArgumentParser, *, local: bool = True) -> None:
-  """Adds the tfrecord/images/parquet/npz subcommands to `parser`."""
+  """Adds the tfrecord/images/parquet/npz/jsonl/text subcommands to `parser`."""
   parser.description = DESCRIPTION
   parser.epilog = EPILOG
   parser.formatter_class = argparse.RawDescriptionHelpFormatter
@@ -95,6 +97,42 @@ def add_subcommands(parser: argparse.ArgumentParser, *, local: bool = True) -> N
                  help=".npz files or glob patterns (quote them)")
   _common(p, local)
 
+  p = sub.add_parser(
+      "jsonl", help="JSON Lines, one record per line, for language models",
+      description="One record per non-blank line (files in sorted name order, lines in "
+                  "order): the line's bytes as they are, without its line ending (\\n or "
+                  "\\r\\n). Each line must be a JSON object holding a string under "
+                  "--field; a bad line fails naming the file, line and byte offset. The "
+                  "printed table tokenizes and packs the text "
+                  "(grain_elevator.pipelines.text).")
+  p.add_argument("inputs", nargs="+", metavar="IN_GLOB",
+                 help="JSON Lines files or glob patterns (quote them)")
+  _common(p, local)
+  p.add_argument("--field", default="text",
+                 help="the JSON key holding the text (default: text)")
+  _text_options(p)
+
+  p = sub.add_parser(
+      "text", help="plain UTF-8 text files, for language models",
+      description="Plain UTF-8 text (files in sorted name order), one record per file "
+                  "(its bytes, unchanged), per non-blank line or per paragraph (--split); "
+                  "invalid UTF-8 fails naming the file, line and byte offset. The printed "
+                  "table tokenizes and packs the text (grain_elevator.pipelines.text).")
+  p.add_argument("inputs", nargs="+", metavar="IN_GLOB",
+                 help="text files or glob patterns (quote them)")
+  _common(p, local)
+  p.add_argument("--split", choices=("files", "lines", "paragraphs"), default="files",
+                 help="a record per file, per non-blank line, or per run of non-blank "
+                      "lines (default: files)")
+  _text_options(p)
+
+
+def _text_options(p: argparse.ArgumentParser) -> None:
+  p.add_argument("--compression", choices=("auto", "none", "gzip", "zlib"), default="auto",
+                 help="input compression (default auto: by extension, .gz gzip, .zz zlib)")
+  p.add_argument("--max-record-bytes", type=int, default=64 << 20,
+                 help="refuse a longer line, paragraph or file (default 64 MiB)")
+
 
 def make_source(args: argparse.Namespace) -> Any:
   """The Source the parsed arguments describe."""
@@ -111,6 +149,14 @@ def make_source(args: argparse.Namespace) -> Any:
   if args.format == "npz":
     from grain_elevator.tools.convert.npz import NpzSource  # pylint: disable=g-import-not-at-top
     return NpzSource(tuple(args.inputs))
+  if args.format == "jsonl":
+    from grain_elevator.tools.convert.text import JsonlSource  # pylint: disable=g-import-not-at-top
+    return JsonlSource(tuple(args.inputs), compression=args.compression,
+                       max_record_bytes=args.max_record_bytes, field=args.field)
+  if args.format == "text":
+    from grain_elevator.tools.convert.text import TextSource  # pylint: disable=g-import-not-at-top
+    return TextSource(tuple(args.inputs), compression=args.compression,
+                      max_record_bytes=args.max_record_bytes, split=args.split)
   raise ConvertError(f"unknown format {args.format!r}")
 
 

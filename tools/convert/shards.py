@@ -60,6 +60,8 @@ class Indexed:
   nbytes: int  # input bytes it holds (the default shard count, MB/s)
   data: Any = None  # where its records are (source-specific, picklable)
   skipped: tuple[tuple[str, str], ...] = ()  # (path, why) inputs left out
+  # (what, how many) of the unit's contents left out, e.g. ("blank lines", 3)
+  left_out: tuple[tuple[str, int], ...] = ()
 
 
 class Source(Protocol):
@@ -118,6 +120,7 @@ class Plan:
   input_bytes: int
   skipped: tuple[tuple[str, str], ...]
   prefix: str
+  left_out: tuple[tuple[str, int], ...] = ()  # summed over the units
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,6 +135,7 @@ class Summary:
   seconds: float
   skipped: tuple[tuple[str, str], ...]
   snippet: str  # the TOML that serves OUT_DIR (absolute paths)
+  left_out: tuple[tuple[str, int], ...] = ()
 
   def lines(self) -> list[str]:
     mb_in, mb_out = self.input_bytes / 1e6, self.output_bytes / 1e6
@@ -142,6 +146,8 @@ class Summary:
     if self.skipped:
       out.append(f"skipped {len(self.skipped)} input(s), e.g. "
                  + "; ".join(f"{p}: {why}" for p, why in self.skipped[:3]))
+    if self.left_out:
+      out.append("left out " + ", ".join(f"{n:,} {what}" for what, n in self.left_out))
     return out
 
 
@@ -161,6 +167,10 @@ def plan(indexes: Sequence[tuple[str, Indexed]], source: Source, *,
   total = sum(ix.count for _, ix in indexes)
   nbytes = sum(ix.nbytes for _, ix in indexes)
   skipped = tuple(s for _, ix in indexes for s in ix.skipped)
+  left_out: dict[str, int] = {}
+  for _, ix in indexes:
+    for what, n in ix.left_out:
+      left_out[what] = left_out.get(what, 0) + n
   if total == 0:
     raise ConvertError(f"no records found in the {len(indexes)} input(s)"
                        + (f" ({len(skipped)} skipped)" if skipped else ""))
@@ -186,7 +196,8 @@ def plan(indexes: Sequence[tuple[str, Indexed]], source: Source, *,
         unit, used = unit + 1, 0
     count = (s + 1) * total // num_shards - s * total // num_shards
     tasks.append(ShardTask(s, shard_name(prefix, s, num_shards), count, tuple(segments)))
-  return Plan(tuple(tasks), total, nbytes, skipped, prefix)
+  return Plan(tuple(tasks), total, nbytes, skipped, prefix,
+              tuple((what, n) for what, n in left_out.items() if n))
 
 
 def write_shard(source: Source, task: ShardTask, folder: str,
@@ -445,7 +456,8 @@ def convert(source: Source, out_dir: str, *, num_shards: int | None = None,
       shards=len(the_plan.tasks), input_bytes=the_plan.input_bytes,
       record_bytes=sum(r.record_bytes for r in results),
       output_bytes=sum(r.file_bytes for r in results),
-      seconds=time.monotonic() - start, skipped=the_plan.skipped, snippet=printed)
+      seconds=time.monotonic() - start, skipped=the_plan.skipped, snippet=printed,
+      left_out=the_plan.left_out)
 
 
 def _in_main_thread() -> bool:

@@ -20,12 +20,17 @@ _BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
 class Serving:
   """How to serve what a converter wrote: the `pipeline` and its `options`
   (a `features` option renders as a table of its own, one feature a line),
-  comment lines for the top of the table, and a comment per feature."""
+  comment lines for the top of the table, a comment per feature and per
+  option, and for stream datasets the `iter_pipeline` and its
+  `iter_options`."""
 
   pipeline: str | None = None
   options: dict[str, Any] = dataclasses.field(default_factory=dict)
   comments: tuple[str, ...] = ()
   feature_comments: dict[str, str] = dataclasses.field(default_factory=dict)
+  iter_pipeline: str | None = None
+  iter_options: dict[str, Any] = dataclasses.field(default_factory=dict)
+  option_comments: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 def key(name: str) -> str:
@@ -66,14 +71,22 @@ def render(name: str, paths: list[str], serving: Serving,
   lines.append(f"paths = {value(paths)}")
   if serving.pipeline:
     lines.append(f"pipeline = {value(serving.pipeline)}")
+  if serving.iter_pipeline:
+    lines.append(f"iter_pipeline = {value(serving.iter_pipeline)}")
   plain = {k: v for k, v in serving.options.items() if k != "features"}
   if plain:
     lines.append(f"[{table}.options]")
-    lines += [f"{key(k)} = {value(v)}" for k, v in plain.items()]
+    lines += [_line(k, v, serving.option_comments.get(k)) for k, v in plain.items()]
   features = serving.options.get("features")
   if features is not None:
     lines.append(f"[{table}.options.features]")
-    for k, v in features.items():
-      comment = serving.feature_comments.get(k)
-      lines.append(f"{key(k)} = {value(v)}" + (f"  # {comment}" if comment else ""))
+    lines += [_line(k, v, serving.feature_comments.get(k)) for k, v in features.items()]
+  if serving.iter_options:
+    lines.append(f"[{table}.iter_options]")
+    lines += [_line(k, v, None) for k, v in serving.iter_options.items()]
   return "\n".join(lines) + "\n"
+
+
+def _line(k: str, v: Any, comment: str | None) -> str:
+  """`key = value`, with a trailing comment if there is one."""
+  return f"{key(k)} = {value(v)}" + (f"  # {comment}" if comment else "")

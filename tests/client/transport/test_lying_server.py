@@ -189,8 +189,8 @@ class Liar:
     one = pb.BatchRequest()
     one.CopyFrom(request)
     one.start_step, one.num_steps = step, 1
-    (leaves,) = self._oracle.fetch(one)
-    return self._lie(request, step, [np.asarray(a) for a in leaves])
+    (got,) = self._oracle.fetch(one)
+    return self._lie(request, step, [np.asarray(a) for a in got.leaves])
 
   def _get_batches(self, request: pb.BatchRequest, _) -> Iterator[bytes]:
     for step in range(request.start_step, request.start_step + request.num_steps):
@@ -362,7 +362,7 @@ def test_grpc_limits_come_from_the_spec(server, oracle):
                               start_step=0, num_steps=1)
     (got,) = pool.fetch(request, transport.CancelToken())
     (want,) = oracle.fetch(request)
-    assert [a.tobytes() for a in got] == [np.asarray(a).tobytes() for a in want]
+    assert [a.tobytes() for a in got.leaves] == [np.asarray(a).tobytes() for a in want.leaves]
     assert {s.conn.max_batch_bytes for s in pool.data_slots()} == {
         info.element_spec.max_batch_bytes(512)}
   finally:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import textwrap
 
+import numpy as np
 import pytest
 
 from grain_elevator.proto.errors import ConfigError
@@ -74,13 +75,21 @@ def test_unknown_pipeline_option_is_named(data_dir):
     dataset_lib.Datasets(load_config(_write(data_dir, text)))
 
 
-def test_pipeline_must_be_one_to_one(data_dir, tmp_path, monkeypatch):
-  (tmp_path / "filtering_pipeline.py").write_text(
+def test_a_pipeline_that_changes_the_record_count_is_a_stream(data_dir, tmp_path,
+                                                              monkeypatch):
+  """Not 1:1, so no step arithmetic: served as a stream dataset (its batches
+  Grain's own, server/data/stream.py), not refused."""
+  (tmp_path / "halving_pipeline.py").write_text(
       "def drop_half(ds):\n  return ds[::2]\n")
   monkeypatch.syspath_prepend(str(tmp_path))
-  text = '[datasets.d]\npaths = ["shards/*.array_record"]\npipeline = "filtering_pipeline:drop_half"\n'
-  with pytest.raises(ConfigError, match=r"changed the number of records \(1000 -> 500\); it must be 1:1"):
-    dataset_lib.Datasets(load_config(_write(data_dir, text)))
+  text = '[datasets.d]\npaths = ["shards/*.array_record"]\npipeline = "halving_pipeline:drop_half"\n'
+  datasets = dataset_lib.Datasets(load_config(_write(data_dir, text)))
+  ds = datasets.get("d")
+  assert ds.info.stream and ds.info.num_records == 1000
+  batches = [leaves for leaves, _ in ds.batches(100, "")]
+  assert len(batches) == 5  # 500 records left: 5 whole batches of 100
+  want = np.array([ds.records[i] for i in range(0, 1000, 2)])  # fixed-size bytes
+  assert np.concatenate([b[0] for b in batches]).tobytes() == want.tobytes()
 
 
 def test_serve_exits_with_the_message(data_dir):

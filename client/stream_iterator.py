@@ -1,0 +1,196 @@
+"""A stream dataset's iterator: its steps in order, from a stream position.
+
+A stream dataset (server/data/stream.py) finds global batch k from the
+position of its Grain pipeline where k starts, not from k: a request names
+that position, and every step arrives with the position after it. So
+requests follow one another: a fetch thread asks for the next chunk as soon
+as the last step of the one before has arrived, from where it ended, and
+keeps up to `prefetch` steps ahead of the trainer. Chunks end at multiples
+of their size, as for any dataset, so every host of a job asks for the same
+chunks and the server produces each global batch once for all of them.
+
+The state is the step and the position of the next step to deliver (Grain's
+own iterator state, JSON), so a job resumes, on any number of hosts and any
+replica, exactly where it stopped; a new G continues from the position.
+The stream's end arrives as OUT_OF_RANGE after its last batch: StopIteration.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from typing import Any
+
+import grain
+
+from grain_elevator.client import state as state_lib
+from grain_elevator.client import stats as stats_lib
+from grain_elevator.client import window as window_lib
+from grain_elevator.client.backend import Backend
+from grain_elevator.client.transport.connection import CancelToken, Step
+from grain_elevator.proto import elevator_pb2 as pb
+from grain_elevator.proto import tree
+from grain_elevator.proto import wire
+from grain_elevator.proto.errors import Cancelled, ElevatorError, EndOfDataError
+from grain_elevator.proto.spec import DatasetInfo
+
+_END = object()  # the stream ended after the steps before it
+
+
+class _Arrivals(list):
+  """A chunk's steps as the fetch appends them: each goes to the iterator's
+  queue at once (the trainer may take it before the chunk ends)."""
+
+  def __init__(self, deliver: Any):
+    super().__init__()
+    self._deliver = deliver
+
+  def append(self, item: Step) -> None:
+    super().append(item)
+    self._deliver(item)
+
+
+class StreamIterator(grain.DatasetIterator):
+  """Delivers a stream dataset's steps in order, `prefetch` of them ahead."""
+
+  def __init__(self, ds: Any, backend: Backend, info: DatasetInfo):
+    super().__init__()
+    self._ds = ds
+    self._backend = backend
+    self._info = info
+    self._structure = info.element_spec.structure
+    self._window = window_lib.plan(
+        ds.global_batch_size // ds.shard_count * info.element_spec.record_bytes,
+        len(ds.targets) * ds.transport.connections_per_target, prefetch=ds.prefetch,
+        steps_per_request=ds.transport.steps_per_request)
+    self._step = 0  # the next step the trainer receives
+    self._position = info.stream_start  # where it starts
+    self._cond = threading.Condition()
+    self._queue: collections.deque[Any] = collections.deque()  # Steps, then _END or an error
+    self._fetcher: threading.Thread | None = None
+    self._token: CancelToken | None = None
+    self._stopped = False
+    self._closed = False
+    self._meter = stats_lib.Meter(str(ds), ds.stats_log_s, lambda: (
+        getattr(backend, "retries", 0), getattr(backend, "fallbacks", 0)),
+        dataset=ds.dataset)
+
+  def stats(self) -> stats_lib.Stats:
+    return self._meter.stats()
+
+  # -- fetching -------------------------------------------------------------
+
+  def _start(self) -> None:
+    self._stopped = False
+    self._token = CancelToken()
+    self._fetcher = threading.Thread(
+        target=self._fetch, args=(self._step, self._position, self._token),
+        name="grain-elevator-stream", daemon=True)
+    self._fetcher.start()
+
+  def _stop(self) -> None:
+    """Ends the fetch thread and forgets what it fetched ahead."""
+    with self._cond:
+      self._stopped = True
+      self._cond.notify_all()
+    if self._token is not None:
+      self._token.cancel()
+    if self._fetcher is not None:
+      self._fetcher.join()
+    self._fetcher = self._token = None
+    self._queue.clear()
+
+  def _fetch(self, step: int, position: str, token: CancelToken) -> None:
+    """The fetch thread: chunk after chunk, each from where the last ended."""
+    ds = self._ds
+    per_request = self._window.steps_per_request
+    ahead = max(self._window.prefetch, per_request)
+    try:
+      while True:
+        n = per_request - step % per_request  # chunks end at multiples of their size
+        with self._cond:
+          while not self._stopped and len(self._queue) + n > ahead and self._queue:
+            self._cond.wait()
+          if self._stopped:
+            return
+        request = pb.BatchRequest(
+            dataset=ds.dataset, global_batch_size=ds.global_batch_size,
+            shard_index=ds.shard_index, shard_count=ds.shard_count, start_step=step,
+            num_steps=n, config_fingerprint=self._info.config_fingerprint,
+            compression=wire.COMPRESSIONS[ds.transport.compression], stream_state=position)
+        out = _Arrivals(self._put)
+        try:
+          self._backend.fetch(request, token, out)
+        except EndOfDataError:
+          self._put(_END)
+          return
+        step += len(out)
+        position = out[-1].next_stream_state
+    except Cancelled:
+      return
+    except BaseException as e:  # pylint: disable=broad-except
+      if not token.cancelled:
+        self._put(e)
+
+  def _put(self, item: Any) -> None:
+    with self._cond:
+      if not self._stopped:
+        self._queue.append(item)
+        self._cond.notify_all()
+
+  # -- the iterator ---------------------------------------------------------
+
+  def __next__(self) -> Any:
+    called_at = time.monotonic()
+    with self._cond:
+      if self._closed:
+        raise ElevatorError(f"{self._ds} iterator is closed")
+    if self._fetcher is None:
+      if self._queue and self._queue[0] is _END:
+        raise StopIteration
+      self._start()
+    with self._cond:
+      while not self._queue:
+        self._cond.wait()
+      item = self._queue[0]
+      if item is _END:
+        raise StopIteration
+      if isinstance(item, BaseException):
+        raise item
+      self._queue.popleft()
+      self._cond.notify_all()  # room for the next chunk
+    self._step += 1
+    self._position = item.next_stream_state
+    self._meter.delivered(called_at, time.monotonic(),
+                          sum(getattr(x, "nbytes", 0) for x in item.leaves))
+    return tree.unflatten(self._structure, item.leaves)
+
+  # -- checkpointing --------------------------------------------------------
+
+  def get_state(self) -> dict[str, Any]:
+    return state_lib.make(state_lib.Cursor(self._step, stream_state=self._position),
+                          self._info, self._ds.global_batch_size)
+
+  def set_state(self, state: dict[str, Any]) -> None:
+    cursor = state_lib.check(state, self._info, self._ds.global_batch_size)
+    self._stop()
+    self._step, self._position = cursor.step, cursor.stream_state
+
+  # -- lifecycle ------------------------------------------------------------
+
+  def close(self) -> None:
+    if self._closed:
+      return
+    self._closed = True
+    self._stop()
+    self._backend.close()
+
+  def __del__(self) -> None:
+    try:
+      self.close()
+    except Exception:  # pylint: disable=broad-except
+      pass
+
+  def __str__(self) -> str:
+    return f"{self._ds} @ step {self._step}"

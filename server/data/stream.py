@@ -1,0 +1,249 @@
+"""A stream dataset: a pipeline that is not 1:1 (filter, flat_map, packing,
+a batch_fn), served exactly as Grain's own single process would give it.
+
+The contract (docs/concepts.md, "Stream datasets"): with `records` the
+dataset's record stream (its source, seed, shuffle and repeat; or the records
+of a mixture of fixed weights), global batch k is the k-th element of
+
+    iter_pipeline(pipeline(records).to_iter_dataset(), **iter_options)
+        .batch(G, drop_remainder, batch_fn)
+
+and host h of H gets rows [h*G/H, (h+1)*G/H) of every leaf. It depends on
+the config and G alone: never on H, replicas, workers, timing or failures.
+
+Grain cannot find batch k in O(1) past a filter or a packer: by design its
+iterator is positioned by a state (an upstream position and a few counters,
+JSON), and restoring one replays at most one packing window. A position is
+therefore what travels: a request names the state where its first step
+starts, each batch goes out with the state after it, and any worker of any
+replica continues from either. `batch` passes its parent's state through,
+so a position does not depend on G: a new G continues from a saved one.
+
+Evaluation mode (drop_remainder = false) keeps its meaning: the final
+partial batch is padded with zero rows to G and every batch carries the bool
+leaf "_mask" (True for the rows that are elements). Row shapes must be fixed
+(pack or pad to a fixed length): every batch is checked against the spec
+found at start-up.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import json
+from typing import Any, Callable, Iterator
+
+import grain
+import numpy as np
+
+from grain_elevator import pipelines
+
+from grain_elevator.proto import contract
+from grain_elevator.proto import tree
+from grain_elevator.proto.errors import ConfigError, InternalError, InvalidRequestError
+from grain_elevator.proto.spec import DatasetInfo, ElementSpec
+from grain_elevator.server.data import grain_private
+from grain_elevator.server.data.config import DatasetConfig
+
+# Head: the random-access part, pipeline(records), as an IterDataset.
+HeadFactory = Callable[[grain.MapDataset], grain.IterDataset]
+# What a produced global batch is: its leaves (G rows each) and the position after it.
+GlobalBatch = tuple[list[np.ndarray], str]
+
+
+dumps = contract.position_text
+
+
+def loads(text: str, dataset: str) -> Any:
+  """A position a client sent: InvalidRequestError unless it is a JSON object."""
+  try:
+    state = json.loads(text)
+  except (ValueError, RecursionError) as e:
+    raise InvalidRequestError(f"dataset {dataset!r}: stream_state is not JSON: "
+                              f"{type(e).__name__}: {str(e)[:200]}") from None
+  if not isinstance(state, dict):
+    raise InvalidRequestError(f"dataset {dataset!r}: stream_state must be a JSON object "
+                              f"(a Grain iterator state), got {type(state).__name__}")
+  return state
+
+
+def is_stream_pipeline(records: grain.MapDataset, head: grain.MapDataset) -> bool:
+  """Whether `head` (a pipeline applied to `records`) is not 1:1: it changes
+  the length (flat_map) or holds a filter between the two."""
+  if len(head) != len(records):
+    return True
+  seen, todo = set(), [head]
+  while todo:
+    node = todo.pop()
+    if node is records or id(node) in seen:
+      continue
+    seen.add(id(node))
+    if "Filter" in type(node).__name__ or "FlatMap" in type(node).__name__:
+      return True
+    todo.extend(p for p in getattr(node, "parents", ()) if isinstance(p, grain.MapDataset))
+  return False
+
+
+class StreamDataset:
+  """A registered stream dataset: its info, and its global batches from any
+  position. Thread-safe: every call builds its own Grain iterator."""
+
+  def __init__(self, config: DatasetConfig, records: grain.MapDataset, head: grain.MapDataset,
+               *, num_records: int, fingerprint: str):
+    self.config = config
+    self.records = records
+    self.head = head  # pipeline(records): a MapDataset that may hold None holes
+    self._iter_fn = config.iter_pipeline_fn()
+    self._user_batch_fn = config.batch_fn_fn()
+    # Served in one worker: no read threads (the same elements; on a busy
+    # worker, threads only cost).
+    self._head_factory: HeadFactory = lambda ds: ds.to_iter_dataset(
+        grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
+    first, start = self._first_batch()
+    self._spec = ElementSpec.of(first)  # of one row
+    self._leaves = self._spec.leaves
+    self.info = DatasetInfo(
+        name=config.name, num_records=num_records, num_epochs=config.num_epochs,
+        shuffle=config.shuffle, seed=config.seed, config_fingerprint=fingerprint,
+        element_spec=self._spec, stream_length=contract.FOREVER_LENGTH,
+        drop_remainder=config.drop_remainder, stream=True, stream_start=start)
+
+  def use_head(self, factory: HeadFactory) -> None:
+    """Serves the head through `factory` (the parallel head of a server):
+    it must yield what `to_iter_dataset()` yields, with the same states."""
+    self._head_factory = factory
+
+  # -- the pipeline -----------------------------------------------------------
+
+  def pipeline(self, global_batch_size: int, *, head: HeadFactory | None = None
+               ) -> grain.IterDataset:
+    """The contract's Grain pipeline for G (the oracle, with `head` None)."""
+    ds = (head or (lambda d: d.to_iter_dataset()))(self.head)
+    if self._iter_fn is not None:
+      with pipelines.building_from(self.config.base_dir):
+        ds = self._iter_fn(ds, **self.config.iter_options)
+      if not isinstance(ds, grain.IterDataset):
+        raise ConfigError(f"dataset {self.config.name!r}: iter_pipeline "
+                          f"{self.config.iter_pipeline!r} returned {type(ds).__name__}, "
+                          "expected a grain.IterDataset")
+    return ds.batch(global_batch_size, drop_remainder=self.config.drop_remainder,
+                    batch_fn=self._batch_fn(global_batch_size))
+
+  def _batch_fn(self, global_batch_size: int) -> Callable[[list[Any]], Any] | None:
+    """Grain's batch_fn for G: the config's (given G as `batch_size` if it
+    takes one, as grain.experimental.batch_and_pad does), in evaluation mode
+    padded to G with the mask added."""
+    fn = self._user_batch_fn
+    if fn is not None and "batch_size" in _parameters(fn):
+      fn = functools.partial(fn, batch_size=global_batch_size)
+    if self.config.drop_remainder:
+      return fn
+    return functools.partial(_padded_with_mask, fn=fn, rows=global_batch_size)
+
+  def _first_batch(self) -> tuple[Any, str]:
+    """The first batch of one row, whose leaves give the row spec, and the
+    stream's first position."""
+    name = self.config.name
+    try:
+      it = iter(self.pipeline(1))
+      start = dumps(it.get_state())
+      batch = next(it)
+    except StopIteration:
+      raise ConfigError(f"dataset {name!r}: the stream is empty") from None
+    except ConfigError:
+      raise
+    except Exception as e:
+      raise ConfigError(f"dataset {name!r}: the stream fails on its first batch: "
+                        f"{type(e).__name__}: {e}") from e
+    leaves, structure, paths = tree.flatten(batch)
+    rows = []
+    for path, leaf in zip(paths, leaves):
+      a = np.asarray(leaf)
+      if a.ndim < 1 or a.shape[0] != 1 or a.dtype.hasobject:
+        raise ConfigError(
+            f"dataset {name!r}: leaf {path!r} of a batch of one is {a.dtype}{list(a.shape)}; "
+            "every leaf must be a numeric array with one row per element (a batch_fn "
+            "keeps the batch dimension first)")
+      rows.append(a[0])
+    return tree.unflatten(structure, rows), start
+
+  # -- serving ----------------------------------------------------------------
+
+  def check_batch_size(self, global_batch_size: int) -> None:
+    del global_batch_size  # any G: batch k depends on G, and any G is valid
+
+  def host_batch_leaves(self, *args: Any, **kwargs: Any) -> Any:
+    raise InvalidRequestError(f"dataset {self.config.name!r} is a stream dataset: its "
+                              "batches are found from a stream position (stream_state)")
+
+  def open(self, global_batch_size: int, state: str) -> grain.DatasetIterator:
+    """The served pipeline's iterator for G at position `state` ("" = start)."""
+    it = iter(self.pipeline(global_batch_size, head=self._head_factory))
+    if state:
+      parsed = grain_private.state_from_json(loads(state, self.config.name))
+      try:
+        it.set_state(parsed)
+      except Exception as e:  # a position of another pipeline, or made up
+        raise InvalidRequestError(
+            f"dataset {self.config.name!r}: stream_state is not a position of this "
+            f"stream: {type(e).__name__}: {str(e)[:200]}") from None
+    return it
+
+  def next_batch(self, it: grain.DatasetIterator, global_batch_size: int
+                 ) -> GlobalBatch | None:
+    """The next global batch of `it` and the position after it; None at the end."""
+    try:
+      batch = next(it)
+    except StopIteration:
+      return None
+    leaves, _, paths = tree.flatten(batch)
+    if len(leaves) != len(self._leaves):
+      raise InternalError(f"dataset {self.config.name!r}: a batch has {len(leaves)} leaves, "
+                          f"the first had {len(self._leaves)}")
+    out = []
+    for leaf, want, path in zip(leaves, self._leaves, paths):
+      a = np.asarray(leaf)
+      if a.dtype != want.dtype or a.shape != (global_batch_size, *want.shape):
+        raise InternalError(
+            f"dataset {self.config.name!r}: leaf {path!r} is {a.dtype}{list(a.shape)}, "
+            f"the stream's rows are {want.dtype}{list(want.shape)} (G={global_batch_size}); "
+            "a stream dataset needs fixed row shapes: pack or pad to a fixed length")
+      out.append(a)
+    return out, dumps(it.get_state())
+
+  def batches(self, global_batch_size: int, state: str) -> Iterator[GlobalBatch]:
+    """Global batches from position `state` to the stream's end."""
+    it = self.open(global_batch_size, state)
+    while (batch := self.next_batch(it, global_batch_size)) is not None:
+      yield batch
+
+
+def _parameters(fn: Callable[..., Any]) -> set[str]:
+  try:
+    return set(inspect.signature(fn).parameters)
+  except (TypeError, ValueError):  # a builtin without a signature
+    return set()
+
+
+def _padded_with_mask(values: list[Any], *, fn: Callable[[list[Any]], Any] | None,
+                      rows: int) -> Any:
+  """Evaluation mode's batch: `fn`'s (or stacked), padded with zero rows to
+  `rows`, with the mask leaf (True for the len(values) real rows)."""
+  batch = fn(values) if fn is not None else tree.unflatten(
+      tree.flatten(values[0])[1],
+      [np.stack(column) for column in zip(*(tree.flatten(v)[0] for v in values))])
+  if not isinstance(batch, dict) or contract.MASK_KEY in batch:
+    raise ConfigError(f"drop_remainder = false (evaluation mode) needs batches that are "
+                      f"dicts without a {contract.MASK_KEY!r} key, for the mask it adds")
+  leaves, structure, _ = tree.flatten(batch)
+  padded = []
+  for leaf in leaves:
+    a = np.asarray(leaf)
+    if a.shape[0] < rows:
+      a = np.concatenate([a, np.zeros((rows - a.shape[0], *a.shape[1:]), a.dtype)])
+    padded.append(a)
+  out = tree.unflatten(structure, padded)
+  mask = np.zeros(rows, np.bool_)
+  mask[:len(values)] = True
+  out[contract.MASK_KEY] = mask
+  return out

@@ -1,0 +1,132 @@
+"""A stream dataset's bad pipelines get clear errors naming the dataset: at
+start-up for what the config gets wrong, per request for a record that
+fails, and the server goes on serving everything else."""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+import textwrap
+
+import pytest
+
+from grain_elevator.client import InternalError, RemoteDataset
+from grain_elevator.proto.errors import ConfigError
+from grain_elevator.server.data import config as config_lib
+from grain_elevator.server.data import dataset as dataset_lib
+from grain_elevator.tools.launcher import LocalServer
+from helpers import assert_streams_equal
+
+_PIPES = '''
+import grain
+import numpy as np
+from grain_elevator.pipelines import examples
+
+
+def failing_on_id_300(ds, **image):
+  def check(r):
+    if int(r["id"]) == 300:
+      raise ValueError("record 300 is unreadable")
+    return r
+  return examples.decode_images(ds, **image).filter(lambda r: True).map(check)
+
+
+def not_an_iter_dataset(ds):
+  return [1, 2, 3]
+
+
+def rows_disagree(values):
+  return {"a": np.zeros(len(values)), "b": np.zeros(len(values) + 1)}
+
+
+def drop_all_but_one(ds, **image):
+  return examples.decode_images(ds, **image).filter(lambda r: int(r["id"]) == 5)
+'''
+
+IMAGE = 'height = 4\nwidth = 4\nchannels = 3\n'
+
+
+@pytest.fixture(scope="module")
+def pipes(tmp_path_factory) -> pathlib.Path:
+  root = tmp_path_factory.mktemp("bad_streams")
+  (root / "bad_stream_pipes.py").write_text(_PIPES)
+  sys.path.insert(0, str(root))
+  return root
+
+
+def _config(data_dir: pathlib.Path, pipes: pathlib.Path, body: str, name: str) -> pathlib.Path:
+  path = pipes / f"{name}.toml"
+  path.write_text(body.replace("SHARDS", f'"{data_dir}/shards/*.array_record"'))
+  return path
+
+
+@pytest.mark.parametrize("body,message", [
+    ("[datasets.d]\npaths = [SHARDS]\npipeline = \"grain_elevator.pipelines.examples:"
+     "decode_images\"\niter_pipeline = \"bad_stream_pipes:not_an_iter_dataset\"\n"
+     f"[datasets.d.options]\n{IMAGE}",
+     "iter_pipeline 'bad_stream_pipes:not_an_iter_dataset' returned list, expected a "
+     "grain.IterDataset"),
+    ("[datasets.d]\npaths = [SHARDS]\npipeline = \"grain_elevator.pipelines.examples:"
+     "decode_images\"\nbatch_fn = \"bad_stream_pipes:rows_disagree\"\n"
+     f"[datasets.d.options]\n{IMAGE}",
+     "leaf 'b' of a batch of one is float64[2]; every leaf must be a numeric array with one "
+     "row per element"),
+    ("[datasets.d]\npaths = [SHARDS]\npipeline = \"grain_elevator.pipelines.examples:"
+     "decode_some\"\nnum_epochs = 1\n"
+     f"[datasets.d.options]\n{IMAGE}labels = [99]\n",
+     "dataset 'd': the stream is empty"),
+    ("[datasets.d]\npaths = [SHARDS]\niter_options = { length = 8 }\n",
+     "key 'iter_options' given without an 'iter_pipeline'"),
+    ("[datasets.d]\nsource = \"nope\"\n",
+     "key 'source' must name a registered mixture of fixed weights"),
+])
+def test_a_bad_stream_config_is_refused_at_start(data_dir, pipes, body, message):
+  with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("(", r"\(")):
+    path = _config(data_dir, pipes, body, "bad")
+    dataset_lib.Datasets(config_lib.load_config(path))
+
+
+def test_a_failing_record_names_the_dataset_and_step_and_others_are_served(data_dir, pipes):
+  path = _config(data_dir, pipes, textwrap.dedent(f"""\
+      [datasets.broken]
+      paths = [SHARDS]
+      pipeline = "bad_stream_pipes:failing_on_id_300"
+      shuffle = false
+      [datasets.broken.options]
+      {IMAGE.replace(chr(10), chr(10) + '      ')}
+      [datasets.lonely]
+      paths = [SHARDS]
+      pipeline = "bad_stream_pipes:drop_all_but_one"
+      num_epochs = 3
+      [datasets.lonely.options]
+      {IMAGE.replace(chr(10), chr(10) + '      ')}
+      [datasets.fine]
+      paths = [SHARDS]
+      pipeline = "grain_elevator.pipelines.examples:decode_some"
+      [datasets.fine.options]
+      {IMAGE.replace(chr(10), chr(10) + '      ')}labels = [2]
+      """), "broken")
+  with LocalServer(str(path), workers=2, env={"PYTHONPATH": str(pipes)}) as server:
+    with RemoteDataset(server.target, "broken", 20) as ds:
+      it = iter(ds)
+      for _ in range(15):  # records 0..299, in order (no shuffle): 15 steps of 20
+        next(it)
+      with pytest.raises(InternalError, match=r"dataset 'broken', step 15: ValueError: "
+                                              r"record 300 is unreadable"):
+        next(it)
+    # A filter that keeps one record in a thousand: slow to fill, still exact.
+    with RemoteDataset(server.target, "lonely", 3) as ds:
+      got = list(ds)
+    assert [b["id"].tolist() for b in got] == [[5, 5, 5]]
+    with RemoteDataset(server.target, "fine", 8) as remote, \
+        RemoteDataset.embedded(str(path), "fine", 8) as local:
+      assert assert_streams_equal(remote, local) == _count_label(data_dir, 2) // 8
+    assert server.proc.poll() is None
+
+
+def _count_label(data_dir: pathlib.Path, label: int) -> int:
+  from array_record.python.array_record_data_source import ArrayRecordDataSource  # pylint: disable=g-import-not-at-top
+  from grain_elevator.pipelines import examples  # pylint: disable=g-import-not-at-top
+  source = ArrayRecordDataSource(sorted(str(p) for p in (data_dir / "shards").glob("*")))
+  return sum(int(examples.decode_record(source[i], 4, 4, 3)["label"]) == label
+             for i in range(len(source)))
