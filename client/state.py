@@ -13,8 +13,8 @@ proto/contract.py). Nothing is skipped or repeated.
 A stream dataset (server/data/stream.py) has no arithmetic from steps to
 records: its state also holds "stream_state", the position of its Grain
 pipeline where the next global batch starts (Grain's own iterator state,
-JSON: an upstream position and a few counters, never elements; null at the
-start). A new G continues from that position, steps counted afresh.
+JSON: an upstream position and a few counters, never elements; at step 0
+the dataset's first position, DatasetInfo.stream_start). A new G continues from that position, steps counted afresh.
 """
 
 from __future__ import annotations

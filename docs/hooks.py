@@ -52,7 +52,8 @@ ROOT_PAGES = {"README.md": "index.md", "BENCHMARKS.md": "benchmarks.md"}
 
 # Constants the pages name, by the module that defines them.
 CONSTANTS = {
-    "grain_elevator.proto.limits": ["MAX_REQUEST_BYTES", "LONG_STREAM_STEPS"],
+    "grain_elevator.proto.limits": ["MAX_REQUEST_BYTES", "LONG_STREAM_STEPS",
+                                   "MAX_STREAM_STATE_BYTES"],
     "grain_elevator.proto.rows": ["MIN_ROW_BYTES"],
     "grain_elevator.proto.wire": ["MIN_COMPRESSED_BYTES", "ZSTD_LEVEL"],
     "grain_elevator.proto.framing": ["MAGIC"],
@@ -73,6 +74,8 @@ CONSTANTS = {
     "grain_elevator.server.process.descriptors": [
         "RESERVED_DESCRIPTORS", "DESCRIPTORS_PER_SHARD"],
     "grain_elevator.server.data.shards.identity": ["IDENTITY_TAIL_BYTES"],
+    "grain_elevator.server.data.parallel_head": [
+        "TASK_ELEMENTS", "TASKS_AHEAD_PER_WORKER", "TASK_TIMEOUT_S"],
     "grain_elevator.client.transport.connection": ["MAX_CONTROL_MESSAGE_BYTES"],
     "grain_elevator.client.transport.retry": ["RETRIABLE", "REFUSED"],
     "grain_elevator.client.window": ["REQUEST_BYTES", "WINDOW_BYTES", "MAX_STEPS_PER_REQUEST"],

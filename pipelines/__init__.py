@@ -11,6 +11,8 @@ so they are library code, imported by the serving side, never tools:
                  training pipeline; what ``elevator convert images`` writes
   tf_example.py  ``tf.train.Example`` records without TensorFlow, parsed by a
                  features spec (``parse_examples``)
+  text.py        text for language models: tokenize, chunk, pack (a stream
+                 dataset)
 
 A pipeline of your own imports what it needs from here:
 

@@ -2,10 +2,15 @@
 stays within them.
 
 MAX_REQUEST_BYTES: a request (BatchRequest, DescribeRequest, BulkRequest) is
-a dataset name, a few integers and a token; anything longer is refused
-before it is parsed, and before authentication (gRPC's receive limit, the
-bulk transport's request frame limit), so a call or connection whose
-request is still arriving holds at most this.
+a dataset name, a few integers, a token and, for a stream dataset, its
+position; anything longer is refused before it is parsed, and before
+authentication (gRPC's receive limit, the bulk transport's request frame
+limit), so a call or connection whose request is still arriving holds at
+most this.
+
+MAX_STREAM_STATE_BYTES: a stream dataset's position (a Grain iterator's
+state as JSON: an upstream index and a few counters, tens of bytes) must fit
+a request with room to spare; a server refuses to produce a longer one.
 
 LONG_STREAM_STEPS: a request for more steps than this is a long stream; a
 worker lets long streams hold only half of its request slots
@@ -15,3 +20,4 @@ as many at once (client/window.py) and always finds the other half.
 
 MAX_REQUEST_BYTES = 64 << 10
 LONG_STREAM_STEPS = 64
+MAX_STREAM_STATE_BYTES = MAX_REQUEST_BYTES // 4

@@ -36,8 +36,11 @@ def _describe(args: argparse.Namespace) -> int:
         "element_spec": [
             {"path": l.path, "dtype": dtypes.dtype_to_str(l.dtype), "shape": list(l.shape)}
             for l in info.element_spec.leaves],
+        "stream": info.stream,
     }
-    if args.global_batch_size:
+    if args.global_batch_size and info.stream:  # steps are not known ahead
+      row["total_steps"] = "forever" if info.repeats_forever else "unknown (a stream dataset)"
+    elif args.global_batch_size:
       total = info.total_steps(args.global_batch_size)
       row["steps_per_epoch"] = info.steps_per_epoch(args.global_batch_size)
       row["total_steps"] = "forever" if total is None else total

@@ -276,6 +276,10 @@ def check_mixtures(datasets: dict[str, DatasetConfig]) -> None:
                             f"{', '.join(sorted(n for n in datasets if n != name))}")
         if target.schedule is not None:
           raise ConfigError(f"dataset {name!r}: component {component!r} is itself a mixture")
+        if target.names_a_stream:
+          raise ConfigError(f"dataset {name!r}: component {component!r} is a stream dataset "
+                            "(iter_pipeline, batch_fn or source); a mixture's components "
+                            "are read by record position")
 
 
 def parse_dataset(name: str, table: Any, base_dir: pathlib.Path) -> DatasetConfig:

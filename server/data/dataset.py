@@ -34,6 +34,7 @@ from grain_elevator.server.data.record_source import BatchedArrayRecordSource
 from grain_elevator.server.data.served import ServedDataset
 from grain_elevator.server.data.shards import reader as shard_reader
 from grain_elevator.server.data.shards.identity import ShardIdentity, shard_identities
+from grain_elevator.server.data.stream import is_stream_pipeline
 
 log = logging.getLogger("grain_elevator.server")
 
@@ -99,6 +100,11 @@ def apply_pipeline(config: DatasetConfig, ds: grain.MapDataset, *,
         f"dataset {config.name!r}: pipeline {config.pipeline!r} returned "
         f"{type(out).__name__}, expected a grain.MapDataset (random access is "
         "what lets any worker serve any step)")
+  if one_to_one and is_stream_pipeline(ds, out):
+    raise ConfigError(
+        f"dataset {config.name!r}: pipeline {config.pipeline!r} filters or flat-maps: "
+        "that makes it a stream dataset, which cannot be a mixture's component "
+        "(a component is read by record position)")
   if one_to_one and len(out) != len(ds):
     raise ConfigError(
         f"dataset {config.name!r}: pipeline {config.pipeline!r} changed the "
@@ -203,6 +209,11 @@ def open_dataset(config: DatasetConfig,
   opened = OpenedSource.open(config, identities)
   head = apply_pipeline(config, opened.raw_records, one_to_one=False)
   if config.names_a_stream or stream.is_stream_pipeline(opened.raw_records, head):
+    if config.batch_transform is not None:
+      raise ConfigError(
+          f"dataset {config.name!r}: its pipeline filters or flat-maps, so it is a stream "
+          "dataset, and 'batch_transform' (a whole-batch decode of a 1:1 pipeline) cannot "
+          "apply; give a 'batch_fn' instead")
     ds = stream.StreamDataset(config, opened.raw_records, head,
                               num_records=opened.num_records,
                               fingerprint=_stream_fingerprint(config, opened))

@@ -14,6 +14,11 @@ whoever computes them, since an element depends on its index alone.
 The queues are the supervisor's (multiprocessing, on this host; nothing
 crosses the network, so pickling is safe here). A task not answered within
 TASK_TIMEOUT_S (its worker died or hangs) is computed by the owner itself.
+Queues are read without waiting inside them (`_poll`): a multiprocessing
+queue's reader lock is held while a get waits, and a worker SIGKILLed
+holding it would leave the queue locked for every other worker for good.
+Task ids carry the owner's pid, so answers meant for a worker's earlier
+life are never taken for its own.
 `ParallelHead` yields exactly what Grain's `to_iter_dataset()` yields, with
 the same state ({"next_index": i}), so positions from either continue in
 the other.
@@ -24,8 +29,10 @@ from __future__ import annotations
 import concurrent.futures
 import itertools
 import logging
+import os
 import queue
 import threading
+import time
 from typing import Any, Callable
 
 import grain
@@ -37,6 +44,21 @@ TASK_ELEMENTS = 32
 TASKS_AHEAD_PER_WORKER = 2
 # After this long without an answer, the owner computes a task itself.
 TASK_TIMEOUT_S = 30.0
+# How often an idle queue is looked at: from the first, doubling to the last.
+_POLL_S = (0.001, 0.02)
+
+
+def _poll(q: Any, stop: threading.Event) -> Any:
+  """The next item of `q`, or None once `stop` is set; never blocks inside
+  the queue (module docstring)."""
+  delay = _POLL_S[0]
+  while not stop.is_set():
+    try:
+      return q.get_nowait()
+    except queue.Empty:
+      time.sleep(delay)
+      delay = min(2 * delay, _POLL_S[1])
+  return None
 
 
 class HeadQueues:
@@ -61,7 +83,7 @@ class HeadService:
     self._index = index
     self._datasets = datasets
     self._ids = itertools.count()
-    self._pending: dict[int, concurrent.futures.Future] = {}
+    self._pending: dict[tuple[int, int], concurrent.futures.Future] = {}
     self._lock = threading.Lock()
     self._stop = threading.Event()
     for target, name in ((self._compute, "elevator-head-compute"),
@@ -84,7 +106,7 @@ class HeadService:
     future: concurrent.futures.Future = concurrent.futures.Future()
     future.local = lambda: _elements(head, start, count)  # type: ignore[attr-defined]
     with self._lock:
-      task_id = next(self._ids)
+      task_id = (os.getpid(), next(self._ids))
       self._pending[task_id] = future
     self._queues.tasks.put((self._index, task_id, dataset, fingerprint, start, count))
     return future
@@ -94,11 +116,12 @@ class HeadService:
     results = self._queues.results[self._index]
     while not self._stop.is_set():
       try:
-        task_id, elements, error = results.get(timeout=1.0)
-      except queue.Empty:
-        continue
+        answer = _poll(results, self._stop)
       except (EOFError, OSError):
         return
+      if answer is None:
+        return
+      task_id, elements, error = answer
       with self._lock:
         future = self._pending.pop(task_id, None)
       if future is None or future.done():
@@ -113,11 +136,12 @@ class HeadService:
     tasks = self._queues.tasks
     while not self._stop.is_set():
       try:
-        owner, task_id, dataset, fingerprint, start, count = tasks.get(timeout=1.0)
-      except queue.Empty:
-        continue
+        task = _poll(tasks, self._stop)
       except (EOFError, OSError):
         return
+      if task is None:
+        return
+      owner, task_id, dataset, fingerprint, start, count = task
       elements, error = None, ""
       try:
         ds = self._datasets.get(dataset)

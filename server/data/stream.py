@@ -41,6 +41,7 @@ from grain_elevator import pipelines
 from grain_elevator.proto import contract
 from grain_elevator.proto import tree
 from grain_elevator.proto.errors import ConfigError, InternalError, InvalidRequestError
+from grain_elevator.proto.limits import MAX_STREAM_STATE_BYTES
 from grain_elevator.proto.spec import DatasetInfo, ElementSpec
 from grain_elevator.server.data import grain_private
 from grain_elevator.server.data.config import DatasetConfig
@@ -209,7 +210,14 @@ class StreamDataset:
             f"the stream's rows are {want.dtype}{list(want.shape)} (G={global_batch_size}); "
             "a stream dataset needs fixed row shapes: pack or pad to a fixed length")
       out.append(a)
-    return out, dumps(it.get_state())
+    state = dumps(it.get_state())
+    if len(state) > MAX_STREAM_STATE_BYTES:
+      raise InternalError(
+          f"dataset {self.config.name!r}: its pipeline's position is {len(state)} bytes of "
+          f"JSON, over the {MAX_STREAM_STATE_BYTES} a request can carry back "
+          "(proto/limits.py): an iterator state should hold positions and counters, "
+          "never elements")
+    return out, state
 
   def batches(self, global_batch_size: int, state: str) -> Iterator[GlobalBatch]:
     """Global batches from position `state` to the stream's end."""

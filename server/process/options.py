@@ -108,7 +108,8 @@ class ServerOptions:
             "many seconds: a data tier started for one job ends with it", none="never")
   batch_cache_mb: int | None = _option(
       None, "MiB of recently served steps the workers keep (split evenly), so that "
-            "trainers reading the same stream get each step produced once; 0: off; "
+            "trainers reading the same stream get each step produced once, and as much "
+            "again for stream datasets' global batches shared by their hosts; 0: off; "
             "auto: 1/16 of the container's memory limit, at most 512", none="auto")
 
   def __post_init__(self) -> None:

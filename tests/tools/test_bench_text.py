@@ -16,8 +16,8 @@ pytestmark = pytest.mark.slow
 def test_every_system_is_measured_and_the_goals_are_stated(tmp_path):
   out = tmp_path / "r.json"
   result = subprocess.run(
-      [*ELEVATOR, "bench", "--workloads", "text", "--repeats", "1", "--seconds", "0.5",
-       "--warmup", "0.2", "--text-records", "400", "--data", str(tmp_path / "d"),
+      [*ELEVATOR, "bench", "--workloads", "text", "--repeats", "1", "--seconds", "0.2",
+       "--warmup", "0.1", "--text-records", "300", "--data", str(tmp_path / "d"),
        "--json", str(out)], capture_output=True, text=True, timeout=600)
   assert result.returncode == 0, result.stderr[-3000:]
   wl = json.loads(out.read_text())["workloads"]["text"]

@@ -60,10 +60,11 @@ def measure(system: System, seconds: float, warmup_s: float) -> dict[str, Any]:
 def interleaved(name: str, systems: list[System], repeats: int, seconds: float,
                 warmup_s: float, *, before: Callable[[], None] = lambda: None,
                 derive: Callable[[System, dict[str, Any]], dict[str, Any]] = lambda s, r: r,
-                unit: str = "rec/s") -> dict[str, list[dict[str, Any]]]:
+                unit: str = "rec/s", figure: str = "records_per_s"
+                ) -> dict[str, list[dict[str, Any]]]:
   """Every system `repeats` times, round after round: key -> its runs.
   `before` runs before each measurement (waiting for the machine to settle),
-  `derive` adds figures to each run."""
+  `derive` adds figures to each run; `figure` (in `unit`) is logged."""
   raw: dict[str, list[dict[str, Any]]] = {s.key: [] for s in systems}
   done, total = 0, repeats * len(systems)
   for rep in range(repeats):
@@ -74,7 +75,7 @@ def interleaved(name: str, systems: list[System], repeats: int, seconds: float,
       done += 1
       gb = f" {r['gb_per_s']:6.3f} GB/s" if unit == "rec/s" else ""
       log(f"[{name}] {done:3d}/{total} rep {rep + 1}: {s.label:<62} "
-          f"{r['records_per_s']:>10,.0f} {unit}{gb}")
+          f"{r[figure]:>10,.0f} {unit}{gb}")
   return raw
 
 

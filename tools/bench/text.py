@@ -133,7 +133,7 @@ def run_workload(root: pathlib.Path, documents: int, *, workers: list[int], repe
     pids = [s.proc.pid for s in servers.values()]
     raw = harness.interleaved(w.name, systems, repeats, seconds, warmup_s,
                               before=lambda: images_bench.wait_idle(pids), derive=_derived,
-                              unit="tok/s")
+                              unit="tok/s", figure="tokens_per_s")
   finally:
     for server in servers.values():
       server.stop()

@@ -79,6 +79,18 @@ def _config(data_dir: pathlib.Path, pipes: pathlib.Path, body: str, name: str) -
      "key 'iter_options' given without an 'iter_pipeline'"),
     ("[datasets.d]\nsource = \"nope\"\n",
      "key 'source' must name a registered mixture of fixed weights"),
+    ("[datasets.f]\npaths = [SHARDS]\npipeline = \"grain_elevator.pipelines.examples:"
+     f"decode_some\"\n[datasets.f.options]\n{IMAGE}labels = [1]\n"
+     "[datasets.m]\nmixture = { f = 1.0 }\n",
+     "pipeline 'grain_elevator.pipelines.examples:decode_some' filters or flat-maps: that "
+     "makes it a stream dataset, which cannot be a mixture's component"),
+    ("[datasets.f]\npaths = [SHARDS]\nbatch_fn = \"bad_stream_pipes:rows_disagree\"\n"
+     "[datasets.m]\nmixture = { f = 1.0 }\n",
+     "component 'f' is a stream dataset"),
+    ("[datasets.d]\npaths = [SHARDS]\npipeline = \"grain_elevator.pipelines.examples:"
+     "decode_some\"\nbatch_transform = \"grain_elevator.pipelines.examples:"
+     f"decode_images_batch\"\n[datasets.d.options]\n{IMAGE}labels = [1]\n",
+     "its pipeline filters or flat-maps, so it is a stream dataset, and 'batch_transform'"),
 ])
 def test_a_bad_stream_config_is_refused_at_start(data_dir, pipes, body, message):
   with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("(", r"\(")):
