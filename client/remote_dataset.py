@@ -211,10 +211,7 @@ class _RemoteIterator(grain.DatasetIterator):
     self._info = info
     self._offset = 0  # records before step 0: nonzero once G changed at a checkpoint
     self._total = self._info.total_steps(ds.global_batch_size)
-    self._window = window_lib.plan(
-        ds.global_batch_size // ds.shard_count * self._info.element_spec.record_bytes,
-        len(ds.targets) * ds.transport.connections_per_target, prefetch=ds.prefetch,
-        steps_per_request=ds.transport.steps_per_request)
+    self._window = window_lib.for_dataset(ds, info.element_spec.record_bytes)
     self._structure = self._info.element_spec.structure
     self._step = 0  # next step the trainer receives
     self._requested = 0  # first step not yet requested
@@ -222,9 +219,7 @@ class _RemoteIterator(grain.DatasetIterator):
     self._lock = threading.Lock()
     self._arrived = threading.Condition()  # a step arrived or a fetch ended
     self._pool: concurrent.futures.ThreadPoolExecutor | None = None
-    self._meter = stats_lib.Meter(str(ds), ds.stats_log_s, lambda: (
-        getattr(self._backend, "retries", 0), getattr(self._backend, "fallbacks", 0)),
-        dataset=ds.dataset)
+    self._meter = stats_lib.meter_for(ds, backend)
 
   def stats(self) -> stats_lib.Stats:
     """Time waited for data, throughput, retries and fallbacks so far."""

@@ -96,6 +96,12 @@ class Meter:
 _METERS: "weakref.WeakSet[Meter]" = weakref.WeakSet()
 
 
+def meter_for(ds: Any, backend: Any) -> Meter:
+  """The meter of an iterator of RemoteDataset `ds` that reads from `backend`."""
+  return Meter(str(ds), ds.stats_log_s, lambda: (
+      getattr(backend, "retries", 0), getattr(backend, "fallbacks", 0)), dataset=ds.dataset)
+
+
 class _Collector:
   """Every live iterator's Stats, summed per dataset (a prometheus_client collector)."""
 

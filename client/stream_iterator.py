@@ -60,10 +60,7 @@ class StreamIterator(grain.DatasetIterator):
     self._backend = backend
     self._info = info
     self._structure = info.element_spec.structure
-    self._window = window_lib.plan(
-        ds.global_batch_size // ds.shard_count * info.element_spec.record_bytes,
-        len(ds.targets) * ds.transport.connections_per_target, prefetch=ds.prefetch,
-        steps_per_request=ds.transport.steps_per_request)
+    self._window = window_lib.for_dataset(ds, info.element_spec.record_bytes)
     self._step = 0  # the next step the trainer receives
     self._position = info.stream_start  # where it starts
     self._cond = threading.Condition()
@@ -72,9 +69,7 @@ class StreamIterator(grain.DatasetIterator):
     self._token: CancelToken | None = None
     self._stopped = False
     self._closed = False
-    self._meter = stats_lib.Meter(str(ds), ds.stats_log_s, lambda: (
-        getattr(backend, "retries", 0), getattr(backend, "fallbacks", 0)),
-        dataset=ds.dataset)
+    self._meter = stats_lib.meter_for(ds, backend)
 
   def stats(self) -> stats_lib.Stats:
     return self._meter.stats()

@@ -14,6 +14,7 @@ in BENCHMARKS.md ("Default client against tuned").
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from grain_elevator.proto.limits import LONG_STREAM_STEPS
 
@@ -48,3 +49,11 @@ def plan(step_bytes: int, connections: int, *, prefetch: int | None = None,
     prefetch = min(max(1, connections) * steps_per_request,
                    max(steps_per_request, WINDOW_BYTES // step_bytes))
   return Window(prefetch, steps_per_request)
+
+
+def for_dataset(ds: Any, record_bytes: int) -> Window:
+  """The window of an iterator of RemoteDataset `ds`, whose records are
+  `record_bytes` each: over every connection to its targets."""
+  return plan(ds.global_batch_size // ds.shard_count * record_bytes,
+              len(ds.targets) * ds.transport.connections_per_target, prefetch=ds.prefetch,
+              steps_per_request=ds.transport.steps_per_request)

@@ -109,3 +109,25 @@ def closed_by_peer(s: socket.socket) -> bool:
   except ConnectionResetError:
     pass
   return True
+
+
+# -- what a converter wrote ---------------------------------------------------
+
+
+def read_shards(out_dir: pathlib.Path) -> list[bytes]:
+  """Every record of the ArrayRecord shards in `out_dir`, in shard-name order."""
+  from array_record.python.array_record_data_source import ArrayRecordDataSource  # pylint: disable=g-import-not-at-top
+  files = sorted(str(p) for p in out_dir.glob("*.array_record"))
+  source = ArrayRecordDataSource(files)
+  return [source[i] for i in range(len(source))]
+
+
+def shard_bytes(out_dir: pathlib.Path) -> dict[str, bytes]:
+  return {p.name: p.read_bytes() for p in sorted(out_dir.iterdir())}
+
+
+def no_leftovers(out_dir: pathlib.Path) -> None:
+  """A failed conversion left neither the output nor its hidden staging folder."""
+  assert not out_dir.exists()
+  hidden = [p.name for p in out_dir.parent.iterdir() if p.name.startswith(f".{out_dir.name}.")]
+  assert not hidden, hidden

@@ -17,28 +17,12 @@ from grain_elevator.tools.convert import text as text_lib
 from grain_elevator.tools.convert.errors import CorruptInputError
 from grain_elevator.tools.convert.text import JsonlSource, TextSource
 from grain_elevator.tools.launcher import ELEVATOR
+from helpers import no_leftovers, read_shards, shard_bytes
 
 
 def elevator(*args: str) -> subprocess.CompletedProcess:
   return subprocess.run([*ELEVATOR, "convert", *args, "--quiet"], capture_output=True,
                         text=True, timeout=120, check=False)
-
-
-def read_shards(out_dir: pathlib.Path) -> list[bytes]:
-  from array_record.python.array_record_data_source import ArrayRecordDataSource  # pylint: disable=g-import-not-at-top
-  files = sorted(str(p) for p in out_dir.glob("*.array_record"))
-  source = ArrayRecordDataSource(files)
-  return [source[i] for i in range(len(source))]
-
-
-def shard_bytes(out_dir: pathlib.Path) -> dict[str, bytes]:
-  return {p.name: p.read_bytes() for p in sorted(out_dir.iterdir())}
-
-
-def no_leftovers(out_dir: pathlib.Path) -> None:
-  assert not out_dir.exists()
-  hidden = [p.name for p in out_dir.parent.iterdir() if p.name.startswith(f".{out_dir.name}.")]
-  assert not hidden, hidden
 
 
 # -- the oracle: what each split should give, by slicing the input -------------------

@@ -19,6 +19,7 @@ from grain_elevator.tools import cli
 from grain_elevator.tools.convert import shards
 from grain_elevator.tools.convert.errors import ConvertError, CorruptInputError
 from grain_elevator.tools.convert.tfrecord import TFRecordSource
+from helpers import no_leftovers, read_shards, shard_bytes
 
 google_crc32c = pytest.importorskip("google_crc32c")
 
@@ -41,23 +42,6 @@ def write_tfrecord(path: pathlib.Path, records: list[bytes], opener=open) -> pat
     for r in records:
       f.write(frame(r))
   return path
-
-
-def read_shards(out_dir: pathlib.Path) -> list[bytes]:
-  from array_record.python.array_record_data_source import ArrayRecordDataSource  # pylint: disable=g-import-not-at-top
-  files = sorted(str(p) for p in out_dir.glob("*.array_record"))
-  source = ArrayRecordDataSource(files)
-  return [source[i] for i in range(len(source))]
-
-
-def shard_bytes(out_dir: pathlib.Path) -> dict[str, bytes]:
-  return {p.name: p.read_bytes() for p in sorted(out_dir.iterdir())}
-
-
-def no_leftovers(out_dir: pathlib.Path) -> None:
-  assert not out_dir.exists()
-  hidden = [p.name for p in out_dir.parent.iterdir() if p.name.startswith(f".{out_dir.name}.")]
-  assert not hidden, hidden
 
 
 @pytest.fixture

@@ -28,7 +28,7 @@ from grain_elevator.proto.dtypes import dtype_to_str
 from grain_elevator.tools.convert import shards
 from grain_elevator.tools.convert import snippet as snippet_lib
 from grain_elevator.tools.convert.errors import ConvertError
-from grain_elevator.tools.convert.tfrecord import expand
+from grain_elevator.tools.convert.files import expand
 
 _CHUNK_BYTES = 8 << 20
 _MAX_HEADER = 10000  # bytes of an .npy header (numpy's own default limit)

@@ -38,7 +38,7 @@ from grain_elevator.pipelines import tf_example as example
 from grain_elevator.tools.convert import shards
 from grain_elevator.tools.convert import snippet as snippet_lib
 from grain_elevator.tools.convert.errors import ConvertError
-from grain_elevator.tools.convert.tfrecord import expand
+from grain_elevator.tools.convert.files import expand
 
 DEFAULT_BATCH_ROWS = 1024
 

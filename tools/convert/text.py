@@ -35,11 +35,10 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
+from grain_elevator.tools.convert import files
 from grain_elevator.tools.convert import shards
 from grain_elevator.tools.convert import snippet as snippet_lib
 from grain_elevator.tools.convert.errors import ConvertError, CorruptInputError
-from grain_elevator.tools.convert.tfrecord import _open, _read, _skip  # pylint: disable=protected-access
-from grain_elevator.tools.convert.tfrecord import COMPRESSIONS, compression_of, expand
 
 # The largest record (a line, a paragraph, a file) taken; longer is an error.
 MAX_RECORD_BYTES = 64 << 20
@@ -160,17 +159,13 @@ class _LineSource:
   max_record_bytes: int = MAX_RECORD_BYTES
 
   def __post_init__(self):
-    if self.compression not in COMPRESSIONS:
-      raise ConvertError(f"--compression must be one of {', '.join(COMPRESSIONS)}, "
-                         f"got {self.compression!r}")
-    if self.max_record_bytes < 1:
-      raise ConvertError("--max-record-bytes must be >= 1")
+    files.check_options(self.compression, self.max_record_bytes, 1)
 
   def units(self) -> list[str]:
-    return expand(self.patterns)
+    return files.expand(self.patterns)
 
   def index(self, unit: str) -> shards.Indexed:
-    f, size = _open(unit, compression_of(unit, self.compression))
+    f, size = files.open_input(unit, files.compression_of(unit, self.compression))
     with f:
       starts, end, left_out, skipped = self._scan(unit, f, size)
     return shards.Indexed(len(starts), os.path.getsize(unit),
@@ -184,17 +179,17 @@ class _LineSource:
 
   def segment(self, unit: str, indexed: shards.Indexed, start: int, stop: int) -> Segment:
     offsets = indexed.data
-    return Segment(unit, compression_of(unit, self.compression), int(offsets[start]),
+    return Segment(unit, files.compression_of(unit, self.compression), int(offsets[start]),
                    int(offsets[stop]), stop - start)
 
   def _stream(self, segment: Segment) -> Iterator[tuple[int, bytes, int]]:
     """The lines of a segment's byte range."""
-    f, _ = _open(segment.path, segment.compression)
+    f, _ = files.open_input(segment.path, segment.compression)
     with f:
       if segment.compression == "none":
         f.seek(segment.start)
       else:
-        _skip(f, segment.start, segment.path, 0, seekable=False)
+        files.skip(f, segment.start, segment.path, 0, seekable=False)
       yield from _lines(f, segment.path, segment.start, segment.end, self.max_record_bytes)
 
   def read(self, segment: Segment, stats: dict[str, Any]) -> Iterator[bytes]:
@@ -368,9 +363,9 @@ class TextSource(_LineSource):
 
   def _file(self, segment: Segment) -> bytes:
     """The whole file (its size checked by indexing)."""
-    f, _ = _open(segment.path, segment.compression)
+    f, _ = files.open_input(segment.path, segment.compression)
     with f:
-      data = _read(f, segment.end, segment.path, 0, "the file")
+      data = files.read_exactly(f, segment.end, segment.path, 0, "the file")
       if _read_some(f, 1, segment.path, segment.end):
         raise CorruptInputError(segment.path, segment.end, "the file grew: did it change "
                                                            "while converting?")

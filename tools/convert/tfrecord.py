@@ -20,9 +20,6 @@ offsets are offsets into the decompressed stream.
 from __future__ import annotations
 
 import dataclasses
-import glob
-import gzip
-import io
 import os
 import struct
 import zlib
@@ -30,16 +27,15 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
+from grain_elevator.tools.convert import files
 from grain_elevator.tools.convert import shards
 from grain_elevator.tools.convert import snippet as snippet_lib
 from grain_elevator.tools.convert.errors import ConvertError, CorruptInputError
 
 MAX_RECORD_BYTES = 2 << 30
-COMPRESSIONS = ("auto", "none", "gzip", "zlib")
 _HEADER = struct.Struct("<QI")
 _FOOTER = struct.Struct("<I")
 _MASK_DELTA = 0xA282EAD8
-_BIG_READ = 64 << 20  # records above this are read in pieces (no up-front allocation)
 _SAMPLE_RECORDS = 32
 _SAMPLE_BYTES = 1 << 20
 
@@ -69,99 +65,6 @@ def encode_tfrecord(data: bytes) -> bytes:
   length = struct.pack("<Q", len(data))
   return (length + struct.pack("<I", masked_crc32c(length)) + data
           + struct.pack("<I", masked_crc32c(data)))
-
-
-def compression_of(path: str, compression: str) -> str:
-  if compression != "auto":
-    return compression
-  lower = path.lower()
-  if lower.endswith((".gz", ".gzip")):
-    return "gzip"
-  if lower.endswith((".zz", ".zlib")):
-    return "zlib"
-  return "none"
-
-
-class _ZlibReader(io.RawIOBase):
-  """A zlib stream (TFRecord's ZLIB compression) as a readable file."""
-
-  def __init__(self, raw: Any, path: str):
-    self._raw, self._path = raw, path
-    self._z = zlib.decompressobj()
-    self._buf = b""
-
-  def readable(self) -> bool:
-    return True
-
-  def readinto(self, b) -> int:
-    while not self._buf:
-      if self._z.eof:
-        return 0
-      chunk = self._z.unconsumed_tail or self._raw.read(1 << 20)
-      if not chunk:
-        raise CorruptInputError(self._path, self._raw.tell(),
-                                "the zlib stream ends early (truncated)")
-      try:
-        self._buf = self._z.decompress(chunk, 1 << 20)
-      except zlib.error as e:
-        raise CorruptInputError(self._path, self._raw.tell(), f"bad zlib data: {e}") from e
-    n = min(len(b), len(self._buf))
-    b[:n] = self._buf[:n]
-    self._buf = self._buf[n:]
-    return n
-
-  def close(self) -> None:
-    self._raw.close()
-    super().close()
-
-
-def _open(path: str, compression: str):
-  """(a buffered reader of the record stream, its size or None if unknown)."""
-  try:
-    raw = open(path, "rb", buffering=1 << 20)  # pylint: disable=consider-using-with
-  except OSError as e:
-    raise ConvertError(f"cannot read {path}: {e}") from e
-  if compression == "none":
-    return raw, os.fstat(raw.fileno()).st_size
-  if compression == "gzip":
-    return io.BufferedReader(gzip.GzipFile(fileobj=raw, mode="rb"), 1 << 20), None
-  if compression == "zlib":
-    return io.BufferedReader(_ZlibReader(raw, path), 1 << 20), None
-  raise ConvertError(f"--compression must be one of {', '.join(COMPRESSIONS)}, "
-                     f"got {compression!r}")
-
-
-def _read(f, n: int, path: str, offset: int, what: str) -> bytes:
-  """Exactly n bytes (n already bounded), or CorruptInputError."""
-  try:
-    if n <= _BIG_READ:
-      data = f.read(n)
-    else:
-      parts, left = [], n
-      while left:
-        part = f.read(min(left, _BIG_READ))
-        if not part:
-          break
-        parts.append(part)
-        left -= len(part)
-      data = b"".join(parts)
-  except (OSError, EOFError, zlib.error) as e:  # gzip raises these on bad data
-    if isinstance(e, CorruptInputError):
-      raise
-    raise CorruptInputError(path, offset, f"cannot read {what}: {e}") from e
-  if len(data) != n:
-    raise CorruptInputError(path, offset, f"the file ends inside {what} ({len(data)} of "
-                                          f"{n} bytes): truncated")
-  return data
-
-
-def _skip(f, n: int, path: str, offset: int, seekable: bool) -> None:
-  if seekable:
-    f.seek(n, io.SEEK_CUR)
-    return
-  while n:
-    chunk = _read(f, min(n, 1 << 20), path, offset, "the skipped bytes")
-    n -= len(chunk)
 
 
 def _records(f, path: str, *, start: int, end: int | None, count: int | None,
@@ -200,15 +103,15 @@ def _records(f, path: str, *, start: int, end: int | None, count: int | None,
                                          f"of the file ({end - pos - 16:,} bytes left): "
                                          "truncated")
     if read_data:
-      data = _read(f, length, path, pos, "a record")
-      (data_crc,) = _FOOTER.unpack(_read(f, 4, path, pos, "a record's CRC"))
+      data = files.read_exactly(f, length, path, pos, "a record")
+      (data_crc,) = _FOOTER.unpack(files.read_exactly(f, 4, path, pos, "a record's CRC"))
       expect = crc(data)
       if data_crc != ((((expect >> 15) | (expect << 17)) & 0xFFFFFFFF) + _MASK_DELTA) & 0xFFFFFFFF:
         raise CorruptInputError(path, pos, f"the record's data ({length:,} bytes) fails "
                                            "its CRC: corrupt")
       yield pos, length, data
     else:
-      _skip(f, length + 4, path, pos, seekable)
+      files.skip(f, length + 4, path, pos, seekable)
       yield pos, length, None
     pos += length + 16
     n += 1
@@ -233,18 +136,14 @@ class TFRecordSource:
   kind = "tfrecord"
 
   def __post_init__(self):
-    if self.compression not in COMPRESSIONS:
-      raise ConvertError(f"--compression must be one of {', '.join(COMPRESSIONS)}, "
-                         f"got {self.compression!r}")
-    if self.max_record_bytes < 0:
-      raise ConvertError("--max-record-bytes must be >= 0")
+    files.check_options(self.compression, self.max_record_bytes, 0)
 
   def units(self) -> list[str]:
-    return expand(self.patterns)
+    return files.expand(self.patterns)
 
   def index(self, unit: str) -> shards.Indexed:
-    compression = compression_of(unit, self.compression)
-    f, size = _open(unit, compression)
+    compression = files.compression_of(unit, self.compression)
+    f, size = files.open_input(unit, compression)
     offsets, end = [], 0
     with f:
       # Compressed files are read (and checked) whole: the stream cannot seek.
@@ -258,16 +157,16 @@ class TFRecordSource:
 
   def segment(self, unit: str, indexed: shards.Indexed, start: int, stop: int) -> Segment:
     offsets = indexed.data
-    return Segment(unit, compression_of(unit, self.compression), int(offsets[start]),
+    return Segment(unit, files.compression_of(unit, self.compression), int(offsets[start]),
                    int(offsets[stop]), stop - start)
 
   def read(self, segment: Segment, stats: dict[str, Any]) -> Iterator[bytes]:
-    f, _ = _open(segment.path, segment.compression)
+    f, _ = files.open_input(segment.path, segment.compression)
     with f:
       if segment.compression == "none":
         f.seek(segment.start)
       else:
-        _skip(f, segment.start, segment.path, 0, seekable=False)
+        files.skip(f, segment.start, segment.path, 0, seekable=False)
       sample = stats.setdefault("sample", [])
       for _, _, data in _records(f, segment.path, start=segment.start, end=segment.end,
                               count=segment.count, max_record_bytes=self.max_record_bytes,
@@ -288,15 +187,3 @@ class TFRecordSource:
   def serving(self, stats: dict[str, Any]) -> snippet_lib.Serving:
     from grain_elevator.tools.convert import features  # pylint: disable=g-import-not-at-top
     return features.serving_from_sample(stats.get("sample", []))
-
-
-def expand(patterns: Sequence[str]) -> list[str]:
-  """The sorted union of the files the glob patterns match; each must match."""
-  files: set[str] = set()
-  for pattern in patterns:
-    matched = [p for p in glob.glob(os.path.expanduser(pattern), recursive=True)
-               if os.path.isfile(p)]
-    if not matched:
-      raise ConvertError(f"{pattern!r} matches no files")
-    files.update(os.path.abspath(p) for p in matched)
-  return sorted(files)
