@@ -57,13 +57,17 @@ class ShardChangedError(StreamMismatchError):
 
 
 class ConfigError(ElevatorError):
-  """The server's dataset config or options are wrong; raised at start-up."""
+  """The server's dataset config or options are wrong: found at start-up,
+  or when a stream's pipeline breaks what a stream must keep (fixed row
+  shapes, a bounded position)."""
 
   code = grpc.StatusCode.FAILED_PRECONDITION
 
 
 class DataLossError(ElevatorError):
-  """A shard is corrupt or truncated; names the file and record."""
+  """A step's data cannot be made: a shard is corrupt or truncated (names
+  the file and record), or the pipeline raised (names the dataset, step
+  and exception)."""
 
   code = grpc.StatusCode.DATA_LOSS
 
@@ -81,7 +85,8 @@ class ResourceExhaustedError(ElevatorError):
 
 
 class InternalError(ElevatorError):
-  """A pipeline raised on the server; names the dataset, step and exception."""
+  """The server failed in code of its own (a pipeline that raises is a
+  DataLossError naming the dataset, step and exception)."""
 
   code = grpc.StatusCode.INTERNAL
 

@@ -7,18 +7,21 @@ cheap. Every chunk of a stream is served by one worker (the client routes
 them there), so that its Grain iterator goes on where the last chunk ended;
 alone, that worker would do all the work on one core. Instead its head
 iterator asks for the elements ahead of it in tasks of consecutive indices,
-which every worker of the server (itself included) takes from one shared
-queue and computes from its own copy of the dataset: the same elements,
+dealt in turn to every worker of the server (itself included), each of
+which computes them from its own copy of the dataset: the same elements,
 whoever computes them, since an element depends on its index alone.
 
-The queues are the supervisor's (multiprocessing, on this host; nothing
-crosses the network, so pickling is safe here). A task not answered within
-TASK_TIMEOUT_S (its worker died or hangs) is computed by the owner itself.
-Queues are read without waiting inside them (`_poll`): a multiprocessing
-queue's reader lock is held while a get waits, and a worker SIGKILLed
-holding it would leave the queue locked for every other worker for good.
-Task ids carry the owner's pid, so answers meant for a worker's earlier
-life are never taken for its own.
+Workers meet on Unix sockets in a private directory of the supervisor's
+(`HeadPeers`), one listening socket per worker index, each connection
+authenticated with the server's key; nothing crosses the network, so
+pickling is safe here. A connection is one pair of processes and nothing
+else: when either dies, the other sees the connection close at once, fails
+the tasks it had sent there (the owner then computes them itself) and dials
+the restarted worker later; no lock or buffer is shared by a third process,
+which a worker SIGKILLed in the middle of a write could leave broken for
+all. A task not answered within TASK_TIMEOUT_S (its worker hangs) is
+computed by the owner too.
+
 `ParallelHead` yields exactly what Grain's `to_iter_dataset()` yields, with
 the same state ({"next_index": i}), so positions from either continue in
 the other.
@@ -29,8 +32,10 @@ from __future__ import annotations
 import concurrent.futures
 import itertools
 import logging
+import multiprocessing.connection as mpc
 import os
-import queue
+import shutil
+import tempfile
 import threading
 import time
 from typing import Any, Callable
@@ -44,120 +49,186 @@ TASK_ELEMENTS = 32
 TASKS_AHEAD_PER_WORKER = 2
 # After this long without an answer, the owner computes a task itself.
 TASK_TIMEOUT_S = 30.0
-# How often an idle queue is looked at: from the first, doubling to the last.
-_POLL_S = (0.001, 0.02)
+# How long a worker that could not be reached is left alone before it is dialled again.
+_REDIAL_S = 1.0
 
 
-def _poll(q: Any, stop: threading.Event) -> Any:
-  """The next item of `q`, or None once `stop` is set; never blocks inside
-  the queue (module docstring)."""
-  delay = _POLL_S[0]
-  while not stop.is_set():
-    try:
-      return q.get_nowait()
-    except queue.Empty:
-      time.sleep(delay)
-      delay = min(2 * delay, _POLL_S[1])
-  return None
+class HeadPeers:
+  """Where the server's workers meet: a private directory (mode 0700) with
+  one socket per worker index, and the key that authenticates them. Made by
+  the supervisor, handed to every worker it spawns (restarts included)."""
 
+  def __init__(self, num_workers: int):
+    self.num_workers = num_workers
+    self.directory = tempfile.mkdtemp(prefix="elevator-head-")
+    self.authkey = os.urandom(32)
 
-class HeadQueues:
-  """The server's shared task queue and each worker's result queue: made
-  by the supervisor, handed to every worker it spawns (restarts included)."""
+  def address(self, index: int) -> str:
+    return os.path.join(self.directory, f"{index}.sock")
 
-  def __init__(self, ctx: Any, num_workers: int):
-    self.tasks = ctx.Queue()
-    self.results = [ctx.Queue() for _ in range(num_workers)]
-
-  @property
-  def num_workers(self) -> int:
-    return len(self.results)
+  def remove(self) -> None:
+    shutil.rmtree(self.directory, ignore_errors=True)
 
 
 class HeadService:
-  """One worker's part: computes tasks from the shared queue (a thread),
-  and fetches its own streams' elements through it."""
+  """One worker's part: answers the other workers' tasks (a thread per
+  connection), and deals its own streams' tasks to every worker."""
 
-  def __init__(self, queues: HeadQueues, index: int, datasets: Any):
-    self._queues = queues
+  def __init__(self, peers: HeadPeers, index: int, datasets: Any):
+    self._peers = peers
     self._index = index
     self._datasets = datasets
     self._ids = itertools.count()
-    self._pending: dict[tuple[int, int], concurrent.futures.Future] = {}
-    self._lock = threading.Lock()
-    self._stop = threading.Event()
-    for target, name in ((self._compute, "elevator-head-compute"),
-                         (self._collect, "elevator-head-collect")):
-      threading.Thread(target=target, name=name, daemon=True).start()
+    self._turn = itertools.count(index)
+    self._local = concurrent.futures.ThreadPoolExecutor(1, "elevator-head-local")
+    self._others = {j: _Peer(peers.address(j), peers.authkey)
+                    for j in range(peers.num_workers) if j != index}
+    address = peers.address(index)
+    if os.path.exists(address):  # this index's earlier life
+      os.unlink(address)
+    self._listener = mpc.Listener(address, family="AF_UNIX", authkey=peers.authkey)
+    threading.Thread(target=self._accept, name="elevator-head-accept", daemon=True).start()
 
   def stop(self) -> None:
-    self._stop.set()
+    self._listener.close()
+    for peer in self._others.values():
+      peer.close()
+    self._local.shutdown(wait=False, cancel_futures=True)
 
   def factory(self, dataset: str, fingerprint: str) -> Callable[[grain.MapDataset], Any]:
     """The head factory of one stream dataset (StreamDataset.use_head)."""
     def make(head: grain.MapDataset) -> grain.IterDataset:
       return ParallelHead(head, lambda start, count: self._submit(
           dataset, fingerprint, head, start, count),
-          ahead=TASKS_AHEAD_PER_WORKER * self._queues.num_workers)
+          ahead=TASKS_AHEAD_PER_WORKER * self._peers.num_workers)
     return make
 
   def _submit(self, dataset: str, fingerprint: str, head: grain.MapDataset, start: int,
               count: int) -> concurrent.futures.Future:
-    future: concurrent.futures.Future = concurrent.futures.Future()
+    """Deals the task to the next worker in turn that can take it; the
+    future's `local` computes it here (the fallback of every failure)."""
+    task = (next(self._ids), dataset, fingerprint, start, count)
+    future = None
+    for _ in range(self._peers.num_workers):
+      peer = self._others.get(next(self._turn) % self._peers.num_workers)
+      if peer is None:  # this worker's turn
+        break
+      future = peer.submit(task)
+      if future is not None:
+        break
+    if future is None:
+      future = self._local.submit(_elements, head, start, count)
     future.local = lambda: _elements(head, start, count)  # type: ignore[attr-defined]
-    with self._lock:
-      task_id = (os.getpid(), next(self._ids))
-      self._pending[task_id] = future
-    self._queues.tasks.put((self._index, task_id, dataset, fingerprint, start, count))
     return future
 
-  def _collect(self) -> None:
-    """Hands this worker's answers to the futures waiting for them."""
-    results = self._queues.results[self._index]
-    while not self._stop.is_set():
+  def _accept(self) -> None:
+    while True:
       try:
-        answer = _poll(results, self._stop)
-      except (EOFError, OSError):
-        return
-      if answer is None:
-        return
-      task_id, elements, error = answer
-      with self._lock:
-        future = self._pending.pop(task_id, None)
-      if future is None or future.done():
-        continue  # a task of this worker's earlier life, or computed here already
-      if error:
-        future.set_exception(RuntimeError(error))
-      else:
-        future.set_result(elements)
+        conn = self._listener.accept()
+      except (OSError, EOFError, mpc.AuthenticationError) as e:
+        if isinstance(e, mpc.AuthenticationError):
+          log.warning("a head connection failed authentication: %s", e)
+          continue
+        return  # stopped
+      threading.Thread(target=self._answer, args=(conn,), name="elevator-head-answer",
+                       daemon=True).start()
 
-  def _compute(self) -> None:
-    """Computes any worker's tasks, this one's included."""
-    tasks = self._queues.tasks
-    while not self._stop.is_set():
+  def _answer(self, conn: mpc.Connection) -> None:
+    """Computes one other worker's tasks, in the order they come."""
+    with conn:
+      while True:
+        try:
+          task_id, dataset, fingerprint, start, count = conn.recv()
+        except (EOFError, OSError):
+          return
+        elements, error = None, ""
+        try:
+          ds = self._datasets.get(dataset)
+          if ds.info.config_fingerprint != fingerprint:
+            raise RuntimeError(f"dataset {dataset!r} has fingerprint "
+                               f"{ds.info.config_fingerprint} here, {fingerprint} asked")
+          elements = _elements(ds.head, start, count)
+        except Exception as e:  # pylint: disable=broad-except
+          error = f"{type(e).__name__}: {e}"
+        try:
+          conn.send((task_id, elements, error))
+        except (OSError, ValueError):
+          return
+
+
+class _Peer:
+  """Another worker as seen from this one: a connection dialled when a
+  task is first sent there, its answers read by a thread of its own."""
+
+  def __init__(self, address: str, authkey: bytes):
+    self._address = address
+    self._authkey = authkey
+    self._lock = threading.Lock()
+    self._conn: mpc.Connection | None = None
+    self._dialling = False
+    self._redial_at = 0.0
+    self._pending: dict[int, concurrent.futures.Future] = {}
+    self._closed = False
+
+  def submit(self, task: tuple[Any, ...]) -> concurrent.futures.Future | None:
+    """The future of `task` sent to this worker; None while it cannot take
+    it (not dialled yet, restarting, gone)."""
+    with self._lock:
+      if self._conn is None:
+        if not self._dialling and not self._closed and time.monotonic() >= self._redial_at:
+          self._dialling = True
+          threading.Thread(target=self._dial, name="elevator-head-dial", daemon=True).start()
+        return None
+      future: concurrent.futures.Future = concurrent.futures.Future()
+      self._pending[task[0]] = future
       try:
-        task = _poll(tasks, self._stop)
-      except (EOFError, OSError):
-        return
-      if task is None:
-        return
-      owner, task_id, dataset, fingerprint, start, count = task
-      elements, error = None, ""
-      try:
-        ds = self._datasets.get(dataset)
-        if ds.info.config_fingerprint != fingerprint:
-          raise RuntimeError(f"dataset {dataset!r} has fingerprint "
-                             f"{ds.info.config_fingerprint} here, {fingerprint} asked")
-        elements = _elements(ds.head, start, count)
-      except Exception as e:  # pylint: disable=broad-except
-        error = f"{type(e).__name__}: {e}"
-      try:
-        self._queues.results[owner].put((task_id, elements, error))
-      except (EOFError, OSError, ValueError) as e:
-        log.warning("head task of worker %d not answered: %s", owner, e)
+        self._conn.send(task)
+      except (OSError, ValueError):
+        del self._pending[task[0]]
+        return None  # the reader sees the connection close and cleans up
+      return future
+
+  def close(self) -> None:
+    with self._lock:
+      self._closed = True
+      conn = self._conn
+    if conn is not None:
+      conn.close()
+
+  def _dial(self) -> None:
+    """Connects (authentication may wait on the peer: not under the lock),
+    then reads answers until the connection closes."""
+    try:
+      conn = mpc.Client(self._address, family="AF_UNIX", authkey=self._authkey)
+    except (OSError, EOFError, mpc.AuthenticationError):
+      with self._lock:
+        self._dialling, self._redial_at = False, time.monotonic() + _REDIAL_S
+      return
+    with self._lock:
+      self._conn, self._dialling = conn, False
+    try:
+      while True:
+        task_id, elements, error = conn.recv()
+        with self._lock:
+          future = self._pending.pop(task_id, None)
+        if future is None:
+          continue
+        if error:
+          future.set_exception(RuntimeError(error))
+        else:
+          future.set_result(elements)
+    except (EOFError, OSError):
+      pass
+    with self._lock:
+      self._conn, self._redial_at = None, time.monotonic() + _REDIAL_S
+      pending, self._pending = self._pending, {}
+    conn.close()
+    for future in pending.values():  # the owner computes them itself
+      future.set_exception(ConnectionError(f"{self._address} closed"))
 
 
 class _Failed:
+
   """An element whose computation raised: the iterator computes it again
   when it reaches it, so the error (the genuine one, not pickled) surfaces
   at that element's step, and the elements before it are served."""

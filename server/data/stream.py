@@ -40,7 +40,7 @@ from grain_elevator import pipelines
 
 from grain_elevator.proto import contract
 from grain_elevator.proto import tree
-from grain_elevator.proto.errors import ConfigError, InternalError, InvalidRequestError
+from grain_elevator.proto.errors import ConfigError, InvalidRequestError
 from grain_elevator.proto.limits import MAX_STREAM_STATE_BYTES
 from grain_elevator.proto.spec import DatasetInfo, ElementSpec
 from grain_elevator.server.data import grain_private
@@ -199,20 +199,20 @@ class StreamDataset:
       return None
     leaves, _, paths = tree.flatten(batch)
     if len(leaves) != len(self._leaves):
-      raise InternalError(f"dataset {self.config.name!r}: a batch has {len(leaves)} leaves, "
+      raise ConfigError(f"dataset {self.config.name!r}: a batch has {len(leaves)} leaves, "
                           f"the first had {len(self._leaves)}")
     out = []
     for leaf, want, path in zip(leaves, self._leaves, paths):
       a = np.asarray(leaf)
       if a.dtype != want.dtype or a.shape != (global_batch_size, *want.shape):
-        raise InternalError(
+        raise ConfigError(
             f"dataset {self.config.name!r}: leaf {path!r} is {a.dtype}{list(a.shape)}, "
             f"the stream's rows are {want.dtype}{list(want.shape)} (G={global_batch_size}); "
             "a stream dataset needs fixed row shapes: pack or pad to a fixed length")
       out.append(a)
     state = dumps(it.get_state())
     if len(state) > MAX_STREAM_STATE_BYTES:
-      raise InternalError(
+      raise ConfigError(
           f"dataset {self.config.name!r}: its pipeline's position is {len(state)} bytes of "
           f"JSON, over the {MAX_STREAM_STATE_BYTES} a request can carry back "
           "(proto/limits.py): an iterator state should hold positions and counters, "

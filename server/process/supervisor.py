@@ -127,6 +127,7 @@ class Server:
     self._stop = threading.Event()
     self._supervisor: threading.Thread | None = None
     self._metrics: metrics_lib.Exporter | None = None
+    self._head_peers: parallel_head.HeadPeers | None = None
     # A shared double per worker slot (made by `start`), set by its worker:
     # inf while a request is in flight, else time.monotonic() when its last
     # request ended (CLOCK_MONOTONIC is one clock for every process of the
@@ -195,8 +196,8 @@ class Server:
     self._activity = [self._ctx.RawValue("d", time.monotonic())
                       for _ in range(self.num_workers)]
     # Stream datasets' heads are computed by every worker (server/data/parallel_head.py).
-    self._head_queues = (parallel_head.HeadQueues(self._ctx, self.num_workers)
-                         if self.num_workers > 1 else None)
+    self._head_peers = (parallel_head.HeadPeers(self.num_workers)
+                        if self.num_workers > 1 else None)
     self._start_workers()
     self._supervisor = threading.Thread(target=self._supervise, daemon=True,
                                         name="elevator-supervisor")
@@ -229,7 +230,7 @@ class Server:
         args=(os.getpid(), self.config_path, self.options, index, self.num_workers,
               self._ready, self._identities),
         kwargs={"crash_loop": self._crash_loop, "last_request": self._activity[index],
-                "head_queues": self._head_queues},
+                "head_peers": self._head_peers},
         name=f"elevator-worker-{index}", daemon=True)
     with _worker_environment(self._metrics.worker_env() if self._metrics else {}):
       p.start()
@@ -339,6 +340,8 @@ class Server:
         p.join()
     if self._metrics:
       self._metrics.stop()
+    if self._head_peers is not None:
+      self._head_peers.remove()
 
   def __enter__(self) -> "Server":
     return self.start()

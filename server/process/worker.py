@@ -137,7 +137,7 @@ def build_servers(datasets: dataset_lib.Datasets, opts: ServerOptions, index: in
 def run(config_path: str, opts: ServerOptions, index: int, num_workers: int,
         ready: Any, identities: dict[str, shard_identity.ShardIdentity] | None = None,
         *, supervisor_pid: int | None = None, crash_loop: Any = None,
-        last_request: Any = None, head_queues: Any = None) -> None:
+        last_request: Any = None, head_peers: Any = None) -> None:
   """Worker process entry point; reports (index, error or None) on `ready`.
   `identities`: the shards as the supervisor recorded them at start-up.
   `supervisor_pid`: the parent it must not outlive (lifeline.py).
@@ -145,8 +145,8 @@ def run(config_path: str, opts: ServerOptions, index: int, num_workers: int,
   `last_request`: a shared double this worker sets to inf while it has a
   request in flight and to time.monotonic() when its last one ends (the
   supervisor's `--idle-exit-s`).
-  `head_queues`: a parallel_head.HeadQueues shared by the server's workers,
-  which compute its stream datasets' heads together (None: one worker)."""
+  `head_peers`: the parallel_head.HeadPeers where the server's workers meet
+  to compute its stream datasets' heads together (None: one worker)."""
   lifeline.tie(supervisor_pid)  # again, for a worker spawned with `run` as its target
   signal.signal(signal.SIGINT, signal.SIG_IGN)  # The supervisor handles Ctrl-C.
   logs.setup(f"elevator[worker {index}]")
@@ -162,15 +162,16 @@ def run(config_path: str, opts: ServerOptions, index: int, num_workers: int,
     servers = build_servers(datasets, opts, index, num_workers)
     if servers.port == 0:
       raise OSError(f"cannot listen on {opts.host}:{opts.port}")
+    heads = None
+    if head_peers is not None:
+      heads = parallel_head.HeadService(head_peers, index, datasets)
+      for name in datasets.names:
+        ds = datasets.get(name)
+        if isinstance(ds, StreamDataset):
+          ds.use_head(heads.factory(name, ds.info.config_fingerprint))
   except (ElevatorError, OSError) as e:
     ready.put((index, str(e)))
     return
-  if head_queues is not None:
-    heads = parallel_head.HeadService(head_queues, index, datasets)
-    for name in datasets.names:
-      ds = datasets.get(name)
-      if isinstance(ds, StreamDataset):
-        ds.use_head(heads.factory(name, ds.info.config_fingerprint))
   if last_request is not None:
     def note_in_flight(requests: int) -> None:  # busy (inf) until the last one ends
       last_request.value = float("inf") if requests else time.monotonic()
@@ -181,3 +182,5 @@ def run(config_path: str, opts: ServerOptions, index: int, num_workers: int,
   ready.put((index, None))
   stop.wait()
   servers.stop(opts.grace_s)
+  if heads is not None:
+    heads.stop()

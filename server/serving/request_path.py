@@ -36,7 +36,7 @@ import numpy as np
 from grain_elevator.proto import contract
 from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.proto import wire
-from grain_elevator.proto.errors import (ElevatorError, EndOfDataError, InternalError,
+from grain_elevator.proto.errors import (DataLossError, ElevatorError, EndOfDataError,
                                          InvalidRequestError, StreamMismatchError,
                                          UnauthenticatedError)
 from grain_elevator.proto.spec import DatasetInfo
@@ -52,6 +52,9 @@ from grain_elevator.server.serving.batch_cache import BatchCache
 from grain_elevator.server.serving.stream_sessions import StreamSessions
 
 log = logging.getLogger("grain_elevator.server")
+
+# How much of a stream position an error message shows.
+_POSITION_SHOWN = 200
 
 
 class RequestPath:
@@ -208,14 +211,15 @@ class RequestPath:
     start = stream_lib.dumps(stream_lib.loads(r.stream_state, name)) if r.stream_state else ""
     rows = contract.host_rows(r.global_batch_size, r.shard_index, r.shard_count)
     recorded = metrics.current()
-    step = r.start_step
+    step, position = r.start_step, start
     batches = self.streams.batches(ds, r.global_batch_size, start, r.num_steps, is_active)
     while True:
       began = time.perf_counter()
-      got = _named(name, step, next, batches, None)
+      got = _named(_step(name, step, position or ds.info.stream_start), next, batches, None)
       if got is None:
         break
       (leaves, state), produced = got
+      position = state
       if produced:
         recorded.produced(name, time.perf_counter() - began)
       recorded.served(name, cached=not produced)
@@ -231,7 +235,7 @@ class RequestPath:
     """Step `step`'s leaves; `stack=False` may leave big rows as RowStacks
     for the socket to gather."""
     start = time.perf_counter()
-    leaves = _named(ds.info.name, step, ds.host_batch_leaves, step, r.global_batch_size,
+    leaves = _named(_step(ds.info.name, step), ds.host_batch_leaves, step, r.global_batch_size,
                     r.shard_index, r.shard_count, record_offset=r.record_offset, stack=stack)
     metrics.current().produced(ds.info.name, time.perf_counter() - start)
     return leaves
@@ -242,15 +246,24 @@ def _check(ticket: Ticket) -> None:
                     f"{type(ticket).__name__}")
 
 
-def _named(dataset: str, step: int, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-  """`fn(...)`, its failure re-raised as an ElevatorError of the same class
-  (INTERNAL for anything else) whose message names the dataset and step."""
+def _named(where: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+  """`fn(...)`, its failure re-raised with `where` (the dataset and step)
+  in front of its message: as the same ElevatorError class, or, for an
+  exception from the pipeline, DATA_LOSS (this step's data cannot be made)."""
   try:
     return fn(*args, **kwargs)
   except ElevatorError as e:  # e.g. DATA_LOSS naming the shard and record
-    log.error("dataset %r step %d: %s", dataset, step, e)
-    raise type(e)(f"dataset {dataset!r}, step {step}: {e}") from e
+    log.error("%s: %s", where, e)
+    raise type(e)(f"{where}: {e}") from e
   except Exception as e:  # pylint: disable=broad-except
-    log.exception("dataset %r step %d failed", dataset, step)
-    raise InternalError(f"dataset {dataset!r}, step {step}: "
-                        f"{type(e).__name__}: {e}") from e
+    log.exception("%s failed", where)
+    raise DataLossError(f"{where}: {type(e).__name__}: {e}") from e
+
+
+def _step(dataset: str, step: int, position: str | None = None) -> str:
+  """Where a failure happened; a stream's position (JSON) is cut short."""
+  where = f"dataset {dataset!r}, step {step}"
+  if position is not None:
+    where += f" (stream position {position[:_POSITION_SHOWN]}"
+    where += "...)" if len(position) > _POSITION_SHOWN else ")"
+  return where

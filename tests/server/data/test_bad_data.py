@@ -9,8 +9,8 @@ import grpc
 import numpy as np
 import pytest
 
-from grain_elevator.client import (ConfigError, DataLossError, ElevatorError, InternalError,
-                                   RemoteDataset, StreamMismatchError, TransportOptions)
+from grain_elevator.client import (ConfigError, DataLossError, ElevatorError, RemoteDataset,
+                                   StreamMismatchError, TransportOptions)
 from grain_elevator.pipelines import examples
 from grain_elevator.tools.launcher import LocalServer
 
@@ -76,13 +76,13 @@ def test_corrupt_shard_gives_data_loss_naming_file_and_record(bad_server):
     np.testing.assert_array_equal(next(iter(ds))["id"], np.arange(10))
 
 
-def test_failing_pipeline_gives_internal_naming_dataset_step_and_error(bad_server):
+def test_failing_pipeline_gives_data_loss_naming_dataset_step_and_error(bad_server):
   with RemoteDataset(bad_server.target, "failing", 4, prefetch=0) as ds:
     it = iter(ds)
     np.testing.assert_array_equal(next(it)["id"], np.arange(4))  # step 0 is fine
-    with pytest.raises(InternalError) as info:
+    with pytest.raises(DataLossError) as info:
       next(it)  # step 1 holds record 7
-  assert info.value.code == grpc.StatusCode.INTERNAL
+  assert info.value.code == grpc.StatusCode.DATA_LOSS
   assert "dataset 'failing', step 1: ValueError: record 7 is not an image" in str(info.value)
   with RemoteDataset(bad_server.target, "failing", 4) as ds:
     it = iter(ds)

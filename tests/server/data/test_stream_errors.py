@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from grain_elevator.client import InternalError, RemoteDataset
+from grain_elevator.client import DataLossError, RemoteDataset
 from grain_elevator.proto.errors import ConfigError
 from grain_elevator.server.data import config as config_lib
 from grain_elevator.server.data import dataset as dataset_lib
@@ -41,6 +41,37 @@ def rows_disagree(values):
 
 def drop_all_but_one(ds, **image):
   return examples.decode_images(ds, **image).filter(lambda r: int(r["id"]) == 5)
+
+
+def wider_past_one(values):
+  """Rows of one column in a batch of one (what start-up sees), two after."""
+  return {"id": np.stack([v["id"] for v in values]),
+          "pad": np.zeros((len(values), 1 if len(values) == 1 else 2))}
+
+
+class _Padded(grain.DatasetIterator):
+  def __init__(self, parent):
+    super().__init__()
+    self._it = parent
+
+  def __next__(self):
+    return next(self._it)
+
+  def get_state(self):
+    return {"parent": self._it.get_state(), "junk": "x" * 20000}
+
+  def set_state(self, state):
+    self._it.set_state(state["parent"])
+
+
+class _BigState(grain.IterDataset):
+  def __iter__(self):
+    return _Padded(self._parent.__iter__())
+
+
+def big_state(ds):
+  """A state that carries 20 kB of its own: over what a request can carry."""
+  return _BigState(ds)
 '''
 
 IMAGE = 'height = 4\nwidth = 4\nchannels = 3\n'
@@ -98,7 +129,7 @@ def test_a_bad_stream_config_is_refused_at_start(data_dir, pipes, body, message)
     dataset_lib.Datasets(config_lib.load_config(path))
 
 
-def test_a_failing_record_names_the_dataset_and_step_and_others_are_served(data_dir, pipes):
+def test_a_failing_record_or_broken_stream_is_named_and_others_are_served(data_dir, pipes):
   path = _config(data_dir, pipes, textwrap.dedent(f"""\
       [datasets.broken]
       paths = [SHARDS]
@@ -112,6 +143,15 @@ def test_a_failing_record_names_the_dataset_and_step_and_others_are_served(data_
       num_epochs = 3
       [datasets.lonely.options]
       {IMAGE.replace(chr(10), chr(10) + '      ')}
+      [datasets.wide]
+      paths = [SHARDS]
+      pipeline = "grain_elevator.pipelines.examples:decode_images"
+      batch_fn = "bad_stream_pipes:wider_past_one"
+      [datasets.wide.options]
+      {IMAGE.replace(chr(10), chr(10) + '      ')}
+      [datasets.big]
+      paths = [SHARDS]
+      iter_pipeline = "bad_stream_pipes:big_state"
       [datasets.fine]
       paths = [SHARDS]
       pipeline = "grain_elevator.pipelines.examples:decode_some"
@@ -123,9 +163,19 @@ def test_a_failing_record_names_the_dataset_and_step_and_others_are_served(data_
       it = iter(ds)
       for _ in range(15):  # records 0..299, in order (no shuffle): 15 steps of 20
         next(it)
-      with pytest.raises(InternalError, match=r"dataset 'broken', step 15: ValueError: "
-                                              r"record 300 is unreadable"):
+      with pytest.raises(DataLossError, match=r"dataset 'broken', step 15 \(stream position "
+                                              r"\{.*\}\): ValueError: record 300 is unreadable"):
         next(it)
+    # A stream that breaks what it must keep: named, per request.
+    with RemoteDataset(server.target, "wide", 4) as ds:
+      with pytest.raises(ConfigError, match=r"dataset 'wide', step 0 .*leaf 'pad' is "
+                                            r"float64\[4, 2\], the stream's rows are "
+                                            r"float64\[1\].*fixed row shapes"):
+        next(iter(ds))
+    with RemoteDataset(server.target, "big", 4) as ds:
+      with pytest.raises(ConfigError, match=r"dataset 'big', step 0 .*position is \d+ bytes "
+                                            r"of JSON, over the 16384"):
+        next(iter(ds))
     # A filter that keeps one record in a thousand: slow to fill, still exact.
     with RemoteDataset(server.target, "lonely", 3) as ds:
       got = list(ds)
