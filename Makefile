@@ -16,8 +16,15 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 
+# PyTorch for the torch client's tests and `elevator demo-torch`, kept out of
+# pyproject's test extra: `torch` unpinned would pull a CUDA build of several
+# GB. pip takes torch 2.13.0's CPU build (192 MB, 754 MB installed, ~30 s)
+# from this machine's wheel folder; elsewhere the pin downloads PyPI's build.
+# `make test TORCH=` skips it (tests/client/test_torch.py then skips).
+TORCH ?= 'torch==2.13.0' 'torchdata>=0.11'
+
 $(STAMP): $(PY) pyproject.toml
-	$(PY) -m pip install --quiet -e '.[test,demo]'
+	$(PY) -m pip install --quiet -e '.[test,demo]' $(TORCH)
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -4,7 +4,8 @@
     ds = RemoteDataset("localhost:50051", "train", global_batch_size=256)
 
 Importing it loads no server module; a "local:CONFIG" target (embedded mode)
-loads the serving engine when first used. `to_device` needs the `jax` extra.
+loads the serving engine when first used. `to_device` needs the `jax` extra;
+PyTorch trainers use `grain_elevator.client.torch` (the `torch` extra).
 """
 
 from grain_elevator.client import checkpoint

@@ -17,12 +17,12 @@ imports it until a batch is put on devices.
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import grain
 import numpy as np
 
+from grain_elevator.client.layout import jax_process_layout
 from grain_elevator.proto import contract
 from grain_elevator.proto.errors import InvalidRequestError
 
@@ -36,20 +36,6 @@ def _jax() -> Any:
         "feeding devices (grain_elevator.client.to_device) needs JAX: "
         "pip install 'grain-elevator[jax]'") from e
   return jax
-
-
-def jax_process_layout() -> tuple[int, int] | None:
-  """(process_index, process_count) if JAX runs as several processes, else None.
-
-  Looks only at an already-imported, already-initialised `jax.distributed`,
-  so it never starts a backend by itself.
-  """
-  jax = sys.modules.get("jax")
-  if jax is None or not jax.distributed.is_initialized():
-    return None
-  if jax.process_count() <= 1:
-    return None
-  return jax.process_index(), jax.process_count()
 
 
 def _batch_axis_size(sharding: Any, num_rows: int) -> None:

@@ -19,8 +19,7 @@ from typing import Any, Sequence
 
 import grain
 
-from grain_elevator.client import device, state as state_lib
-
+from grain_elevator.client import layout, state as state_lib
 from grain_elevator.client import stats as stats_lib
 from grain_elevator.client import window as window_lib
 from grain_elevator.client.backend import Backend, make_backend
@@ -93,9 +92,11 @@ class RemoteDataset(grain.IterDataset):
     dataset: a dataset name registered in the server's config.
     global_batch_size: G, the batch size summed over all hosts.
     shard_index: h, this host's index in [0, shard_count). Default:
-      `jax.process_index()` when JAX runs as several processes, else 0.
-    shard_count: H, the number of hosts; must divide G. Default:
-      `jax.process_count()` when JAX runs as several processes, else 1.
+      `jax.process_index()` when JAX runs as several processes, else the
+      rank in torch.distributed's default group when it is initialized with
+      several ranks, else 0 (client/layout.py).
+    shard_count: H, the number of hosts; must divide G. Default: the
+      matching `jax.process_count()` or world size, else 1.
     prefetch: steps kept in flight ahead of the trainer (0: fetch on demand);
       None (the default): one request per connection, at most
       window.WINDOW_BYTES of steps (client/window.py).
@@ -120,7 +121,7 @@ class RemoteDataset(grain.IterDataset):
                stats_log_s: float = 60.0):
     super().__init__()
     if shard_index is None and shard_count is None:
-      shard_index, shard_count = device.jax_process_layout() or (0, 1)
+      shard_index, shard_count = layout.process_layout() or (0, 1)
     elif shard_index is None or shard_count is None:
       raise InvalidRequestError("give both shard_index and shard_count, or neither")
     contract.check_geometry(global_batch_size, shard_index, shard_count)

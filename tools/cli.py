@@ -165,6 +165,11 @@ def _demo_lm(args: argparse.Namespace) -> int:
   return demo_lm.run(steps=args.steps, workers=args.workers, data_dir=args.data_dir)
 
 
+def _demo_torch(args: argparse.Namespace) -> int:
+  from grain_elevator.tools import demo_torch  # pylint: disable=g-import-not-at-top
+  return demo_torch.run(workers=args.workers, data_dir=args.data_dir)
+
+
 def _convert(args: argparse.Namespace) -> int:
   from grain_elevator.tools.convert import cli as convert_cli  # pylint: disable=g-import-not-at-top
   return convert_cli.run(args)
@@ -290,6 +295,12 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--workers", type=int, default=2, help="server worker processes")
   p.add_argument("--data-dir", default=None, help="where to write the data (default: temp)")
   p.set_defaults(fn=_demo_lm)
+
+  p = sub.add_parser("demo-torch", help="train with torch.distributed on 2 processes from "
+                                        "the service, save with DCP, resume on 1, check")
+  p.add_argument("--workers", type=int, default=2, help="server worker processes")
+  p.add_argument("--data-dir", default=None, help="where to write the data (default: temp)")
+  p.set_defaults(fn=_demo_torch)
 
   from grain_elevator.tools.convert import cli as convert_cli  # pylint: disable=g-import-not-at-top
   p = sub.add_parser("convert", help="convert TFRecord, image folders, Parquet or .npz "

@@ -5,6 +5,7 @@ and ratios that are the printed figures' ratios."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import subprocess
@@ -19,6 +20,10 @@ pytestmark = pytest.mark.slow
 SYSTEMS = {"grain_t0_mp0", "grain_t0_mp2", "grain_t16_mp0", "grain_t16_mp2", "embedded",
            "service_w1", "service_w1_default", "service_w1_grpc", "service_w1_zstd", "service_w1_per_record",
            "service_w1_arrayrecord", "tcp", "floor"}
+# The default client's batches as torch tensors, where the torch extra is installed.
+HAS_TORCH = importlib.util.find_spec("torch") is not None
+if HAS_TORCH:
+  SYSTEMS.add("service_w1_torch")
 
 
 def _cell(table: str, label: str, column: int) -> str:
@@ -68,6 +73,11 @@ def test_bench_reports_every_system(tmp_path):
   assert "tf.data service: skipped" in result.stdout
   assert "| (f) floor: shard reads + TCP, W=1, raw records |" in result.stdout
   assert "| (c) service, W=1, shards read through ArrayRecord |" in result.stdout
+  if HAS_TORCH:  # the note's ratio is the table's two CPU-per-GB medians
+    systems = report["workloads"]["large"]["systems"]
+    ratio = (systems["service_w1_torch"]["client_cpu_s_per_gb"]["median"]
+             / systems["service_w1_default"]["client_cpu_s_per_gb"]["median"])
+    assert f"cost the trainer {ratio:.2f}x the CPU per GB of its numpy batches" in result.stdout
 
 
 def test_every_workload_prepares_a_config_that_loads(tmp_path):

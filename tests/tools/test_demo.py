@@ -1,5 +1,5 @@
-"""`elevator demo` and `demo-lm` run end to end from nothing and prove the
-resume exact."""
+"""`elevator demo`, `demo-lm` and `demo-torch` run end to end from nothing
+and prove the resume exact."""
 
 from __future__ import annotations
 
@@ -38,3 +38,18 @@ def test_demo_lm_trains_on_packed_text_and_resumes_exactly(tmp_path):
   loss = out.rsplit("; loss ", 1)[1].split()
   assert float(loss[2]) < float(loss[0]), out
   assert (tmp_path / "checkpoints" / "40" / "data" / "process_0-of-1.json").exists()
+
+
+def test_demo_torch_trains_on_two_ranks_and_resumes_on_one(tmp_path):
+  """torch.distributed (gloo) on 2 processes, DCP at the midpoint, 1 process
+  to the end: every record once, the loss falling."""
+  pytest.importorskip("torch", reason="the torch extra is not installed")
+  result = subprocess.run([*ELEVATOR, "demo-torch", "--data-dir", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stdout + result.stderr
+  out = result.stdout
+  assert "2 processes saved model, optimizer and data cursor at step 32" in out, out
+  assert "[check]  4,096 records trained on: every record exactly once" in out, out
+  loss = out.rsplit("; loss ", 1)[1].split()
+  assert float(loss[2]) < float(loss[0]), out
+  assert (tmp_path / "checkpoint" / ".metadata").exists()

@@ -35,7 +35,7 @@ def _nbytes(batch: Any) -> int:
     return sum(_nbytes(v) for v in batch.values())
   if isinstance(batch, (list, tuple)):
     return sum(_nbytes(v) for v in batch)
-  return int(np.asarray(batch).nbytes)
+  return int(getattr(batch, "nbytes", None) or np.asarray(batch).nbytes)  # torch too
 
 
 def _grain_text(spec: dict[str, Any]) -> Callable[[], Any]:
@@ -93,8 +93,11 @@ def _elevator(spec: dict[str, Any]) -> Callable[[], Any]:
   client["transport"] = TransportOptions(**client.get("transport", {}))
 
   def make():
-    return iter(RemoteDataset(spec["target"], spec["dataset"], spec["global_batch_size"],
-                              **client))
+    ds = RemoteDataset(spec["target"], spec["dataset"], spec["global_batch_size"], **client)
+    if spec.get("torch"):  # the same batches as torch tensors (client/torch.py)
+      from grain_elevator.client.torch import TorchLoader  # pylint: disable=g-import-not-at-top
+      return iter(TorchLoader(ds))
+    return iter(ds)
   return make
 
 

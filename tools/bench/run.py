@@ -59,6 +59,10 @@ def _systems(w: workloads_lib.Workload, files: list[str], config: str,
   service = {**base, "system": "service", "target": servers[top].target, "dataset": w.name}
   out.append(harness.System(f"service_w{top}_default", f"(c) service, W={top}, default RemoteDataset",
                     {**service, "client": {}}, "service"))
+  if _has_torch():
+    out.append(harness.System(f"service_w{top}_torch",
+                              f"(c) service, W={top}, default RemoteDataset, torch tensors", {
+        **service, "client": {}, "torch": True}, "service"))
   out.append(harness.System(f"service_w{top}_grpc", f"(c) service, W={top}, gRPC transport", {
       **service, "client": client_settings(w, top, kind="grpc")}, "service"))
   out.append(harness.System(f"service_w{top}_zstd", f"(c) service, W={top}, zstd compression", {
@@ -84,6 +88,12 @@ def _systems(w: workloads_lib.Workload, files: list[str], config: str,
     out.append(harness.System(f"tfdata_w{workers}", f"(e) tf.data service, W={workers}", {
         **base, **tfdata.consume_spec(w, svc.target, tf_files)}, "tfdata"))
   return out
+
+
+def _has_torch() -> bool:
+  """Whether the torch row can run (the `torch` extra)."""
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  return importlib.util.find_spec("torch") is not None
 
 
 def _has_tensorflow() -> bool:
@@ -187,8 +197,21 @@ def run(*, data_dir: str | None, workload_names: list[str], workers: list[int],
     report["workloads"][name] = {
         "record_bytes": w.record_bytes, "delivered_bytes_per_record": w.delivered_bytes_per_record,
         "global_batch_size": w.global_batch_size, "records": n, "systems": rows,
-        "notes": [_FLOOR_NOTE, _READER_NOTE, _tfdata_note(run_tf)]}
+        "notes": [_FLOOR_NOTE, _READER_NOTE, _tfdata_note(run_tf), *_torch_note(rows)]}
   return report
+
+
+def _torch_note(rows: dict[str, Any]) -> list[str]:
+  """The torch row's trainer CPU per GB against numpy's, same client, same run."""
+  tensors = next((r for k, r in rows.items() if k.endswith("_torch")), None)
+  arrays = next((r for k, r in rows.items() if k.endswith("_default")), None)
+  if tensors is None or arrays is None:
+    return []
+  ratio = (tensors["client_cpu_s_per_gb"]["median"]
+           / arrays["client_cpu_s_per_gb"]["median"])
+  return [f"torch tensors (TorchLoader over the default RemoteDataset) cost the trainer "
+          f"{ratio:.2f}x the CPU per GB of its numpy batches: torch.from_numpy over the "
+          "received bytes, no copy"]
 
 
 def _start_floor(root: pathlib.Path, w: workloads_lib.Workload, files: list[str],

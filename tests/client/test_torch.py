@@ -1,0 +1,192 @@
+"""PyTorch trainers (client/torch.py): tensors bit-identical to embedded mode,
+ranks from torch.distributed (gloo processes, as torchrun starts them),
+DTensor on a DeviceMesh, checkpoints through torch.distributed.checkpoint on
+one rank count resumed on another, torchdata's StatefulDataLoader around the
+loader, and tensors that never change under the trainer while the receive
+buffers are reused."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="the torch extra is not installed")
+
+from grain_elevator.client import RemoteDataset, StreamMismatchError, TransportOptions
+from grain_elevator.client.torch import STATE_KEY, TorchLoader, data_parallel_shard
+from grain_elevator.proto.errors import InvalidRequestError
+from grain_elevator.tools.launcher import LocalServer
+from helpers import ROOT, oracle_batch
+
+G = 96
+SCRIPT = ROOT / "tests" / "scripts" / "torch_rank.py"
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _ranks(world: int, server, config_path: str, *args: str) -> list[str]:
+  """Runs `world` gloo ranks of tests/scripts/torch_rank.py; their outputs."""
+  port = _free_port()
+  procs = []
+  for rank in range(world):
+    env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world),
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    procs.append(subprocess.Popen(
+        [sys.executable, str(SCRIPT), "--target", server.target, "--config", config_path,
+         "--global-batch-size", str(G), *args],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+  outs = []
+  for rank, proc in enumerate(procs):
+    out, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 0, f"rank {rank} of {world}:\n{out}"
+    outs.append(out)
+  return outs
+
+
+def _tensors_equal(batch, want) -> None:
+  assert sorted(batch) == sorted(want)
+  for key, t in batch.items():
+    assert isinstance(t, torch.Tensor), (key, type(t))
+    np.testing.assert_array_equal(t.numpy(), want[key], err_msg=key)
+
+
+@pytest.mark.parametrize("kind", ["bulk", "grpc"])
+def test_tensors_are_embedded_modes_rows(server, oracle, kind):
+  ds = RemoteDataset(server.target, "aug2", G, shard_index=1, shard_count=2,
+                     transport=TransportOptions(kind=kind))
+  with ds:
+    it = iter(TorchLoader(ds))
+    for step in range(6):
+      _tensors_equal(next(it), oracle_batch(oracle, "aug2", step, G, 1, 2))
+
+
+def test_a_tensor_never_changes_under_the_trainer_while_buffers_are_reused(server, oracle):
+  """The trainer keeps every third batch's tensors and drops the rest: the
+  dropped ones' receive buffers come back for later steps (the same
+  addresses), the kept tensors stay exactly embedded mode's rows. G=2048
+  makes each frame large enough to be pooled (client/transport/buffers.py)."""
+  g = 2048
+  kept, addresses = {}, []
+  with RemoteDataset(server.target, "forever", g, prefetch=8,
+                     transport=TransportOptions(kind="bulk")) as ds:
+    it = iter(TorchLoader(ds))
+    for k in range(45):
+      batch = next(it)
+      addresses.append(batch["image"].data_ptr())
+      if k % 3 == 0:
+        kept[k] = batch
+  assert len(set(addresses)) < len(addresses), "no receive buffer was ever reused"
+  for k, batch in kept.items():
+    _tensors_equal(batch, oracle_batch(oracle, "forever", k, g))
+
+
+def test_state_dict_round_trips_through_json_and_refuses_another_stream(server, oracle):
+  with RemoteDataset(server.target, "aug2", G) as ds:
+    loader = TorchLoader(ds)
+    it = iter(loader)
+    for _ in range(3):
+      next(it)
+    saved = json.loads(json.dumps(loader.state_dict()))
+  assert json.loads(saved[STATE_KEY])["step"] == 3
+  with RemoteDataset(server.target, "aug2", G, shard_index=0, shard_count=2) as ds:
+    fresh = TorchLoader(ds)
+    fresh.load_state_dict(saved)
+    _tensors_equal(next(iter(fresh)), oracle_batch(oracle, "aug2", 3, G, 0, 2))
+  with RemoteDataset(server.target, "seed3", G) as other:
+    with pytest.raises(StreamMismatchError, match="another stream"):
+      TorchLoader(other).load_state_dict(saved)
+    with pytest.raises(InvalidRequestError, match="not a TorchLoader state"):
+      TorchLoader(other).load_state_dict({"step": 3})
+
+
+@pytest.fixture(scope="module")
+def stream_config(data_dir, tmp_path_factory) -> str:
+  """A stream dataset: decoded images filtered by label (examples.decode_some)."""
+  path = tmp_path_factory.mktemp("torch-stream") / "elevator.toml"
+  path.write_text(textwrap.dedent(f"""\
+      [datasets.few]
+      paths = ["{data_dir}/shards/*.array_record"]
+      pipeline = "grain_elevator.pipelines.examples:decode_some"
+      seed = 41
+      num_epochs = 0
+      [datasets.few.options]
+      height = 4
+      width = 4
+      channels = 3
+      labels = [1, 3, 4]
+      """))
+  return str(path)
+
+
+def test_stream_datasets_arrive_as_tensors_too(stream_config):
+  with RemoteDataset.embedded(stream_config, "few", 24, prefetch=0) as oracle:
+    it = iter(oracle)
+    want = [next(it) for _ in range(5)]
+  with LocalServer(stream_config, workers=1) as server:
+    with RemoteDataset(server.target, "few", 24) as ds:
+      loader = TorchLoader(ds)
+      it = iter(loader)
+      for k in range(3):
+        _tensors_equal(next(it), want[k])
+      saved = json.loads(json.dumps(loader.state_dict()))
+    with RemoteDataset(server.target, "few", 24, shard_index=1, shard_count=2) as ds:
+      fresh = TorchLoader(ds)
+      fresh.load_state_dict(saved)
+      it = iter(fresh)
+      for k in (3, 4):
+        _tensors_equal(next(it), {key: v[12:] for key, v in want[k].items()})
+
+
+def test_torchdatas_stateful_dataloader_saves_and_resumes_the_loader(server, oracle):
+  stateful = pytest.importorskip("torchdata.stateful_dataloader")
+  with RemoteDataset(server.target, "aug2", G) as ds:
+    dl = stateful.StatefulDataLoader(TorchLoader(ds), batch_size=None, num_workers=0)
+    it = iter(dl)
+    for _ in range(4):
+      next(it)
+    saved = json.loads(json.dumps(dl.state_dict()))
+  with RemoteDataset(server.target, "aug2", G) as ds:
+    dl = stateful.StatefulDataLoader(TorchLoader(ds), batch_size=None, num_workers=0)
+    dl.load_state_dict(saved)
+    it = iter(dl)
+    for step in (4, 5):
+      _tensors_equal(next(it), oracle_batch(oracle, "aug2", step, G))
+  with RemoteDataset(server.target, "aug2", G) as ds:
+    dl = torch.utils.data.DataLoader(TorchLoader(ds), batch_size=None, num_workers=2)
+    with pytest.raises(Exception, match="num_workers=0"):
+      next(iter(dl))
+
+
+def test_no_process_group_means_one_host():
+  assert data_parallel_shard() == (0, 1)
+
+
+def test_four_gloo_ranks_read_their_rows(server, config_path):
+  """(Two ranks read theirs in the checkpoint test below.)"""
+  world = 4
+  outs = _ranks(world, server, config_path, "--steps", "5")
+  assert sorted(o.split(":")[0] for o in outs) == [f"rank {h}/{world}" for h in range(world)]
+
+
+def test_dcp_saved_on_two_ranks_resumes_on_one_and_back(server, config_path, tmp_path):
+  """Steps 0-3 on 2 ranks as DTensors on a DeviceMesh (each checks the
+  gathered global batch), 4-6 on 1 rank, 7-8 on 2: each rank checks its rows
+  of the step the restored cursor says, against embedded mode."""
+  two, one = str(tmp_path / "on2"), str(tmp_path / "on1")
+  outs = _ranks(2, server, config_path, "--steps", "4", "--dtensor", "--save", two)
+  assert all("steps 0..3 exact" in o for o in outs), outs
+  (out,) = _ranks(1, server, config_path, "--steps", "3", "--load", two, "--save", one)
+  assert "steps 4..6 exact" in out, out
+  outs = _ranks(2, server, config_path, "--steps", "2", "--load", one)
+  assert all("steps 7..8 exact" in o for o in outs), outs
