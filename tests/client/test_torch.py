@@ -1,7 +1,7 @@
 """PyTorch trainers (client/torch.py): tensors bit-identical to embedded mode,
 ranks from torch.distributed (gloo processes, as torchrun starts them),
 DTensor on a DeviceMesh, checkpoints through torch.distributed.checkpoint on
-one rank count resumed on another, torchdata's StatefulDataLoader around the
+2 ranks resumed on 1 and on 4, torchdata's StatefulDataLoader around the
 loader, and tensors that never change under the trainer while the receive
 buffers are reused."""
 
@@ -99,6 +99,9 @@ def test_state_dict_round_trips_through_json_and_refuses_another_stream(server, 
       next(it)
     saved = json.loads(json.dumps(loader.state_dict()))
   assert json.loads(saved[STATE_KEY])["step"] == 3
+  # What DCP and torchtitan's checkpointer call state_dict/load_state_dict on.
+  from torch.distributed.checkpoint.stateful import Stateful  # pylint: disable=g-import-not-at-top
+  assert isinstance(loader, Stateful)
   with RemoteDataset(server.target, "aug2", G, shard_index=0, shard_count=2) as ds:
     fresh = TorchLoader(ds)
     fresh.load_state_dict(saved)
@@ -172,21 +175,17 @@ def test_no_process_group_means_one_host():
   assert data_parallel_shard() == (0, 1)
 
 
-def test_four_gloo_ranks_read_their_rows(server, config_path):
-  """(Two ranks read theirs in the checkpoint test below.)"""
-  world = 4
-  outs = _ranks(world, server, config_path, "--steps", "5")
-  assert sorted(o.split(":")[0] for o in outs) == [f"rank {h}/{world}" for h in range(world)]
-
-
-def test_dcp_saved_on_two_ranks_resumes_on_one_and_back(server, config_path, tmp_path):
-  """Steps 0-3 on 2 ranks as DTensors on a DeviceMesh (each checks the
-  gathered global batch), 4-6 on 1 rank, 7-8 on 2: each rank checks its rows
-  of the step the restored cursor says, against embedded mode."""
+def test_dcp_saved_on_two_ranks_resumes_on_one_then_four(server, config_path, tmp_path):
+  """Steps 0-3 on 2 gloo ranks as DTensors on a DeviceMesh (each checks the
+  gathered global batch), saved with dcp.save; 4-6 on 1 rank from dcp.load;
+  7-8 on 4 ranks. Every rank takes its shard from torch.distributed and
+  checks its rows of the step its restored cursor says, against embedded
+  mode."""
   two, one = str(tmp_path / "on2"), str(tmp_path / "on1")
   outs = _ranks(2, server, config_path, "--steps", "4", "--dtensor", "--save", two)
   assert all("steps 0..3 exact" in o for o in outs), outs
   (out,) = _ranks(1, server, config_path, "--steps", "3", "--load", two, "--save", one)
-  assert "steps 4..6 exact" in out, out
-  outs = _ranks(2, server, config_path, "--steps", "2", "--load", one)
-  assert all("steps 7..8 exact" in o for o in outs), outs
+  assert "rank 0/1: steps 4..6 exact" in out, out
+  outs = _ranks(4, server, config_path, "--steps", "2", "--load", one)
+  assert [o.strip().splitlines()[-1] for o in outs] == [
+      f"rank {h}/4: steps 7..8 exact" for h in range(4)], outs

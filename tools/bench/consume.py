@@ -1,6 +1,7 @@
 """One measurement, in a process of its own: the trainer's side of a system.
 
-Reads a JSON spec from argv, prints one JSON result line. Running each
+`run(spec)` in a process forked for it (harness.py), or from the command
+line: reads a JSON spec from argv, prints one JSON result line. Running each
 measurement in a fresh process keeps the systems from sharing caches, threads
 or allocator state, and lets CPU time be charged to exactly one of them.
 """
@@ -276,12 +277,17 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
   return result
 
 
-def main() -> int:
-  spec = json.loads(sys.argv[1])
-  if spec.get("tune_malloc"):  # glibc's tunables, as the server's workers get them
+def run(spec: dict[str, Any]) -> dict[str, Any]:
+  """`measure`, after glibc's tunables where the spec asks for them (as the
+  server's workers get them)."""
+  if spec.get("tune_malloc"):
     from grain_elevator.proto.malloc import tune_malloc  # pylint: disable=g-import-not-at-top
     assert tune_malloc()
-  print(json.dumps(measure(spec)), flush=True)
+  return measure(spec)
+
+
+def main() -> int:
+  print(json.dumps(run(json.loads(sys.argv[1]))), flush=True)
   return 0
 
 

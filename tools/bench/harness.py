@@ -2,6 +2,12 @@
 measurement in a process of its own (consume.py), interleaved rounds, and
 median (min-max) summaries.
 
+Each measurement runs in a new process forked from a server process that
+has only imported what consume.py needs (multiprocessing's forkserver): no
+iterator, thread, cache or allocator state passes from one system to the
+next, and no system pays the second or so of imports. A system measured
+under another interpreter (tf.data's) is started as a process of its own.
+
 Systems are measured in turn, round after round, never all runs of one then
 all of the next: this machine is shared and its speed drifts, and
 interleaving spreads the drift over every system alike.
@@ -9,14 +15,22 @@ interleaving spreads the drift over every system alike.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
+import functools
 import json
+import multiprocessing
 import statistics
 import subprocess
 import sys
+import traceback
 from typing import Any, Callable
 
 CONSUME = [sys.executable, "-m", "grain_elevator.tools.bench.consume"]
+_TIMEOUT_S = 300
+# What the fork server imports once, for every measurement forked from it.
+_PRELOAD = ["numpy", "psutil", "grain", "grain_elevator.client",
+            "grain_elevator.tools.bench.consume"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,14 +50,62 @@ def log(msg: str) -> None:
   print(msg, file=sys.stderr, flush=True)
 
 
+@functools.cache
+def _forks() -> Any:
+  context = multiprocessing.get_context("forkserver")
+  context.set_forkserver_preload(_PRELOAD)
+  return context
+
+
+def _call_here(fn: Callable[[Any], Any], arg: Any, out: Any) -> None:
+  """In the forked process: `fn(arg)`, or its traceback."""
+  try:
+    out.send(("ok", fn(arg)))
+  except BaseException:  # pylint: disable=broad-except
+    out.send(("error", traceback.format_exc()))
+  out.close()
+  # A forked process ends without the interpreter's exit handlers, which is
+  # where Grain's mp_prefetch stops its workers and frees their shared memory.
+  atexit._run_exitfuncs()  # pylint: disable=protected-access
+
+
+def forked(fn: Callable[[Any], Any], arg: Any, name: str) -> Any:
+  """`fn(arg)` (a module-level function) in a new process forked from the
+  fork server; its result, or a RuntimeError with the child's traceback."""
+  context = _forks()
+  receive, send = context.Pipe(duplex=False)
+  proc = context.Process(target=_call_here, args=(fn, arg, send), name=f"bench {name}")
+  proc.start()
+  send.close()
+  try:
+    if not receive.poll(_TIMEOUT_S):
+      raise RuntimeError(f"{name}: no result within {_TIMEOUT_S} s")
+    status, value = receive.recv()
+  except EOFError:
+    proc.join(5)
+    raise RuntimeError(f"{name} failed: its process exited with no result "
+                       f"(exit code {proc.exitcode})") from None
+  finally:
+    if proc.is_alive():
+      proc.kill()
+    proc.join()
+  if status != "ok":
+    raise RuntimeError(f"{name} failed:\n{value[-3000:]}")
+  return value
+
+
 def consume(spec: dict[str, Any], *, python: str = sys.executable,
             label: str = "") -> dict[str, Any]:
   """One run of consume.py on `spec` (with its seconds and warmup_s) in a
   fresh process: its figures."""
+  name = label or spec.get("system")
+  if python == sys.executable:
+    from grain_elevator.tools.bench import consume as consume_lib  # pylint: disable=g-import-not-at-top
+    return forked(consume_lib.run, spec, name)
   result = subprocess.run([python, *CONSUME[1:], json.dumps(spec)], capture_output=True,
-                          text=True, timeout=300)
+                          text=True, timeout=_TIMEOUT_S)
   if result.returncode != 0:
-    raise RuntimeError(f"{label or spec.get('system')} failed:\n{result.stderr[-3000:]}")
+    raise RuntimeError(f"{name} failed:\n{result.stderr[-3000:]}")
   return json.loads(result.stdout.strip().splitlines()[-1])
 
 

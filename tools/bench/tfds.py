@@ -27,7 +27,6 @@ import argparse
 import json
 import os
 import pathlib
-import subprocess
 import sys
 import tempfile
 import textwrap
@@ -42,7 +41,6 @@ GRAIN_SETTINGS = {  # label -> (read threads, mp_prefetch processes)
     "threads=16 (default)": (16, 0),
     "mp_prefetch(2)": (0, 2),
 }
-MEASURE = (sys.executable, "-m", "grain_elevator.tools.bench.tfds", "measure")
 
 
 def prepare(root: pathlib.Path, num_records: int) -> str:
@@ -137,11 +135,8 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def _run_measure(spec: dict[str, Any]) -> dict[str, Any]:
-  result = subprocess.run([*MEASURE, json.dumps(spec)], capture_output=True, text=True,
-                          timeout=600)
-  if result.returncode != 0:
-    raise RuntimeError(f"measurement {spec} failed:\n{result.stderr[-3000:]}")
-  return json.loads(result.stdout.strip().splitlines()[-1])
+  from grain_elevator.tools.bench import harness  # pylint: disable=g-import-not-at-top
+  return harness.forked(measure, spec, f"{spec['system']} on {spec.get('dataset', '')}")
 
 
 def run(data: str | None, records: int, workers: int, seconds: float, warmup_s: float,

@@ -8,6 +8,7 @@ naming the file and the byte offset.
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import gzip
 import io
@@ -19,6 +20,18 @@ from grain_elevator.tools.convert.errors import ConvertError, CorruptInputError
 
 COMPRESSIONS = ("auto", "none", "gzip", "zlib")
 _BIG_READ = 64 << 20  # reads above this are made in pieces (no up-front allocation)
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+  """A run of records of one framed file: `count` records in bytes
+  [start, end) of its (decompressed) stream."""
+
+  path: str
+  compression: str
+  start: int  # byte offset of the first record (in the decompressed stream)
+  end: int  # byte offset just past the last record
+  count: int
 
 
 def check_options(compression: str, max_record_bytes: int, least: int) -> None:

@@ -39,6 +39,7 @@ from grain_elevator.tools.convert import files
 from grain_elevator.tools.convert import shards
 from grain_elevator.tools.convert import snippet as snippet_lib
 from grain_elevator.tools.convert.errors import ConvertError, CorruptInputError
+from grain_elevator.tools.convert.files import Segment
 
 # The largest record (a line, a paragraph, a file) taken; longer is an error.
 MAX_RECORD_BYTES = 64 << 20
@@ -139,15 +140,6 @@ def _kind_of(value: Any) -> str:
     return "null"
   return {bool: "a boolean", int: "a number", float: "a number", str: "a string",
           list: "an array", dict: "an object"}.get(type(value), type(value).__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class Segment:
-  path: str
-  compression: str
-  start: int  # byte offset of the first record (in the decompressed stream)
-  end: int  # byte offset just past the last record's last byte
-  count: int
 
 
 @dataclasses.dataclass(frozen=True)

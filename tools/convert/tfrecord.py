@@ -31,6 +31,7 @@ from grain_elevator.tools.convert import files
 from grain_elevator.tools.convert import shards
 from grain_elevator.tools.convert import snippet as snippet_lib
 from grain_elevator.tools.convert.errors import ConvertError, CorruptInputError
+from grain_elevator.tools.convert.files import Segment
 
 MAX_RECORD_BYTES = 2 << 30
 _HEADER = struct.Struct("<QI")
@@ -115,15 +116,6 @@ def _records(f, path: str, *, start: int, end: int | None, count: int | None,
       yield pos, length, None
     pos += length + 16
     n += 1
-
-
-@dataclasses.dataclass(frozen=True)
-class Segment:
-  path: str
-  compression: str
-  start: int  # byte offset of the first record (in the decompressed stream)
-  end: int  # byte offset just past the last record
-  count: int
 
 
 @dataclasses.dataclass(frozen=True)
