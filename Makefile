@@ -38,7 +38,9 @@ demo: $(STAMP)
 # network-namespace test where it can run; then the contract's Grain paths on
 # the lowest Grain release pyproject.toml admits (everything else ran on the
 # highest, which pip installs).
-test: $(STAMP) host-tools beam-venv-or-skip
+test:
+	@# The three set-ups at once: they share nothing, and each waits on pip.
+	$(MAKE) --no-print-directory -j3 $(STAMP) host-tools beam-venv-or-skip
 	$(PY) -m pytest $(PYTEST_ARGS)
 	$(MAKE) --no-print-directory test-grain-lowest
 
