@@ -35,14 +35,18 @@ demo: $(STAMP)
 	$(VENV)/bin/elevator demo
 
 # Everything: real servers on 127.0.0.1, the slow end-to-end runs, the
-# network-namespace test where it can run; then the contract's Grain paths on
-# the lowest Grain release pyproject.toml admits (everything else ran on the
-# highest, which pip installs).
+# network-namespace test where it can run; and, beside them, the contract's
+# Grain paths on the lowest Grain release pyproject.toml admits (everything
+# else runs on the highest, which pip installs). That run times nothing and
+# starts its own server; its output follows the main run's. The set-ups, too,
+# run at once: they share nothing, and each waits on pip.
 test:
-	@# The three set-ups at once: they share nothing, and each waits on pip.
-	$(MAKE) --no-print-directory -j3 $(STAMP) host-tools beam-venv-or-skip
-	$(PY) -m pytest $(PYTEST_ARGS)
-	$(MAKE) --no-print-directory test-grain-lowest
+	$(MAKE) --no-print-directory -j3 $(STAMP) host-tools beam-venv-or-skip $(GRAIN_LOWEST_DIR)/.installed
+	@$(MAKE) --no-print-directory test-grain-lowest > $(VENV)/grain-lowest.log 2>&1 & lowest=$$!; \
+	$(PY) -m pytest $(PYTEST_ARGS); main=$$?; \
+	wait $$lowest; low=$$?; \
+	echo "--- make test-grain-lowest (run beside the main run) ---"; cat $(VENV)/grain-lowest.log; \
+	exit $$(( main != 0 || low != 0 ))
 
 # The tests marked grain_contract (Grain's shuffle, mix and checkpointing, which
 # the service reproduces: server/data/grain_private.py) on the lowest Grain
