@@ -82,10 +82,10 @@ def _tensor(leaf: Any) -> Any:
   """A tensor over `leaf`'s memory; `leaf` itself where torch has no dtype."""
   if not isinstance(leaf, np.ndarray):
     return leaf
+  if leaf.dtype.name == "bfloat16":  # ml_dtypes' (its kind is "V"): same bits, reinterpreted
+    return _from_numpy(leaf.view(np.uint16)).view(torch.bfloat16)
   if leaf.dtype.kind in "SUVO":
     return leaf  # bytes and strings: torch has no tensor of them
-  if leaf.dtype.name == "bfloat16":  # ml_dtypes: same bits, reinterpreted
-    return _from_numpy(leaf.view(np.uint16)).view(torch.bfloat16)
   return _from_numpy(leaf)
 
 

@@ -20,7 +20,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="the torch extra is not installed")
 
 from grain_elevator.client import RemoteDataset, StreamMismatchError, TransportOptions
-from grain_elevator.client.torch import STATE_KEY, TorchLoader, data_parallel_shard
+from grain_elevator.client.torch import STATE_KEY, TorchLoader, data_parallel_shard, to_tensors
 from grain_elevator.proto.errors import InvalidRequestError
 from grain_elevator.tools.launcher import LocalServer
 from helpers import ROOT, oracle_batch
@@ -169,6 +169,20 @@ def test_torchdatas_stateful_dataloader_saves_and_resumes_the_loader(server, ora
     dl = torch.utils.data.DataLoader(TorchLoader(ds), batch_size=None, num_workers=2)
     with pytest.raises(Exception, match="num_workers=0"):
       next(iter(dl))
+
+
+def test_leaves_become_tensors_over_the_same_memory():
+  """bfloat16 (ml_dtypes) reinterpreted, no copy; bytes stay numpy."""
+  ml_dtypes = pytest.importorskip("ml_dtypes")
+  images = np.arange(6, dtype=np.float32).astype(ml_dtypes.bfloat16).reshape(2, 3)
+  ids = np.arange(2, dtype=np.uint16)
+  names = np.array([b"ab", b"cd"])
+  out = to_tensors({"images": images, "ids": ids, "names": names})
+  assert out["images"].dtype == torch.bfloat16
+  assert out["images"].float().tolist() == images.astype(np.float32).tolist()
+  assert out["images"].data_ptr() == images.ctypes.data
+  assert out["ids"].dtype == torch.uint16 and out["ids"].data_ptr() == ids.ctypes.data
+  assert out["names"] is names
 
 
 def test_no_process_group_means_one_host():
