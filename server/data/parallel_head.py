@@ -51,6 +51,8 @@ TASKS_AHEAD_PER_WORKER = 2
 TASK_TIMEOUT_S = 30.0
 # How long a worker that could not be reached is left alone before it is dialled again.
 _REDIAL_S = 1.0
+# The longest AF_UNIX path Linux takes (sun_path is 108 bytes, NUL included).
+_MAX_SOCKET_PATH = 107
 
 
 class HeadPeers:
@@ -61,6 +63,11 @@ class HeadPeers:
   def __init__(self, num_workers: int):
     self.num_workers = num_workers
     self.directory = tempfile.mkdtemp(prefix="elevator-head-")
+    if len(self.address(num_workers)) > _MAX_SOCKET_PATH:
+      # A long TMPDIR (a CI runner's, a pod's) would make the socket path
+      # longer than AF_UNIX allows; /tmp is short everywhere.
+      os.rmdir(self.directory)
+      self.directory = tempfile.mkdtemp(prefix="elevator-head-", dir="/tmp")
     self.authkey = os.urandom(32)
 
   def address(self, index: int) -> str:

@@ -82,9 +82,14 @@ def _rows(batch: dict, h: int) -> dict:
   return {k: v[h * G // H:(h + 1) * G // H] for k, v in batch.items()}
 
 
-def test_every_worker_computes_the_head_of_a_stream(probe_config, want):
+def test_every_worker_computes_the_head_of_a_stream(probe_config, want, tmp_path):
+  """Under a TMPDIR too long for a Unix socket's path (a CI runner's, a
+  pod's), where the workers meet anyway."""
   notes = probe_config.parent / "notes"
-  with LocalServer(str(probe_config), workers=2, env=_env(probe_config)) as server:
+  long_tmp = tmp_path / ("t" * 110)
+  long_tmp.mkdir()
+  env = {**_env(probe_config), "TMPDIR": str(long_tmp)}
+  with LocalServer(str(probe_config), workers=2, env=env) as server:
     workers = set(worker_pids(server))
     for f in notes.iterdir():  # what opening the dataset computed
       f.unlink()
