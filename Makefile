@@ -40,10 +40,15 @@ demo: $(STAMP)
 # else runs on the highest, which pip installs). That run times nothing and
 # starts its own server; its output follows the main run's. The set-ups, too,
 # run at once: they share nothing, and each waits on pip.
+#
+# The main run has a budget (TEST_BUDGET_S, three times its usual time): past
+# it, pytest gets SIGINT and prints what failed so far and where it was,
+# instead of a CI runner's limit killing it with nothing said.
+TEST_BUDGET_S ?= 2700
 test:
 	$(MAKE) --no-print-directory -j3 $(STAMP) host-tools beam-venv-or-skip $(GRAIN_LOWEST_DIR)/.installed
 	@$(MAKE) --no-print-directory test-grain-lowest > $(VENV)/grain-lowest.log 2>&1 & lowest=$$!; \
-	$(PY) -m pytest $(PYTEST_ARGS); main=$$?; \
+	timeout -s INT -k 60 $(TEST_BUDGET_S) $(PY) -m pytest $(PYTEST_ARGS); main=$$?; \
 	wait $$lowest; low=$$?; \
 	echo "--- make test-grain-lowest (run beside the main run) ---"; cat $(VENV)/grain-lowest.log; \
 	exit $$(( main != 0 || low != 0 ))

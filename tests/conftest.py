@@ -123,3 +123,19 @@ def pytest_report_header() -> str:
   import importlib.metadata  # pylint: disable=g-import-not-at-top
   import grain  # pylint: disable=g-import-not-at-top
   return f"grain {importlib.metadata.version('grain')} ({os.path.dirname(grain.__file__)})"
+
+
+# Forks of this process: it runs gRPC's and JAX's threads, so a fork can hang
+# in the child or leave the parent's gRPC stuck, and every later test with it.
+# What must fork (a torch DataLoader's workers) runs in a subprocess.
+_forks: list[int] = []
+os.register_at_fork(after_in_parent=lambda: _forks.append(os.getpid()))
+
+
+@pytest.fixture(autouse=True)
+def _no_fork_of_the_test_process() -> Iterator[None]:
+  before = len(_forks)
+  yield
+  if len(_forks) != before:
+    pytest.fail("the test forked the pytest process (os.fork, a fork-start "
+                "multiprocessing pool, a DataLoader's workers): run that part in a subprocess")

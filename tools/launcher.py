@@ -8,6 +8,7 @@ exercise is exactly what an operator runs. (In-process, use
 from __future__ import annotations
 
 import os
+import selectors
 import signal
 import subprocess
 import sys
@@ -24,9 +25,11 @@ class LocalServer:
 
   def __init__(self, config: str, *, workers: int = 2, host: str = "127.0.0.1",
                port: int = 0, extra_args: Sequence[str] = (),
-               prefix: Sequence[str] = (), env: Mapping[str, str] | None = None):
+               prefix: Sequence[str] = (), env: Mapping[str, str] | None = None,
+               start_timeout_s: float = 120.0):
     """`prefix` runs the server under another command (`ip netns exec NS`);
-    `env` adds to this process's environment."""
+    `env` adds to this process's environment. A server that has not said it
+    is ready after `start_timeout_s` is killed and reported, not waited on."""
     self.config = str(config)
     self.proc = subprocess.Popen(
         [*prefix, *ELEVATOR, "serve", "--config", str(config), "--host", host,
@@ -36,15 +39,25 @@ class LocalServer:
     self._stderr: list[str] = []
     self._drain = threading.Thread(target=self._read_stderr, daemon=True)
     self._drain.start()
-    line = self.proc.stdout.readline()  # the ready line, or EOF on failure
-    ready = parse_ready_line(line)
+    ready = parse_ready_line(self._ready_line(start_timeout_s))
     if ready is None:
+      why = f"exit {self.proc.poll()}"
+      if self.proc.poll() is None:  # alive but silent: stuck while starting
+        self.proc.kill()
+        why = f"not ready after {start_timeout_s:.0f} s, killed"
       self.proc.wait(30)
       self._drain.join(5)
-      raise RuntimeError(
-          f"elevator serve did not start (exit {self.proc.returncode}):\n{self.stderr()}")
+      raise RuntimeError(f"elevator serve did not start ({why}):\n{self.stderr()}")
     self.host, self.port, self.bulk_port = ready
     self.target = f"{self.host}:{self.port}"
+
+  def _ready_line(self, timeout_s: float) -> str:
+    """The server's first line of stdout ("" at EOF or after `timeout_s`)."""
+    with selectors.DefaultSelector() as sel:
+      sel.register(self.proc.stdout, selectors.EVENT_READ)
+      if not sel.select(timeout_s):
+        return ""
+    return self.proc.stdout.readline()
 
   def _read_stderr(self) -> None:
     for line in self.proc.stderr:

@@ -165,10 +165,28 @@ def test_torchdatas_stateful_dataloader_saves_and_resumes_the_loader(server, ora
     it = iter(dl)
     for step in (4, 5):
       _tensors_equal(next(it), oracle_batch(oracle, "aug2", step, G))
-  with RemoteDataset(server.target, "aug2", G) as ds:
-    dl = torch.utils.data.DataLoader(TorchLoader(ds), batch_size=None, num_workers=2)
-    with pytest.raises(Exception, match="num_workers=0"):
-      next(iter(dl))
+
+
+# In a process of its own: DataLoader workers are forks of the process that
+# iterates, and a fork of this one (gRPC's and JAX's threads running) can
+# hang in the child or leave the parent's gRPC unusable for the tests after.
+_FORKING_LOADER = """
+import sys, torch
+from grain_elevator.client import RemoteDataset
+from grain_elevator.client.torch import TorchLoader
+with RemoteDataset(sys.argv[1], "aug2", 96) as ds:
+  next(iter(torch.utils.data.DataLoader(TorchLoader(ds), batch_size=None, num_workers=2)))
+"""
+
+
+def test_dataloader_workers_are_refused_with_the_fix(server):
+  """Each worker would read the same rows: the first batch is an error that
+  says to use num_workers=0."""
+  run = subprocess.run([sys.executable, "-c", _FORKING_LOADER, server.target],
+                       capture_output=True, text=True, timeout=120)
+  assert run.returncode != 0
+  assert "TorchLoader runs in DataLoader worker" in run.stderr, run.stderr
+  assert "Use num_workers=0" in run.stderr, run.stderr
 
 
 def test_leaves_become_tensors_over_the_same_memory():

@@ -6,6 +6,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 
 import pytest
@@ -44,6 +45,14 @@ def test_a_killed_worker_is_restarted_and_logged(config_path, oracle):
     assert _wait_for(lambda: len(worker_pids(server)) == 2)
     with RemoteDataset(server.target, "seed3", 64) as ds:
       assert_trees_equal(next(iter(ds)), oracle_batch(oracle, "seed3", 0, 64))
+
+
+def test_a_server_that_never_says_ready_is_killed_and_reported(config_path):
+  """The launcher bounds the wait for the ready line (a stuck start fails the
+  test that started it, not every test after)."""
+  stuck = (sys.executable, "-c", "import time; time.sleep(120)")  # takes serve's argv
+  with pytest.raises(RuntimeError, match=r"did not start \(not ready after 1 s, killed\)"):
+    LocalServer(config_path, prefix=stuck, start_timeout_s=1)
 
 
 def test_port_in_use_is_a_clear_error(config_path):
