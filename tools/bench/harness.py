@@ -164,3 +164,13 @@ def fmt(s: dict[str, float] | None, scale: float = 1.0, digits: int = 0) -> str:
   f = f"{{:,.{digits}f}}"
   return (f"{f.format(s['median'] * scale)} ({f.format(s['min'] * scale)}–"
           f"{f.format(s['max'] * scale)})")
+
+
+def against_local(unit: str, cpu: float, local_cpu: float, per_core: float,
+                  local_per_core: float) -> str:
+  """A service's two goals as ratios to the best local Grain: the trainer's
+  CPU per `unit` (≤ 0.1×) and the `unit`s per server core (≥ 1×)."""
+  return (f"trainer CPU per {unit} {cpu / local_cpu:.3f}× local Grain's (goal ≤ 0.1: "
+          f"{'met' if cpu <= local_cpu / 10 else 'not met'}); {unit}s/s per server core "
+          f"{per_core / local_per_core:.2f}× local Grain's per core (goal ≥ 1: "
+          f"{'met' if per_core >= local_per_core else 'not met'})")

@@ -203,11 +203,7 @@ def goals(wl: dict[str, Any]) -> list[str]:
   for r in services.values():
     c = r["client_cpu_s_per_1k"]["median"]
     p = (r["images_per_core_s"] or {}).get("median") or 0.0
-    out.append(
-        f"{r['label'][4:]}: trainer CPU per image {c / cpu:.3f}× local Grain's "
-        f"(goal ≤ 0.1: {'met' if c <= cpu / 10 else 'not met'}); images/s per server core "
-        f"{p / per_core:.2f}× local Grain's per core (goal ≥ 1: "
-        f"{'met' if p >= per_core else 'not met'}).")
+    out.append(f"{r['label'][4:]}: {harness.against_local('image', c, cpu, p, per_core)}.")
   return out
 
 

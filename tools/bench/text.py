@@ -162,11 +162,8 @@ def goals(wl: dict[str, Any]) -> list[str]:
     resume = (r["resume_first_batch_s"] or {}).get("median")
     resume_text = (f"{resume / first:.2f}× its first batch (goal ≤ 2: "
                    f"{'met' if resume <= 2 * first else 'not met'})") if resume else "n/a"
-    out.append(
-        f"{r['label'][4:]}: trainer CPU per token {c / cpu:.3f}× local Grain's (goal ≤ 0.1: "
-        f"{'met' if c <= cpu / 10 else 'not met'}); tokens/s per server core "
-        f"{p / per_core:.2f}× local Grain's per core (goal ≥ 1: "
-        f"{'met' if p >= per_core else 'not met'}); resume at step 10⁵: {resume_text}.")
+    out.append(f"{r['label'][4:]}: {harness.against_local('token', c, cpu, p, per_core)}; "
+               f"resume at step 10⁵: {resume_text}.")
   return out
 
 
