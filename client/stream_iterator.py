@@ -32,7 +32,7 @@ from grain_elevator.client.transport.connection import CancelToken, Step
 from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.proto import tree
 from grain_elevator.proto import wire
-from grain_elevator.proto.errors import Cancelled, ElevatorError, EndOfDataError
+from grain_elevator.proto.errors import ElevatorError, EndOfDataError
 from grain_elevator.proto.spec import DatasetInfo
 
 _END = object()  # the stream ended after the steps before it
@@ -122,10 +122,8 @@ class StreamIterator(grain.DatasetIterator):
           return
         step += len(out)
         position = out[-1].next_stream_state
-    except Cancelled:
-      return
     except BaseException as e:  # pylint: disable=broad-except
-      if not token.cancelled:
+      if not token.cancelled:  # a Cancelled we did not ask for is an error too
         self._put(e)
 
   def _put(self, item: Any) -> None:
