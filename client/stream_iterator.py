@@ -145,7 +145,10 @@ class StreamIterator(grain.DatasetIterator):
       self._start()
     with self._cond:
       while not self._queue:
-        self._cond.wait()
+        fetcher = self._fetcher
+        if fetcher is None or not fetcher.is_alive():  # it puts before it ends, under this lock
+          raise ElevatorError(f"{self._ds}: the fetch thread ended with nothing to deliver")
+        self._cond.wait(1.0)
       item = self._queue[0]
       if item is _END:
         raise StopIteration
