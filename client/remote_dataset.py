@@ -19,7 +19,7 @@ from typing import Any, Sequence
 
 import grain
 
-from grain_elevator.client import layout, state as state_lib
+from grain_elevator.client import closing, layout, state as state_lib
 from grain_elevator.client import stats as stats_lib
 from grain_elevator.client import window as window_lib
 from grain_elevator.client.backend import Backend, make_backend
@@ -221,6 +221,7 @@ class _RemoteIterator(grain.DatasetIterator):
     self._arrived = threading.Condition()  # a step arrived or a fetch ended
     self._pool: concurrent.futures.ThreadPoolExecutor | None = None
     self._meter = stats_lib.meter_for(ds, backend)
+    closing.start()  # where a dropped iterator gets closed
 
   def stats(self) -> stats_lib.Stats:
     """Time waited for data, throughput, retries and fallbacks so far."""
@@ -346,10 +347,8 @@ class _RemoteIterator(grain.DatasetIterator):
       self._stop_pool()
 
   def __del__(self) -> None:
-    try:
-      self.close()
-    except Exception:  # pylint: disable=broad-except
-      pass
+    if not getattr(self, "_closed", True):  # closed by the closing thread (client/closing.py)
+      closing.later(self.close)
 
   def __str__(self) -> str:
     return f"{self._ds} @ step {self._step}"

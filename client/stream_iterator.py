@@ -24,6 +24,7 @@ from typing import Any
 
 import grain
 
+from grain_elevator.client import closing
 from grain_elevator.client import state as state_lib
 from grain_elevator.client import stats as stats_lib
 from grain_elevator.client import window as window_lib
@@ -70,6 +71,7 @@ class StreamIterator(grain.DatasetIterator):
     self._stopped = False
     self._closed = False
     self._meter = stats_lib.meter_for(ds, backend)
+    closing.start()  # where a dropped iterator gets closed
 
   def stats(self) -> stats_lib.Stats:
     return self._meter.stats()
@@ -183,10 +185,8 @@ class StreamIterator(grain.DatasetIterator):
     self._backend.close()
 
   def __del__(self) -> None:
-    try:
-      self.close()
-    except Exception:  # pylint: disable=broad-except
-      pass
+    if not getattr(self, "_closed", True):  # closed by the closing thread (client/closing.py)
+      closing.later(self.close)
 
   def __str__(self) -> str:
     return f"{self._ds} @ step {self._step}"
