@@ -111,6 +111,26 @@ def server(config_path: str) -> Iterator[LocalServer]:
 
 
 @pytest.fixture(scope="session")
+def few_config(data_dir: pathlib.Path, tmp_path_factory: pytest.TempPathFactory) -> str:
+  """A stream dataset, "few": the images of three labels (a filter,
+  examples.decode_some), repeating forever."""
+  path = tmp_path_factory.mktemp("few") / "elevator.toml"
+  path.write_text(textwrap.dedent(f"""\
+      [datasets.few]
+      paths = ["{data_dir}/shards/*.array_record"]
+      pipeline = "grain_elevator.pipelines.examples:decode_some"
+      seed = 41
+      num_epochs = 0
+      [datasets.few.options]
+      height = 4
+      width = 4
+      channels = 3
+      labels = [1, 3, 4]
+      """))
+  return str(path)
+
+
+@pytest.fixture(scope="session")
 def oracle(config_path: str):
   """Embedded mode: the in-process contract every service test compares to."""
   from grain_elevator.client.embedded import EmbeddedBackend

@@ -4,8 +4,6 @@ never as a `next()` that waits forever."""
 
 from __future__ import annotations
 
-import textwrap
-
 import pytest
 
 from grain_elevator.client import RemoteDataset
@@ -40,22 +38,9 @@ class _CancelledAfterFirstChunk:
 
 
 @pytest.mark.timeout(60)
-def test_a_cancelled_fetch_the_trainer_did_not_ask_for_is_raised(data_dir, tmp_path):
-  config = tmp_path / "elevator.toml"
-  config.write_text(textwrap.dedent(f"""\
-      [datasets.few]
-      paths = ["{data_dir}/shards/*.array_record"]
-      pipeline = "grain_elevator.pipelines.examples:decode_some"
-      seed = 41
-      num_epochs = 0
-      [datasets.few.options]
-      height = 4
-      width = 4
-      channels = 3
-      labels = [1, 3, 4]
-      """))
-  ds = RemoteDataset.embedded(str(config), "few", 8, prefetch=2)
-  backend = _CancelledAfterFirstChunk(str(config))
+def test_a_cancelled_fetch_the_trainer_did_not_ask_for_is_raised(few_config):
+  ds = RemoteDataset.embedded(few_config, "few", 8, prefetch=2)
+  backend = _CancelledAfterFirstChunk(few_config)
   (info,) = backend.describe("few", 8)
   it = StreamIterator(ds, backend, info)
   with pytest.raises(Cancelled, match="cancelled under the client"):

@@ -12,7 +12,6 @@ import os
 import socket
 import subprocess
 import sys
-import textwrap
 
 import numpy as np
 import pytest
@@ -113,30 +112,11 @@ def test_state_dict_round_trips_through_json_and_refuses_another_stream(server, 
       TorchLoader(other).load_state_dict({"step": 3})
 
 
-@pytest.fixture(scope="module")
-def stream_config(data_dir, tmp_path_factory) -> str:
-  """A stream dataset: decoded images filtered by label (examples.decode_some)."""
-  path = tmp_path_factory.mktemp("torch-stream") / "elevator.toml"
-  path.write_text(textwrap.dedent(f"""\
-      [datasets.few]
-      paths = ["{data_dir}/shards/*.array_record"]
-      pipeline = "grain_elevator.pipelines.examples:decode_some"
-      seed = 41
-      num_epochs = 0
-      [datasets.few.options]
-      height = 4
-      width = 4
-      channels = 3
-      labels = [1, 3, 4]
-      """))
-  return str(path)
-
-
-def test_stream_datasets_arrive_as_tensors_too(stream_config):
-  with RemoteDataset.embedded(stream_config, "few", 24, prefetch=0) as oracle:
+def test_stream_datasets_arrive_as_tensors_too(few_config):
+  with RemoteDataset.embedded(few_config, "few", 24, prefetch=0) as oracle:
     it = iter(oracle)
     want = [next(it) for _ in range(5)]
-  with LocalServer(stream_config, workers=1) as server:
+  with LocalServer(few_config, workers=1) as server:
     with RemoteDataset(server.target, "few", 24) as ds:
       loader = TorchLoader(ds)
       it = iter(loader)
