@@ -39,24 +39,25 @@ class LocalServer:
     self._stderr: list[str] = []
     self._drain = threading.Thread(target=self._read_stderr, daemon=True)
     self._drain.start()
-    ready = parse_ready_line(self._ready_line(start_timeout_s))
+    line = self._ready_line(start_timeout_s)
+    ready = parse_ready_line(line) if line is not None else None
     if ready is None:
-      why = f"exit {self.proc.poll()}"
-      if self.proc.poll() is None:  # alive but silent: stuck while starting
+      if line is None:  # silent: stuck while starting
         self.proc.kill()
-        why = f"not ready after {start_timeout_s:.0f} s, killed"
       self.proc.wait(30)
       self._drain.join(5)
+      why = (f"not ready after {start_timeout_s:.0f} s, killed" if line is None
+             else f"exit {self.proc.returncode}")
       raise RuntimeError(f"elevator serve did not start ({why}):\n{self.stderr()}")
     self.host, self.port, self.bulk_port = ready
     self.target = f"{self.host}:{self.port}"
 
-  def _ready_line(self, timeout_s: float) -> str:
-    """The server's first line of stdout ("" at EOF or after `timeout_s`)."""
+  def _ready_line(self, timeout_s: float) -> str | None:
+    """The server's first line of stdout ("" at EOF), None after `timeout_s`."""
     with selectors.DefaultSelector() as sel:
       sel.register(self.proc.stdout, selectors.EVENT_READ)
       if not sel.select(timeout_s):
-        return ""
+        return None
     return self.proc.stdout.readline()
 
   def _read_stderr(self) -> None:
