@@ -280,7 +280,7 @@ class Server:
       live = {p.sentinel: i for i, p in self._procs.items() if i not in due}
       timeout = max(0.0, min([_POLL_S, *(at - now for at in due.values())]))
       dead = mp.connection.wait(list(live), timeout=timeout)
-      self._log_start_errors()  # before the exit they explain
+      self._log_restarts()  # before the exit they explain
       for sentinel in dead:
         if self._stop.is_set():
           break
@@ -313,9 +313,9 @@ class Server:
     """Tells the workers how many slots are crash-looping (health)."""
     self._crash_loop.set(sum(h.crash_loop for h in self._history.values()))
 
-  def _log_start_errors(self) -> None:
-    """Logs what restarted workers reported failing at start-up (they then
-    exit, and are restarted after their backoff)."""
+  def _log_restarts(self) -> None:
+    """Logs what restarted workers reported at start-up: serving again, or
+    the failure (they then exit, and are restarted after their backoff)."""
     while True:
       try:
         index, error = self._ready.get_nowait()
@@ -323,6 +323,8 @@ class Server:
         return
       if error is not None:
         log.error("worker %d failed to restart: %s", index, error)
+      else:
+        log.info("worker %d (pid %s) is serving again", index, self._procs[index].pid)
 
   def stop(self) -> None:
     """SIGTERM every worker, wait out their grace period, then SIGKILL."""

@@ -1,5 +1,12 @@
 """Soak: four concurrent clients (different datasets, G and H) while workers
-are killed at random; every stream equals its oracle, memory stays bounded."""
+are killed; every stream equals its oracle, memory stays bounded.
+
+The kills are driven by progress, not by the clock: kill i comes when the
+first client reaches the i-th milestone of its stream, each client waits at
+that milestone until kill i has been made, and a kill waits until the worker
+killed before it is serving again. So every run makes MAX_KILLS kills in the
+middle of the clients' streams, however fast or slow the machine is.
+"""
 
 from __future__ import annotations
 
@@ -27,44 +34,98 @@ CLIENTS = [  # dataset, G, h, H, steps
     ("forever", 8, 2, 4, 600),
 ]
 MAX_KILLS = 4
+# Bounds on waiting for an event, so that a hang fails the test with a reason.
+_WAIT_S = 120.0
+
+
+class KillGates:
+  """Kill i is made once a client reaches its milestone i (the fraction
+  (i+1)/(MAX_KILLS+1) of its steps); clients wait there until it is."""
+
+  def __init__(self) -> None:
+    self._cond = threading.Condition()
+    self.reached = 0  # the most milestones any client has reached
+    self.made = 0     # kills made
+    self.done = 0     # clients finished (or failed)
+
+  def milestones(self, steps: int) -> set[int]:
+    return {steps * (i + 1) // (MAX_KILLS + 1) for i in range(MAX_KILLS)}
+
+  def at_milestone(self, i: int) -> None:
+    """Client side: milestone i reached; waits for kill i."""
+    with self._cond:
+      self.reached = max(self.reached, i + 1)
+      self._cond.notify_all()
+      assert self._cond.wait_for(lambda: self.made > i, _WAIT_S), f"kill {i} never came"
+
+  def finished(self) -> None:
+    with self._cond:
+      self.done += 1
+      self._cond.notify_all()
+
+  def wait_reached(self, i: int) -> bool:
+    """Server side: True once a client reached milestone i; False if every
+    client ended first (one failed)."""
+    with self._cond:
+      self._cond.wait_for(lambda: self.reached > i or self.done == len(CLIENTS), _WAIT_S)
+      return self.reached > i
+
+  def killed(self) -> None:
+    with self._cond:
+      self.made += 1
+      self._cond.notify_all()
+
+
+def _wait_for(condition, what: str) -> None:
+  deadline = time.monotonic() + _WAIT_S
+  while not condition():
+    assert time.monotonic() < deadline, f"timed out waiting for {what}"
+    time.sleep(0.05)
 
 
 def test_four_clients_while_workers_die(config_path, oracle):
   rng = random.Random(7)
+  gates = KillGates()
   results: dict[str, list[np.ndarray]] = {}
   errors: list[BaseException] = []
   with LocalServer(config_path, workers=2) as server:
     def consume(dataset, g, h, n, steps):
       try:
+        milestones = sorted(gates.milestones(steps))
         with RemoteDataset(server.target, dataset, g, shard_index=h, shard_count=n,
                            prefetch=4, retry=RetryPolicy(timeout_s=60)) as ds:
-          results[dataset] = [b["id"] for b in itertools.islice(iter(ds), steps)]
+          got = []
+          for k, batch in enumerate(itertools.islice(iter(ds), steps)):
+            if k in milestones:
+              gates.at_milestone(milestones.index(k))
+            got.append(batch["id"])
+          results[dataset] = got
       except BaseException as e:  # pylint: disable=broad-except
         errors.append(e)
+      finally:
+        gates.finished()
 
     threads = [threading.Thread(target=consume, args=c) for c in CLIENTS]
     for t in threads:
       t.start()
-    kills, peak_rss = 0, 0
-    deadline = time.monotonic() + 240
-    while any(t.is_alive() for t in threads) and time.monotonic() < deadline:
-      time.sleep(rng.uniform(0.3, 1.0))
+    peak_rss = 0
+    for i in range(MAX_KILLS):
+      if not gates.wait_reached(i):
+        break
+      # The worker killed last is back (not merely spawned) before the next kill.
+      _wait_for(lambda: server.stderr().count("is serving again") == i
+                and len(worker_pids(server)) == 2, f"worker restart {i}")
       workers = worker_pids(server)
       peak_rss = max(peak_rss, sum(psutil.Process(p).memory_info().rss for p in workers
                                    if psutil.pid_exists(p)))
-      restarted = server.stderr().count("restarting it") == kills
-      if kills < MAX_KILLS and len(workers) == 2 and restarted:
-        os.kill(rng.choice(workers), signal.SIGKILL)
-        kills += 1
+      os.kill(rng.choice(workers), signal.SIGKILL)
+      gates.killed()
     for t in threads:
-      t.join(60)
+      t.join(_WAIT_S)
     assert not errors, errors
-    assert kills >= 2, f"only {kills} kill(s) before the clients finished"
-    for _ in range(300):  # the last restart may still be logging
-      if server.stderr().count("restarting it") == kills:
-        break
-      time.sleep(0.1)
-    assert server.stderr().count("restarting it") == kills
+    assert gates.made == MAX_KILLS
+    _wait_for(lambda: server.stderr().count("restarting it") == MAX_KILLS,
+              "the last restart's log line")
   for dataset, g, h, n, steps in CLIENTS:
     got = results[dataset]
     assert len(got) == steps, dataset
