@@ -34,9 +34,10 @@ class Throttled:
     self._logged_at: dict[Any, float] = {}
     self._unlogged: collections.Counter[Any] = collections.Counter()
 
-  def warning(self, key: Any, message: str, *args: Any) -> None:
+  def warning(self, key: Any, message: str, *args: Any, exc_info: bool = False) -> None:
     """Logs `message % args` unless a line for `key` was logged within the
-    period; a suppressed line is counted in the next one for `key`."""
+    period; a suppressed line is counted in the next one for `key`.
+    `exc_info`: the exception being handled goes with the line logged."""
     with self._lock:
       now = time.monotonic()
       if now - self._logged_at.get(key, -self._period_s) < self._period_s:
@@ -45,4 +46,5 @@ class Throttled:
       more = self._unlogged.pop(key, 0)
       self._logged_at[key] = now
     self._log.warning(message + "%s", *args,
-                      f" ({more} more since the last such line)" if more else "")
+                      f" ({more} more since the last such line)" if more else "",
+                      exc_info=exc_info)

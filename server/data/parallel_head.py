@@ -102,6 +102,11 @@ class HeadService:
       peer.close()
     self._local.shutdown(wait=False, cancel_futures=True)
 
+  @property
+  def elements_held(self) -> int:
+    """Head elements one iterator keeps: the tasks ahead and the current one."""
+    return (TASKS_AHEAD_PER_WORKER * self._peers.num_workers + 1) * TASK_ELEMENTS
+
   def factory(self, dataset: str, fingerprint: str) -> Callable[[grain.MapDataset], Any]:
     """The head factory of one stream dataset (StreamDataset.use_head)."""
     def make(head: grain.MapDataset) -> grain.IterDataset:

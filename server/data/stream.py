@@ -31,6 +31,7 @@ from __future__ import annotations
 import functools
 import inspect
 import json
+import tracemalloc
 from typing import Any, Callable, Iterator
 
 import grain
@@ -39,10 +40,12 @@ import numpy as np
 from grain_elevator import pipelines
 
 from grain_elevator.proto import contract
+from grain_elevator.proto import positions
 from grain_elevator.proto import tree
 from grain_elevator.proto.errors import ConfigError, InvalidRequestError
 from grain_elevator.proto.limits import MAX_STREAM_STATE_BYTES
 from grain_elevator.proto.spec import DatasetInfo, ElementSpec
+from grain_elevator.server.data import cancellation
 from grain_elevator.server.data import grain_private
 from grain_elevator.server.data.config import DatasetConfig
 
@@ -50,22 +53,23 @@ from grain_elevator.server.data.config import DatasetConfig
 HeadFactory = Callable[[grain.MapDataset], grain.IterDataset]
 # What a produced global batch is: its leaves (G rows each) and the position after it.
 GlobalBatch = tuple[list[np.ndarray], str]
+# Head elements computed to measure the memory of one (`iterator_bytes`).
+_MEASURED_ELEMENTS = 8
 
 
 dumps = contract.position_text
 
 
-def loads(text: str, dataset: str) -> Any:
-  """A position a client sent: InvalidRequestError unless it is a JSON object."""
+def parse_position(text: str, start: str, dataset: str) -> str:
+  """A position a client sent, checked by shape against the stream's first
+  (proto/positions.py), as canonical text; InvalidRequestError otherwise."""
+  if text == start:  # the server's own
+    return start
   try:
-    state = json.loads(text)
-  except (ValueError, RecursionError) as e:
-    raise InvalidRequestError(f"dataset {dataset!r}: stream_state is not JSON: "
-                              f"{type(e).__name__}: {str(e)[:200]}") from None
-  if not isinstance(state, dict):
-    raise InvalidRequestError(f"dataset {dataset!r}: stream_state must be a JSON object "
-                              f"(a Grain iterator state), got {type(state).__name__}")
-  return state
+    return dumps(positions.parse(text, start))
+  except positions.BadPosition as e:
+    raise InvalidRequestError(
+        f"dataset {dataset!r}: stream_state is not a position of this stream: {e}") from None
 
 
 def is_stream_pipeline(records: grain.MapDataset, head: grain.MapDataset) -> bool:
@@ -100,19 +104,24 @@ class StreamDataset:
     # worker, threads only cost).
     self._head_factory: HeadFactory = lambda ds: ds.to_iter_dataset(
         grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
+    self._head_elements_held = 0
     first, start = self._first_batch()
     self._spec = ElementSpec.of(first)  # of one row
     self._leaves = self._spec.leaves
+    self._iterator_base_bytes, self._element_bytes = self._measure_iterator()
     self.info = DatasetInfo(
         name=config.name, num_records=num_records, num_epochs=config.num_epochs,
         shuffle=config.shuffle, seed=config.seed, config_fingerprint=fingerprint,
         element_spec=self._spec, stream_length=contract.FOREVER_LENGTH,
         drop_remainder=config.drop_remainder, stream=True, stream_start=start)
 
-  def use_head(self, factory: HeadFactory) -> None:
+  def use_head(self, factory: HeadFactory, *, elements_held: int = 0) -> None:
     """Serves the head through `factory` (the parallel head of a server):
-    it must yield what `to_iter_dataset()` yields, with the same states."""
+    it must yield what `to_iter_dataset()` yields, with the same states.
+    `elements_held`: how many head elements one of its iterators keeps
+    computed ahead (for `iterator_bytes`)."""
     self._head_factory = factory
+    self._head_elements_held = elements_held
 
   # -- the pipeline -----------------------------------------------------------
 
@@ -178,17 +187,55 @@ class StreamDataset:
                               "batches are found from a stream position (stream_state)")
 
   def open(self, global_batch_size: int, state: str) -> grain.DatasetIterator:
-    """The served pipeline's iterator for G at position `state` ("" = start)."""
-    it = iter(self.pipeline(global_batch_size, head=self._head_factory))
+    """The served pipeline's iterator for G at position `state` ("" = start,
+    else canonical text, checked by shape: `parse_position`). Its head
+    stops when the request producing stops being wanted (cancellation.py).
+    A position Grain's own iterator does not read back the same is refused:
+    Grain restores what it understands and ignores the rest, and a
+    position it ignored parts of would be served as another one."""
+    head = self._head_factory
+    it = iter(self.pipeline(global_batch_size,
+                            head=lambda ds: cancellation.Checked(head(ds))))
     if state:
-      parsed = grain_private.state_from_json(loads(state, self.config.name))
+      name = self.config.name
       try:
-        it.set_state(parsed)
+        it.set_state(grain_private.state_from_json(json.loads(state)))
+        back = dumps(it.get_state())
       except Exception as e:  # a position of another pipeline, or made up
         raise InvalidRequestError(
-            f"dataset {self.config.name!r}: stream_state is not a position of this "
-            f"stream: {type(e).__name__}: {str(e)[:200]}") from None
+            f"dataset {name!r}: stream_state is not a position of this stream: Grain "
+            f"refused it ({type(e).__name__})") from None
+      if back != state:
+        raise InvalidRequestError(
+            f"dataset {name!r}: stream_state is not a position of this stream: Grain "
+            "restores another position from it")
     return it
+
+  def iterator_bytes(self, global_batch_size: int) -> int:
+    """An estimate of the memory one live iterator of G keeps: what one
+    held after its first batch at start-up (measured, G = 1), the head
+    elements it computes ahead, and one global batch (Grain's batch and a
+    packer's bins hold about that many rows)."""
+    return (self._iterator_base_bytes + self._head_elements_held * self._element_bytes
+            + global_batch_size * self.info.element_spec.record_bytes)
+
+  def _measure_iterator(self) -> tuple[int, int]:
+    """(bytes a live iterator holds after a batch of one, bytes of a head
+    element), measured with tracemalloc once, at start-up."""
+    if tracemalloc.is_tracing():  # someone else's measurement: do not disturb it
+      return 0, 0
+    tracemalloc.start()
+    try:
+      it = iter(self.pipeline(1, head=self._head_factory))
+      next(it)
+      held = tracemalloc.get_traced_memory()[0]
+      tracemalloc.clear_traces()
+      elements = [self.head[i] for i in range(min(_MEASURED_ELEMENTS, len(self.head)))]
+      element = tracemalloc.get_traced_memory()[0] // max(1, len(elements))
+      del it, elements
+      return held, element
+    finally:
+      tracemalloc.stop()
 
   def next_batch(self, it: grain.DatasetIterator, global_batch_size: int
                  ) -> GlobalBatch | None:

@@ -23,6 +23,10 @@ from grain_elevator.server.serving.admission import STALL_GRACE_S
 # (G = 10^9, say) makes a worker allocate without limit. Embedded mode keeps
 # the same bound, so it refuses what a server refuses.
 DEFAULT_MAX_MESSAGE_BYTES = 256 << 20
+# A stream dataset's global batch is made whole for its hosts (G rows, however
+# few a request asks for), so G itself is bounded: a packed LLM batch of
+# 4,096 rows of 8,192 int32 tokens, ids and positions is 384 MiB.
+DEFAULT_MAX_STREAM_BATCH_BYTES = 512 << 20
 # gRPC threads beyond the request slots, and the health service's own pool:
 # probes answer while every slot is held by requests.
 HEALTH_THREADS = 4
@@ -69,6 +73,10 @@ class ServerOptions:
   max_message_bytes: int = _option(
       DEFAULT_MAX_MESSAGE_BYTES, "largest batch message (one host's rows of one step), checked "
                  "before any record is read")
+  max_stream_batch_bytes: int = _option(
+      DEFAULT_MAX_STREAM_BATCH_BYTES, "largest global batch (G rows, every host's) of a stream "
+      "dataset, which a worker makes whole however few rows a request asks for; checked "
+      "before any record is read")
   write_timeout_s: float = _option(
       30.0, "a request whose client has not taken a batch for this long is cancelled "
             "and its slot freed; when every slot is taken, one stalled over "
@@ -117,7 +125,8 @@ class ServerOptions:
       value = getattr(self, name)
       if value is not None and not 0 <= value < 65536:
         raise ConfigError(f"{name} must be in [0, 65536), got {value}")
-    for name in ("max_concurrent_requests", "max_message_bytes", "max_bulk_connections",
+    for name in ("max_concurrent_requests", "max_message_bytes", "max_stream_batch_bytes",
+                 "max_bulk_connections",
                  "max_grpc_connections", "max_streams_per_connection"):
       if getattr(self, name) < 1:
         raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")

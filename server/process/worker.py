@@ -83,6 +83,7 @@ def build_servers(datasets: dataset_lib.Datasets, opts: ServerOptions, index: in
   path = RequestPath(datasets, auth_token=token,
                      max_concurrent=opts.max_concurrent_requests,
                      max_message_bytes=opts.max_message_bytes,
+                     max_stream_batch_bytes=opts.max_stream_batch_bytes,
                      write_timeout_s=opts.write_timeout_s,
                      server_info=pb.ServerInfo(worker_index=index, num_workers=num_workers),
                      batch_cache_bytes=opts.batch_cache_bytes // max(1, num_workers))
@@ -168,7 +169,8 @@ def run(config_path: str, opts: ServerOptions, index: int, num_workers: int,
       for name in datasets.names:
         ds = datasets.get(name)
         if isinstance(ds, StreamDataset):
-          ds.use_head(heads.factory(name, ds.info.config_fingerprint))
+          ds.use_head(heads.factory(name, ds.info.config_fingerprint),
+                      elements_held=heads.elements_held)
   except (ElevatorError, OSError) as e:
     ready.put((index, str(e)))
     return

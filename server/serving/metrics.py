@@ -17,6 +17,11 @@ Workers record (labels in braces):
   elevator_batch_seconds{dataset}              histogram: time to produce one step
   elevator_inflight_requests                   admitted requests, all workers
   elevator_batch_cache_bytes                   bytes the workers' caches hold
+  elevator_stream_sessions                     stream sessions the workers hold
+                                               (server/serving/stream_sessions.py)
+  elevator_stream_session_bytes                their global batches and live iterators
+  elevator_stream_session_evictions_total      sessions (or their batches) evicted
+                                               to stay within the budget
 
 The supervisor adds:
   elevator_workers                             live worker processes
@@ -88,6 +93,12 @@ class _Off:
   def inflight(self, delta: int) -> None:
     pass
 
+  def stream_sessions(self, count: int, nbytes: int) -> None:
+    pass
+
+  def stream_session_evicted(self) -> None:
+    pass
+
 
 class _Recording(_Off):
   """A worker's metrics, written to its files in $PROMETHEUS_MULTIPROC_DIR."""
@@ -110,6 +121,15 @@ class _Recording(_Off):
                                    ["dataset"], buckets=_BATCH_BUCKETS)
     self._inflight = prom.Gauge("elevator_inflight_requests", "Admitted requests.",
                                 multiprocess_mode="livesum")
+    self._sessions = prom.Gauge("elevator_stream_sessions",
+                                "Stream sessions the workers hold.", multiprocess_mode="livesum")
+    self._session_bytes = prom.Gauge(
+        "elevator_stream_session_bytes",
+        "Bytes of the stream sessions' global batches and live iterators (estimated).",
+        multiprocess_mode="livesum")
+    self._evictions = prom.Counter(
+        "elevator_stream_session_evictions",
+        "Stream sessions (or their batches) evicted to stay within the budget.")
 
   def produced(self, dataset: str, seconds: float) -> None:
     self._seconds.labels(dataset).observe(seconds)
@@ -130,6 +150,13 @@ class _Recording(_Off):
 
   def inflight(self, delta: int) -> None:
     self._inflight.inc(delta)
+
+  def stream_sessions(self, count: int, nbytes: int) -> None:
+    self._sessions.set(count)
+    self._session_bytes.set(nbytes)
+
+  def stream_session_evicted(self) -> None:
+    self._evictions.inc()
 
 
 _current: _Off = _Off()

@@ -36,16 +36,18 @@ import numpy as np
 from grain_elevator.proto import contract
 from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.proto import wire
-from grain_elevator.proto.errors import (DataLossError, ElevatorError, EndOfDataError,
-                                         InvalidRequestError, StreamMismatchError,
-                                         UnauthenticatedError)
+from grain_elevator.proto.errors import (Cancelled, DataLossError, ElevatorError,
+                                         EndOfDataError, InvalidRequestError,
+                                         StreamMismatchError, UnauthenticatedError)
+from grain_elevator.proto.throttle import Throttled
 from grain_elevator.proto.spec import DatasetInfo
 from grain_elevator.server.data import collate as collate_lib
 from grain_elevator.server.data import stream as stream_lib
 from grain_elevator.server.data.dataset import Datasets
 from grain_elevator.server.data.served import ServedDataset
 from grain_elevator.server.data.stream import StreamDataset
-from grain_elevator.server.process.options import DEFAULT_MAX_MESSAGE_BYTES
+from grain_elevator.server.process.options import (DEFAULT_MAX_MESSAGE_BYTES,
+                                                   DEFAULT_MAX_STREAM_BATCH_BYTES)
 from grain_elevator.server.serving import metrics
 from grain_elevator.server.serving.admission import Admission, Ticket
 from grain_elevator.server.serving.batch_cache import BatchCache
@@ -55,6 +57,10 @@ log = logging.getLogger("grain_elevator.server")
 
 # How much of a stream position an error message shows.
 _POSITION_SHOWN = 200
+# Failures come by the hundred when a client retries a bad request in a loop:
+# one log line per period for each dataset and kind of failure.
+_LOG_PERIOD_S = 10.0
+_failures = Throttled(_LOG_PERIOD_S, log)
 
 
 class RequestPath:
@@ -63,6 +69,7 @@ class RequestPath:
   def __init__(self, datasets: Datasets, *, auth_token: str | None = None,
                max_concurrent: int | None = None,
                max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+               max_stream_batch_bytes: int = DEFAULT_MAX_STREAM_BATCH_BYTES,
                write_timeout_s: float | None = None,
                server_info: pb.ServerInfo | None = None, batch_cache_bytes: int = 0):
     self.datasets = datasets
@@ -73,6 +80,7 @@ class RequestPath:
     self.admission = Admission(max_concurrent, write_timeout_s=write_timeout_s)
     self._expected_token = auth_token.encode() if auth_token else None
     self._max_message_bytes = max_message_bytes
+    self._max_stream_batch_bytes = max_stream_batch_bytes
 
   # 1. authentication -------------------------------------------------------
 
@@ -130,6 +138,14 @@ class RequestPath:
           f"bytes is {batch_bytes} bytes per step, over the server's "
           f"--max-message-bytes of {self._max_message_bytes}; use a smaller "
           "global_batch_size or more shards")
+    if info.stream:  # a stream's batch is made whole, whatever rows are asked for
+      global_bytes = r.global_batch_size * info.element_spec.record_bytes
+      if global_bytes > self._max_stream_batch_bytes:
+        raise InvalidRequestError(
+            f"dataset {info.name!r} is a stream dataset, whose global batches are made "
+            f"whole: {r.global_batch_size} rows of {info.element_spec.record_bytes} bytes "
+            f"is {global_bytes} bytes, over the server's --max-stream-batch-bytes of "
+            f"{self._max_stream_batch_bytes}; use a smaller global_batch_size")
     ds.check_batch_size(r.global_batch_size)  # a scheduled mixture: G times its steps fit int64
     contract.check_steps(r.start_step, r.num_steps, info.stream_length,
                          r.global_batch_size, r.record_offset, info.drop_remainder)
@@ -208,23 +224,37 @@ class RequestPath:
     batches produced once for every host (stream_sessions.py). Fewer than
     asked if the stream ends, then EndOfDataError (OUT_OF_RANGE)."""
     name = ds.info.name
-    start = stream_lib.dumps(stream_lib.loads(r.stream_state, name)) if r.stream_state else ""
+    start = ds.info.stream_start
+    if r.stream_state:
+      try:
+        start = stream_lib.parse_position(r.stream_state, start, name)
+      except InvalidRequestError as e:
+        _failures.warning((name, "position"), "%s", e)
+        raise
+    batches = self.streams.batches(ds, r.global_batch_size, start, r.num_steps,
+                                   (r.shard_count, r.shard_index), is_active)
     rows = contract.host_rows(r.global_batch_size, r.shard_index, r.shard_count)
     recorded = metrics.current()
-    step, position = r.start_step, start
-    batches = self.streams.batches(ds, r.global_batch_size, start, r.num_steps, is_active)
-    while True:
-      began = time.perf_counter()
-      got = _named(_step(name, step, position or ds.info.stream_start), next, batches, None)
-      if got is None:
-        break
-      (leaves, state), produced = got
-      position = state
-      if produced:
-        recorded.produced(name, time.perf_counter() - began)
-      recorded.served(name, cached=not produced)
-      yield step, [a[rows.start:rows.stop] for a in leaves], state
-      step += 1
+    step = r.start_step
+    where = _step(name, step)  # a position is shown once it is the server's own
+    try:
+      while True:
+        began = time.perf_counter()
+        try:
+          got = _named(name, where, next, batches, None)
+        except Cancelled:  # the request ended while its batch was being made
+          return
+        if got is None:
+          break
+        (leaves, state), produced = got
+        if produced:
+          recorded.produced(name, time.perf_counter() - began)
+        recorded.served(name, cached=not produced)
+        yield step, [a[rows.start:rows.stop] for a in leaves], state
+        step += 1
+        where = _step(name, step, state)
+    finally:
+      batches.close()  # its session is released now, not when collected
     if step < r.start_step + r.num_steps and is_active():
       raise EndOfDataError(f"dataset {name!r}: the stream ended after step {step - 1} "
                            f"(asked for steps up to {r.start_step + r.num_steps - 1})")
@@ -235,8 +265,9 @@ class RequestPath:
     """Step `step`'s leaves; `stack=False` may leave big rows as RowStacks
     for the socket to gather."""
     start = time.perf_counter()
-    leaves = _named(_step(ds.info.name, step), ds.host_batch_leaves, step, r.global_batch_size,
-                    r.shard_index, r.shard_count, record_offset=r.record_offset, stack=stack)
+    leaves = _named(ds.info.name, _step(ds.info.name, step), ds.host_batch_leaves, step,
+                    r.global_batch_size, r.shard_index, r.shard_count,
+                    record_offset=r.record_offset, stack=stack)
     metrics.current().produced(ds.info.name, time.perf_counter() - start)
     return leaves
 
@@ -246,17 +277,21 @@ def _check(ticket: Ticket) -> None:
                     f"{type(ticket).__name__}")
 
 
-def _named(where: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+def _named(dataset: str, where: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
   """`fn(...)`, its failure re-raised with `where` (the dataset and step)
   in front of its message: as the same ElevatorError class, or, for an
-  exception from the pipeline, DATA_LOSS (this step's data cannot be made)."""
+  exception from the pipeline, DATA_LOSS (this step's data cannot be made).
+  A cancelled request is no failure. Logged at most once a period for each
+  dataset and kind (the first with its traceback)."""
   try:
     return fn(*args, **kwargs)
+  except Cancelled:
+    raise
   except ElevatorError as e:  # e.g. DATA_LOSS naming the shard and record
-    log.error("%s: %s", where, e)
+    _failures.warning((dataset, type(e)), "%s: %s", where, e)
     raise type(e)(f"{where}: {e}") from e
   except Exception as e:  # pylint: disable=broad-except
-    log.exception("%s failed", where)
+    _failures.warning((dataset, type(e)), "%s failed", where, exc_info=True)
     raise DataLossError(f"{where}: {type(e).__name__}: {e}") from e
 
 
