@@ -8,8 +8,6 @@ import json
 import pathlib
 import subprocess
 import tomllib
-import tracemalloc
-from typing import Callable
 
 import numpy as np
 import pytest
@@ -328,56 +326,6 @@ def test_jsonl_long_line_is_refused_before_it_is_held(tmp_path, monkeypatch):
   with pytest.raises(CorruptInputError, match="line 2: a line of over 100 bytes") as e:
     source.index(str(path))
   assert e.value.offset == 14
-
-
-def _peak_bytes(fn: Callable[[], object]) -> int:
-  """The most memory Python held while fn ran, above what it held before
-  (tracemalloc counts allocations: the same on every run, whatever the load)."""
-  tracemalloc.start()
-  try:
-    fn()
-  finally:
-    peak = tracemalloc.get_traced_memory()[1]
-    tracemalloc.stop()
-  return peak
-
-
-def test_jsonl_line_of_too_many_values_is_refused_in_bounded_memory(tmp_path):
-  # Valid JSON: json.loads took ~27 bytes a byte of it (1.3 GB for 48 MiB).
-  items = (4 << 20) // 3
-  assert items > text_lib.MAX_JSON_VALUES
-  line = b'{"text": "a", "x": [' + b",".join([b"{}"] * items) + b"]}"
-  path = tmp_path / "a.jsonl"
-  path.write_bytes(b'{"text": "a"}\n' + line + b"\n")
-  source = JsonlSource((str(path),))
-  errors = []
-
-  def index():
-    try:
-      source.index(str(path))
-    except CorruptInputError as e:
-      errors.append(e)
-
-  peak = _peak_bytes(index)
-  assert peak <= 4 * len(line), f"{peak / len(line):.1f} bytes a byte of the line"
-  assert [str(e) for e in errors] == [
-      f"{path}: at byte 14: line 2: over {text_lib.MAX_JSON_VALUES:,} JSON values, the "
-      "limit (--max-json-values)"]
-
-
-def test_jsonl_long_valid_line_is_checked_in_bounded_memory(tmp_path):
-  """A line longer than the limit is walked, never built: a long text and
-  many values under the limit pass, in memory of a few times the line."""
-  items = 500_000
-  line = (b'{"x": [' + b",".join([b"{}"] * items) + b'], "text": "' + b"words " * (350_000)
-          + b'"}')
-  assert len(line) > text_lib.MAX_JSON_VALUES > items + 4
-  path = tmp_path / "a.jsonl"
-  path.write_bytes(line + b"\n" + b'{"text": "b"}\n')
-  indexed = []
-  peak = _peak_bytes(lambda: indexed.append(JsonlSource((str(path),)).index(str(path))))
-  assert indexed[0].count == 2
-  assert peak <= 4 * len(line), f"{peak / len(line):.1f} bytes a byte of the line"
 
 
 def test_max_json_values_flag(tmp_path):

@@ -30,12 +30,11 @@ the decompressed stream.
 
 from __future__ import annotations
 
+import array
 import dataclasses
 import json
 import os
 from typing import Any, Iterator, Sequence
-
-import numpy as np
 
 from grain_elevator.tools.convert import files
 from grain_elevator.tools.convert import json_check
@@ -59,6 +58,9 @@ LENGTH = 2048
 NUM_PACKING_BINS = 64
 _CHUNK = 1 << 20  # bytes read at a time
 _BLANK_LINES = "blank lines"
+# What scanning a file finds: (record start offsets, end of the last record,
+# (what, how many) left out, (path, why) skipped).
+_Scan = tuple[array.array, int, tuple[tuple[str, int], ...], tuple[tuple[str, str], ...]]
 
 
 def _read_some(f: Any, n: int, path: str, offset: int) -> bytes:
@@ -159,13 +161,12 @@ class _LineSource:
     f, size = files.open_input(unit, files.compression_of(unit, self.compression))
     with f:
       starts, end, left_out, skipped = self._scan(unit, f, size)
-    return shards.Indexed(len(starts), os.path.getsize(unit),
-                          np.array(starts + [end], dtype=np.int64), skipped, left_out)
+    count = len(starts)
+    starts.append(end)
+    return shards.Indexed(count, os.path.getsize(unit), starts, skipped, left_out)
 
-  def _scan(self, path: str, f: Any, size: int | None
-            ) -> tuple[list[int], int, tuple[tuple[str, int], ...], tuple[tuple[str, str], ...]]:
-    """(record start offsets, end of the last record, left out, skipped):
-    checks every line of one file."""
+  def _scan(self, path: str, f: Any, size: int | None) -> _Scan:
+    """Checks every line of one file and finds where its records start."""
     raise NotImplementedError
 
   def segment(self, unit: str, indexed: shards.Indexed, start: int, stop: int) -> Segment:
@@ -230,9 +231,8 @@ class JsonlSource(_LineSource):
     if self.max_json_values < 1:
       raise ConvertError("--max-json-values must be >= 1")
 
-  def _scan(self, path: str, f: Any, size: int | None
-            ) -> tuple[list[int], int, tuple[tuple[str, int], ...], tuple[tuple[str, str], ...]]:
-    starts: list[int] = []
+  def _scan(self, path: str, f: Any, size: int | None) -> _Scan:
+    starts = files.offsets()
     end = blank = 0
     lines = _lines(f, path, 0, size, self.max_record_bytes)
     for number, (offset, line, _) in enumerate(lines, 1):
@@ -290,13 +290,12 @@ class TextSource(_LineSource):
     if self.split not in SPLITS:
       raise ConvertError(f"--split must be one of {', '.join(SPLITS)}, got {self.split!r}")
 
-  def _scan(self, path: str, f: Any, size: int | None
-            ) -> tuple[list[int], int, tuple[tuple[str, int], ...], tuple[tuple[str, str], ...]]:
+  def _scan(self, path: str, f: Any, size: int | None) -> _Scan:
     limit = self.max_record_bytes
     if self.split == "files" and size is not None and size > limit:
       raise CorruptInputError(path, 0, f"a file of {size:,} bytes, over the limit of "
                                        f"{limit:,} (--max-record-bytes)")
-    starts: list[int] = []
+    starts = files.offsets()
     end = blank = 0
     first = -1  # where the current paragraph starts (-1: between paragraphs)
     stop = 0  # where the stream ends, as read
