@@ -58,12 +58,13 @@ class TooDeep(ValueError):
   """The line nests containers deeper than `MAX_DEPTH`."""
 
 
+_KINDS = {type(None): "null", bool: "a boolean", int: "a number", float: "a number",
+          str: "a string", list: "an array", dict: "an object"}
+
+
 def kind_of(value: Any) -> str:
   """What a JSON value is, in words."""
-  if value is None:
-    return "null"
-  return {bool: "a boolean", int: "a number", float: "a number", str: "a string",
-          list: "an array", dict: "an object"}.get(type(value), type(value).__name__)
+  return _KINDS.get(type(value)) or type(value).__name__
 
 
 def check(text: str, field: str, max_values: int) -> tuple[str, str | None]:
@@ -74,9 +75,9 @@ def check(text: str, field: str, max_values: int) -> tuple[str, str | None]:
   RecursionError or TooDeep for nesting too deep to read."""
   if len(text) <= max_values:
     obj = json.loads(text)
-    if isinstance(obj, dict):
-      return kind_of(obj), kind_of(obj[field]) if field in obj else None
-    return kind_of(obj), None
+    if type(obj) is not dict:  # pylint: disable=unidiomatic-typecheck
+      return kind_of(obj), None
+    return "an object", kind_of(obj[field]) if field in obj else None
   return walk(text, field, max_values)
 
 
