@@ -79,6 +79,7 @@ CONSTANTS = {
     "grain_elevator.client.transport.connection": ["MAX_CONTROL_MESSAGE_BYTES"],
     "grain_elevator.client.transport.retry": ["RETRIABLE", "REFUSED"],
     "grain_elevator.client.window": ["REQUEST_BYTES", "WINDOW_BYTES", "MAX_STEPS_PER_REQUEST"],
+    "grain_elevator.tools.convert.text": ["MAX_JSON_VALUES"],
 }
 
 # Objects whose defaults the pages name as `{{ Object.field }}`: dataclasses

@@ -84,10 +84,13 @@ def _make_dataset(args: argparse.Namespace) -> int:
 def _make_tokenizer(args: argparse.Namespace) -> int:
   from grain_elevator.tools import tokenizer  # pylint: disable=g-import-not-at-top
   try:
-    out = tokenizer.train(args.out, args.vocab_size)
+    out = tokenizer.train(args.out, args.vocab_size, replace=args.force)
   except ImportError:
     print("elevator: error: make-tokenizer needs the `tokenizers` package: "
           "pip install 'grain-elevator[text]'", file=sys.stderr)
+    return 2
+  except tokenizer.OutputError as e:
+    print(f"elevator: error: {e}", file=sys.stderr)
     return 2
   print(f"wrote {out}: a byte-level BPE of {args.vocab_size} tokens trained on CPython's "
         "pydoc topics")
@@ -223,8 +226,13 @@ def build_parser() -> argparse.ArgumentParser:
   p = sub.add_parser("make-tokenizer",
                      help="train a byte-level BPE for the text pipelines, locally, from "
                           "text that ships with CPython")
-  p.add_argument("out", help="the tokenizers JSON file to write")
-  p.add_argument("--vocab-size", type=int, default=4096, help="tokens (default 4096)")
+  p.add_argument("out", metavar="OUT",
+                 help="the tokenizers JSON file to write (its folder is made if "
+                      "missing)")
+  from grain_elevator.tools import tokenizer  # pylint: disable=g-import-not-at-top
+  p.add_argument("--vocab-size", type=int, default=tokenizer.DEFAULT_VOCAB_SIZE,
+                 help="tokens (default %(default)s)")
+  p.add_argument("--force", action="store_true", help="replace OUT if it exists")
   p.set_defaults(fn=_make_tokenizer)
 
   p = sub.add_parser("bench", help="measure against local Grain, tf.data service "

@@ -328,6 +328,20 @@ def test_jsonl_long_line_is_refused_before_it_is_held(tmp_path, monkeypatch):
   assert e.value.offset == 14
 
 
+def test_max_json_values_flag(tmp_path):
+  path = tmp_path / "a.jsonl"
+  path.write_bytes(b'{"text": "a"}\n{"text": "b", "n": [1, 2]}\n')  # 3, then 7 values
+  run = elevator("jsonl", str(path), str(tmp_path / "o1"), "--max-json-values", "6")
+  assert run.returncode == 2
+  assert run.stderr.startswith(f"elevator: error: {path}: at byte 14: line 2: over 6 JSON "
+                               "values, the limit (--max-json-values)"), run.stderr
+  no_leftovers(tmp_path / "o1")
+  run = elevator("jsonl", str(path), str(tmp_path / "o2"), "--max-json-values", "7")
+  assert run.returncode == 0, run.stderr
+  run = elevator("jsonl", str(path), str(tmp_path / "o3"), "--max-json-values", "0")
+  assert run.returncode == 2 and "--max-json-values must be >= 1" in run.stderr
+
+
 def test_other_field_and_arguments(tmp_path):
   path = tmp_path / "a.jsonl"
   path.write_bytes(b'{"body": "x"}\n{"body": "y", "text": 1}\n')

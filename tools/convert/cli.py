@@ -110,6 +110,11 @@ def add_subcommands(parser: argparse.ArgumentParser, *, local: bool = True) -> N
   _common(p, local)
   p.add_argument("--field", default="text",
                  help="the JSON key holding the text (default: text)")
+  from grain_elevator.tools.convert.text import MAX_JSON_VALUES  # pylint: disable=g-import-not-at-top
+  p.add_argument("--max-json-values", type=int, default=MAX_JSON_VALUES, metavar="N",
+                 help="refuse a line holding more JSON values: objects, arrays, keys, "
+                      "strings, numbers, literals (default %(default)s; parsing takes "
+                      "Python up to ~70 bytes per value, here and when serving)")
   _text_options(p)
 
   p = sub.add_parser(
@@ -130,8 +135,10 @@ def add_subcommands(parser: argparse.ArgumentParser, *, local: bool = True) -> N
 def _text_options(p: argparse.ArgumentParser) -> None:
   p.add_argument("--compression", choices=("auto", "none", "gzip", "zlib"), default="auto",
                  help="input compression (default auto: by extension, .gz gzip, .zz zlib)")
-  p.add_argument("--max-record-bytes", type=int, default=64 << 20,
-                 help="refuse a longer line, paragraph or file (default 64 MiB)")
+  from grain_elevator.tools.convert.text import MAX_RECORD_BYTES  # pylint: disable=g-import-not-at-top
+  p.add_argument("--max-record-bytes", type=int, default=MAX_RECORD_BYTES,
+                 help=f"refuse a longer line, paragraph or file (default "
+                      f"{MAX_RECORD_BYTES >> 20} MiB)")
 
 
 def make_source(args: argparse.Namespace) -> Any:
@@ -152,7 +159,8 @@ def make_source(args: argparse.Namespace) -> Any:
   if args.format == "jsonl":
     from grain_elevator.tools.convert.text import JsonlSource  # pylint: disable=g-import-not-at-top
     return JsonlSource(tuple(args.inputs), compression=args.compression,
-                       max_record_bytes=args.max_record_bytes, field=args.field)
+                       max_record_bytes=args.max_record_bytes, field=args.field,
+                       max_json_values=args.max_json_values)
   if args.format == "text":
     from grain_elevator.tools.convert.text import TextSource  # pylint: disable=g-import-not-at-top
     return TextSource(tuple(args.inputs), compression=args.compression,

@@ -4,7 +4,9 @@ models into ArrayRecord, byte for byte.
 * ``jsonl``: one record per non-blank line of JSON Lines files: the line's
   bytes as they are in the file. Every such line must be a JSON object in
   UTF-8 and hold a string under `field` (what the text pipeline tokenizes),
-  so the printed table serves what was written.
+  so the printed table serves what was written, and at most
+  `max_json_values` JSON values (json_check.py: checked without building
+  them, so a long line costs what its bytes do, not ~24 bytes a byte).
 * ``text``: plain UTF-8 text, ``split`` into records: ``files`` (a file's
   bytes, unchanged), ``lines`` (each non-blank line) or ``paragraphs`` (each
   run of non-blank lines; blank lines separate them).
@@ -28,14 +30,14 @@ the decompressed stream.
 
 from __future__ import annotations
 
+import array
 import dataclasses
 import json
 import os
 from typing import Any, Iterator, Sequence
 
-import numpy as np
-
 from grain_elevator.tools.convert import files
+from grain_elevator.tools.convert import json_check
 from grain_elevator.tools.convert import shards
 from grain_elevator.tools.convert import snippet as snippet_lib
 from grain_elevator.tools.convert.errors import ConvertError, CorruptInputError
@@ -43,6 +45,10 @@ from grain_elevator.tools.convert.files import Segment
 
 # The largest record (a line, a paragraph, a file) taken; longer is an error.
 MAX_RECORD_BYTES = 64 << 20
+# The most JSON values a jsonl line may hold (objects, arrays, keys, strings,
+# numbers, literals): Python takes up to ~70 bytes a value to parse one, here
+# and in the serving pipeline (json_check.py says how lines are checked).
+MAX_JSON_VALUES = 1 << 20
 SPLITS = ("files", "lines", "paragraphs")
 DEFAULT_FIELD = "text"
 PIPELINE = "grain_elevator.pipelines.text:tokenize"
@@ -52,6 +58,9 @@ LENGTH = 2048
 NUM_PACKING_BINS = 64
 _CHUNK = 1 << 20  # bytes read at a time
 _BLANK_LINES = "blank lines"
+# What scanning a file finds: (record start offsets, end of the last record,
+# (what, how many) left out, (path, why) skipped).
+_Scan = tuple[array.array, int, tuple[tuple[str, int], ...], tuple[tuple[str, str], ...]]
 
 
 def _read_some(f: Any, n: int, path: str, offset: int) -> bytes:
@@ -134,14 +143,6 @@ def _utf8(line: bytes, path: str, offset: int, number: int) -> str:
                             ) from None
 
 
-def _kind_of(value: Any) -> str:
-  """What a JSON value is, in words."""
-  if value is None:
-    return "null"
-  return {bool: "a boolean", int: "a number", float: "a number", str: "a string",
-          list: "an array", dict: "an object"}.get(type(value), type(value).__name__)
-
-
 @dataclasses.dataclass(frozen=True)
 class _LineSource:
   """What both formats share: files of lines, indexed by record offsets."""
@@ -160,13 +161,12 @@ class _LineSource:
     f, size = files.open_input(unit, files.compression_of(unit, self.compression))
     with f:
       starts, end, left_out, skipped = self._scan(unit, f, size)
-    return shards.Indexed(len(starts), os.path.getsize(unit),
-                          np.array(starts + [end], dtype=np.int64), skipped, left_out)
+    count = len(starts)
+    starts.append(end)
+    return shards.Indexed(count, os.path.getsize(unit), starts, skipped, left_out)
 
-  def _scan(self, path: str, f: Any, size: int | None
-            ) -> tuple[list[int], int, tuple[tuple[str, int], ...], tuple[tuple[str, str], ...]]:
-    """(record start offsets, end of the last record, left out, skipped):
-    checks every line of one file."""
+  def _scan(self, path: str, f: Any, size: int | None) -> _Scan:
+    """Checks every line of one file and finds where its records start."""
     raise NotImplementedError
 
   def segment(self, unit: str, indexed: shards.Indexed, start: int, stop: int) -> Segment:
@@ -221,16 +221,18 @@ class JsonlSource(_LineSource):
   each a JSON object holding a string under `field`."""
 
   field: str = DEFAULT_FIELD
+  max_json_values: int = MAX_JSON_VALUES
   kind = "jsonl"
 
   def __post_init__(self):
     super().__post_init__()
     if not self.field:
       raise ConvertError("--field must name a JSON key")
+    if self.max_json_values < 1:
+      raise ConvertError("--max-json-values must be >= 1")
 
-  def _scan(self, path: str, f: Any, size: int | None
-            ) -> tuple[list[int], int, tuple[tuple[str, int], ...], tuple[tuple[str, str], ...]]:
-    starts: list[int] = []
+  def _scan(self, path: str, f: Any, size: int | None) -> _Scan:
+    starts = files.offsets()
     end = blank = 0
     lines = _lines(f, path, 0, size, self.max_record_bytes)
     for number, (offset, line, _) in enumerate(lines, 1):
@@ -244,28 +246,31 @@ class JsonlSource(_LineSource):
     return starts, end, ((_BLANK_LINES, blank),), ()
 
   def _check(self, line: bytes, path: str, offset: int, number: int) -> None:
-    """Raises unless the line is a JSON object with a string under `field`."""
+    """Raises unless the line is a JSON object with a string under `field`
+    and at most `max_json_values` values (checked without building them)."""
     text = _utf8(line, path, offset, number)
     try:
-      obj = json.loads(text)
+      kind, field_kind = json_check.check(text, self.field, self.max_json_values)
     except json.JSONDecodeError as e:
       raise CorruptInputError(path, offset, f"line {number}: not JSON: {e.msg} (column "
                                             f"{e.colno})") from None
-    except ValueError as e:  # e.g. an integer of more digits than Python converts
-      raise CorruptInputError(path, offset, f"line {number}: unreadable JSON: {e}") from None
-    except RecursionError:
+    except json_check.TooManyValues:
+      raise CorruptInputError(path, offset, f"line {number}: over {self.max_json_values:,} "
+                                            "JSON values, the limit (--max-json-values)"
+                              ) from None
+    except (RecursionError, json_check.TooDeep):
       raise CorruptInputError(path, offset, f"line {number}: JSON nested too deeply "
                                             "to read") from None
-    if not isinstance(obj, dict):
-      raise CorruptInputError(path, offset, f"line {number}: {_kind_of(obj)}, not a JSON "
-                                            "object")
-    if self.field not in obj:
+    except ValueError as e:  # e.g. an integer of more digits than Python converts
+      raise CorruptInputError(path, offset, f"line {number}: unreadable JSON: {e}") from None
+    if kind != "an object":
+      raise CorruptInputError(path, offset, f"line {number}: {kind}, not a JSON object")
+    if field_kind is None:
       raise CorruptInputError(path, offset, f"line {number}: no {json.dumps(self.field)} "
                                             "key (--field)")
-    if not isinstance(obj[self.field], str):
+    if field_kind != "a string":
       raise CorruptInputError(path, offset, f"line {number}: {json.dumps(self.field)} "
-                                            f"holds {_kind_of(obj[self.field])}, not a "
-                                            "string (--field)")
+                                            f"holds {field_kind}, not a string (--field)")
 
   def serving(self, stats: dict[str, Any]) -> snippet_lib.Serving:
     what = (f"records: JSON lines as they are in the files, the text under "
@@ -285,13 +290,12 @@ class TextSource(_LineSource):
     if self.split not in SPLITS:
       raise ConvertError(f"--split must be one of {', '.join(SPLITS)}, got {self.split!r}")
 
-  def _scan(self, path: str, f: Any, size: int | None
-            ) -> tuple[list[int], int, tuple[tuple[str, int], ...], tuple[tuple[str, str], ...]]:
+  def _scan(self, path: str, f: Any, size: int | None) -> _Scan:
     limit = self.max_record_bytes
     if self.split == "files" and size is not None and size > limit:
       raise CorruptInputError(path, 0, f"a file of {size:,} bytes, over the limit of "
                                        f"{limit:,} (--max-record-bytes)")
-    starts: list[int] = []
+    starts = files.offsets()
     end = blank = 0
     first = -1  # where the current paragraph starts (-1: between paragraphs)
     stop = 0  # where the stream ends, as read

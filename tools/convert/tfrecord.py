@@ -25,8 +25,6 @@ import struct
 import zlib
 from typing import Any, Iterator, Sequence
 
-import numpy as np
-
 from grain_elevator.tools.convert import files
 from grain_elevator.tools.convert import shards
 from grain_elevator.tools.convert import snippet as snippet_lib
@@ -136,7 +134,7 @@ class TFRecordSource:
   def index(self, unit: str) -> shards.Indexed:
     compression = files.compression_of(unit, self.compression)
     f, size = files.open_input(unit, compression)
-    offsets, end = [], 0
+    offsets, end = files.offsets(), 0
     with f:
       # Compressed files are read (and checked) whole: the stream cannot seek.
       for pos, length, _ in _records(f, unit, start=0, end=size, count=None,
@@ -144,8 +142,9 @@ class TFRecordSource:
                                      read_data=size is None):
         offsets.append(pos)
         end = pos + length + 16
-    nbytes = os.path.getsize(unit)
-    return shards.Indexed(len(offsets), nbytes, np.array(offsets + [end], dtype=np.int64))
+    count = len(offsets)
+    offsets.append(end)
+    return shards.Indexed(count, os.path.getsize(unit), offsets)
 
   def segment(self, unit: str, indexed: shards.Indexed, start: int, stop: int) -> Segment:
     offsets = indexed.data
