@@ -284,10 +284,12 @@ def test_both_readers_refuse_a_changed_shard(data, reader):
 def test_a_file_the_globs_match_only_now_is_refused(data):
   config = load_config(data.config)
   recorded = shard_identity.record_identities(config)
-  del recorded[data.shards[0]]  # as if it appeared after the server started
-  with pytest.raises(ShardChangedError,
-                     match=re.escape(f"shard {data.shards[0]} was not among")):
-    dataset_lib.Datasets(config, identities=recorded)
+  del recorded.shards[data.shards[0]]  # as if it appeared after the server started
+  datasets = dataset_lib.Datasets(config, identities=recorded)  # a worker still starts
+  for _ in range(2):  # and refuses the dataset on every request
+    with pytest.raises(ShardChangedError,
+                       match=re.escape(f"shard {data.shards[0]} was not among")):
+      datasets.get("plain")
 
 
 # Rewrites that put the size and mtime back (os.utime, cp -p, rsync -a): the
