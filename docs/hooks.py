@@ -74,6 +74,7 @@ CONSTANTS = {
     "grain_elevator.server.process.descriptors": [
         "RESERVED_DESCRIPTORS", "DESCRIPTORS_PER_SHARD"],
     "grain_elevator.server.data.shards.identity": ["IDENTITY_TAIL_BYTES"],
+    "grain_elevator.server.data.shards.option_files": ["HASH_READ_BYTES"],
     "grain_elevator.server.data.parallel_head": [
         "TASK_ELEMENTS", "TASKS_AHEAD_PER_WORKER", "TASK_TIMEOUT_S"],
     "grain_elevator.client.transport.connection": ["MAX_CONTROL_MESSAGE_BYTES"],

@@ -27,9 +27,12 @@ Grain's first-fit packing: rows of exactly `length` tokens with
 the same shape, so the default batch function stacks them.
 
 The tokenizer is a file the operator gives (every replica must have the same
-one); `elevator make-tokenizer OUT.json` trains a byte-level BPE locally from
-text that ships with CPython (its pydoc topics), downloading nothing. The
-`tokenizers` package is the extra ``grain-elevator[text]``.
+one), loaded when the pipeline is built; the server records it at start-up
+and refuses the dataset where it has changed since
+(server/data/shards/option_files.py). `elevator make-tokenizer OUT.json`
+trains a byte-level BPE locally from text that ships with CPython (its
+pydoc topics), downloading nothing. The `tokenizers` package is the extra
+``grain-elevator[text]``.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import stat
 from typing import Any
 
 import grain
@@ -46,17 +50,29 @@ from grain_elevator.pipelines import ConfigError, config_path
 
 
 
-@functools.lru_cache(maxsize=4)
 def load_tokenizer(path: str) -> Any:
-  """The tokenizer in a `tokenizers` JSON file (one per process and path)."""
+  """The tokenizer in a `tokenizers` JSON file, as the file is now (one
+  load per process while the file stays the same)."""
+  try:
+    st = os.stat(path)
+  except (OSError, ValueError):
+    st = None
+  if st is None or not stat.S_ISREG(st.st_mode):
+    raise ConfigError(f"tokenizer file {path!r} does not exist (`elevator make-tokenizer "
+                      f"{path}` trains one)")
+  return _load(path, (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev))
+
+
+@functools.lru_cache(maxsize=8)
+def _load(path: str, version: tuple[int, ...]) -> Any:
+  """`version`: the file's stat, so a file replaced in this process (embedded
+  mode, tests) is loaded anew rather than served from the cache."""
+  del version
   try:
     from tokenizers import Tokenizer  # pylint: disable=g-import-not-at-top
   except ImportError as e:
     raise ConfigError("the text pipelines need the `tokenizers` package: "
                       "pip install 'grain-elevator[text]'") from e
-  if not os.path.isfile(path):
-    raise ConfigError(f"tokenizer file {path!r} does not exist (`elevator make-tokenizer "
-                      f"{path}` trains one)")
   try:
     return Tokenizer.from_file(path)
   except Exception as e:
@@ -64,10 +80,20 @@ def load_tokenizer(path: str) -> Any:
 
 
 class _Tokenize:
-  """record bytes -> {"tokens": int32[n]}; picklable (it names its file)."""
+  """record bytes -> {"tokens": int32[n]} with the tokenizer loaded when the
+  pipeline was built: the file is read then, never again while it serves
+  (the server checks it then: server/data/shards/option_files.py).
+  Picklable: it names its file, loaded again where it is unpickled."""
 
   def __init__(self, tokenizer: str, field: str | None):
     self.tokenizer, self.field = tokenizer, field
+    self._loaded = load_tokenizer(tokenizer)
+
+  def __getstate__(self) -> dict[str, Any]:
+    return {"tokenizer": self.tokenizer, "field": self.field}
+
+  def __setstate__(self, state: dict[str, Any]) -> None:
+    self.__init__(state["tokenizer"], state["field"])
 
   def __call__(self, record: bytes) -> dict[str, np.ndarray]:
     if self.field is None:
@@ -77,7 +103,7 @@ class _Tokenize:
       if not isinstance(doc, dict) or not isinstance(doc.get(self.field), str):
         raise ValueError(f"a record has no string field {self.field!r}")
       text = doc[self.field]
-    ids = load_tokenizer(self.tokenizer).encode(text).ids
+    ids = self._loaded.encode(text).ids
     return {"tokens": np.asarray(ids, dtype=np.int32)}
 
 
@@ -103,9 +129,8 @@ def tokenize(ds: grain.MapDataset, *, tokenizer: str, field: str | None = None
              ) -> grain.MapDataset:
   """Text records -> {"tokens": int32[n]}; empty documents filtered out.
   `tokenizer`: a tokenizers JSON file, relative to the config's folder."""
-  path = config_path(tokenizer)
-  load_tokenizer(path)  # a bad path fails at start-up
-  return ds.map(_Tokenize(path, field)).filter(
+  # Loaded now: a bad path fails at start-up.
+  return ds.map(_Tokenize(config_path(tokenizer), field)).filter(
       lambda e: len(e["tokens"]) > 0)
 
 

@@ -52,8 +52,9 @@ class StreamMismatchError(ElevatorError, ValueError):
 
 
 class ShardChangedError(StreamMismatchError):
-  """A shard file is not the one the server started with: serving it would
-  give other records under the same stream fingerprint."""
+  """A shard file, or a file a dataset's options name (a tokenizer), is not
+  the one the server started with: serving it would give other records
+  under the same stream fingerprint."""
 
 
 class ConfigError(ElevatorError):

@@ -107,6 +107,27 @@ class DatasetConfig:
     filters or flat-maps makes it one too, found when it is opened)."""
     return bool(self.iter_pipeline or self.batch_fn or self.source)
 
+  def option_paths(self) -> list[tuple[str, str]]:
+    """(where, absolute path) for every string in `options` and
+    `iter_options`, at any depth, resolved as a pipeline resolves it
+    (`pipelines.config_path`); `where` names it: "options.tokenizer",
+    "iter_options.vocab[1]". Those that name an existing regular file are
+    part of the dataset's identity (server/data/shards/option_files.py)."""
+    from grain_elevator import pipelines  # pylint: disable=g-import-not-at-top
+    out: list[tuple[str, str]] = []
+    todo: list[tuple[str, Any]] = [("options", self.options),
+                                   ("iter_options", self.iter_options)]
+    with pipelines.building_from(self.base_dir):
+      while todo:
+        where, value = todo.pop()
+        if isinstance(value, str):
+          out.append((where, pipelines.config_path(value)))
+        elif isinstance(value, dict):
+          todo.extend((f"{where}.{k}", v) for k, v in value.items())
+        elif isinstance(value, list):
+          todo.extend((f"{where}[{i}]", v) for i, v in enumerate(value))
+    return sorted(out)
+
   def pipeline_fn(self) -> Callable[..., Any] | None:
     return None if self.pipeline is None else import_function(
         self.name, "pipeline", self.pipeline)

@@ -6,7 +6,8 @@ batched call (Grain's `_getitems` path) rather than one ~60 µs call each.
 
 The fingerprint covers each shard's identity, recorded when the server
 started, and shards are read only while they still have it
-(server/data/shards/identity.py).
+(server/data/shards/identity.py); likewise the files its options name
+(server/data/shards/option_files.py).
 """
 
 from __future__ import annotations
@@ -33,7 +34,9 @@ from grain_elevator.server.data.config import DatasetConfig, ServerConfig
 from grain_elevator.server.data.record_source import BatchedArrayRecordSource
 from grain_elevator.server.data.served import ServedDataset
 from grain_elevator.server.data.shards import reader as shard_reader
-from grain_elevator.server.data.shards.identity import ShardIdentity, shard_identities
+from grain_elevator.server.data.shards.identity import (Recorded, ShardIdentity,
+                                                        shard_identities)
+from grain_elevator.server.data.shards.option_files import OptionFiles
 from grain_elevator.server.data.stream import is_stream_pipeline
 
 log = logging.getLogger("grain_elevator.server")
@@ -114,15 +117,19 @@ def apply_pipeline(config: DatasetConfig, ds: grain.MapDataset, *,
 
 
 def fingerprint(config: DatasetConfig, num_records: int,
-                identities: Mapping[str, ShardIdentity | None]) -> str:
+                identities: Mapping[str, ShardIdentity | None],
+                files: OptionFiles | None = None) -> str:
   """The stream fingerprint of a dataset: everything that defines its records,
   its shards' recorded identities included, so a server started on changed
   files has another (and refuses cursors of the old one). File names without
   their folder: the same files elsewhere are the same stream, if their
-  copies kept the mtime (cp -p, rsync -a)."""
+  copies kept the mtime (cp -p, rsync -a). The files its options name count
+  by their content (`files`)."""
   shards = [None if i is None else [i.size, i.mtime_ns, i.tail_hash]
             for i in (identities.get(f) for f in config.files)]
   fields: dict[str, Any] = {}
+  if files is not None and files.files:  # absent otherwise: other datasets' cursors stay valid
+    fields["option_files"] = files.fingerprint_fields()
   if config.tfds is not None:  # absent otherwise: other datasets' cursors stay valid
     fields["tfds"] = config.tfds.fingerprint_fields()
   if not config.drop_remainder:  # likewise
@@ -184,11 +191,13 @@ class OpenedSource:
 
 def open_dataset(config: DatasetConfig,
                  identities: Mapping[str, ShardIdentity | None] | None,
+                 files: OptionFiles,
                  open_forever: Callable[[str], "ElevatorDataset"],
                  open_named: Callable[[str], ServedDataset]) -> ServedDataset:
   """A registered dataset as the request path serves it: a mixture, a
   stream dataset (a pipeline that is not 1:1, or one the config makes so),
-  or a dataset whose steps map to records in O(1)."""
+  or a dataset whose steps map to records in O(1). `files`: those its
+  options name, checked by the caller before and after."""
   from grain_elevator.server.data import stream  # pylint: disable=g-import-not-at-top
   if config.schedule is not None:
     from grain_elevator.server.data.mixture import MixtureDataset  # pylint: disable=g-import-not-at-top
@@ -198,14 +207,17 @@ def open_dataset(config: DatasetConfig,
     records = mixture.fixed_records()
     num_records, fp = mixture.info.num_records, mixture.info.config_fingerprint
     head = apply_pipeline(config, records, one_to_one=False)
+    fields = {"option_files": files.fingerprint_fields()} if files.files else {}
     return stream.StreamDataset(config, records, head, num_records=num_records,
                                 fingerprint=contract.stream_fingerprint({
+                                    **fields,
                                     "name": config.name, "source": fp,
                                     "pipeline": config.pipeline, "options": config.options,
                                     "drop_remainder": config.drop_remainder,
                                     "iter_pipeline": config.iter_pipeline,
                                     "batch_fn": config.batch_fn,
-                                    "iter_options": config.iter_options}))
+                                    "iter_options": config.iter_options}),
+                                check_files=_iter_files_check(files))
   opened = OpenedSource.open(config, identities)
   head = apply_pipeline(config, opened.raw_records, one_to_one=False)
   if config.names_a_stream or stream.is_stream_pipeline(opened.raw_records, head):
@@ -216,17 +228,27 @@ def open_dataset(config: DatasetConfig,
           "apply; give a 'batch_fn' instead")
     ds = stream.StreamDataset(config, opened.raw_records, head,
                               num_records=opened.num_records,
-                              fingerprint=_stream_fingerprint(config, opened))
+                              fingerprint=_stream_fingerprint(config, opened, files),
+                              check_files=_iter_files_check(files))
     ds.identities = opened.identities
     return ds
-  return ElevatorDataset(config, identities, opened=opened, records=head)
+  return ElevatorDataset(config, identities, opened=opened, records=head, files=files)
 
 
-def _stream_fingerprint(config: DatasetConfig, opened: OpenedSource) -> str:
+def _iter_files_check(files: OptionFiles) -> Callable[[], None] | None:
+  """What a stream runs before each build of its iter_pipeline, which may
+  read its `iter_options` files again: their check (None: there are none)."""
+  if not any(f.where.startswith("iter_options.") for f in files.files):
+    return None
+  return lambda: files.check("iter_options")
+
+
+def _stream_fingerprint(config: DatasetConfig, opened: OpenedSource,
+                        files: OptionFiles) -> str:
   """A stream dataset's fingerprint: its records' and every stream key, even
   when only its pipeline makes it a stream (a 1:1 dataset's cursors do not
   fit a stream dataset of the same name)."""
-  base = fingerprint(config, opened.num_records, opened.identities)
+  base = fingerprint(config, opened.num_records, opened.identities, files)
   return contract.stream_fingerprint({
       "records": base, "stream": True, "iter_pipeline": config.iter_pipeline,
       "batch_fn": config.batch_fn, "iter_options": config.iter_options})
@@ -238,15 +260,18 @@ class ElevatorDataset:
   `identities`: its shards' identities as the server recorded them at
   start-up (`record_identities`); None records them now (embedded mode,
   which opens a dataset on first use). Its shards are read only while they
-  still match, and its fingerprint covers them.
+  still match, and its fingerprint covers them, and the files its options
+  name (`files`; None: recorded now).
   """
 
   def __init__(self, config: DatasetConfig,
                identities: Mapping[str, ShardIdentity | None] | None = None, *,
-               opened: OpenedSource | None = None, records: grain.MapDataset | None = None):
+               opened: OpenedSource | None = None, records: grain.MapDataset | None = None,
+               files: OptionFiles | None = None):
     """`opened` and `records` (its raw records with the pipeline applied):
     what `open_dataset` found already, else opened here."""
     self.config = config
+    files = files if files is not None else OptionFiles(config, None)
     opened = opened or OpenedSource.open(config, identities)
     self.identities = opened.identities
     num_records = opened.num_records
@@ -271,7 +296,7 @@ class ElevatorDataset:
     self.info = DatasetInfo(
         name=config.name, num_records=num_records,
         num_epochs=config.num_epochs, shuffle=config.shuffle, seed=config.seed,
-        config_fingerprint=fingerprint(config, num_records, self.identities),
+        config_fingerprint=fingerprint(config, num_records, self.identities, files),
         element_spec=self._batch_spec(first), stream_length=len(self.records),
         drop_remainder=config.drop_remainder)
     self._batch_fn = config.batch_transform_fn()
@@ -411,21 +436,31 @@ class Datasets:
   (a server: a bad dataset stops it before it serves), or each on first use
   (embedded mode opens only what the trainer reads).
 
-  `identities`: the shards' identities the supervisor recorded when the
-  server started (`record_identities`), the same for every worker however
-  late it starts; None records each dataset's when it is opened.
+  `identities`: the shards' and option files' identities the supervisor
+  recorded when the server started (`record_identities`), the same for
+  every worker however late it starts; None records each dataset's when it
+  is opened. A dataset whose files are not as recorded when it is opened
+  (a worker restarted after a tokenizer was replaced) is refused, on every
+  request for it, with the ShardChangedError that names the file; the
+  others are served.
   """
 
   def __init__(self, config: ServerConfig, *, open_now: bool = True,
-               identities: Mapping[str, ShardIdentity] | None = None):
+               identities: Recorded | None = None):
     self.config = config
-    self._identities = identities
+    self._recorded = identities
+    # Guarded by _lock: the datasets opened, mixtures' components, and the
+    # datasets refused (name -> the ShardChangedError's message).
     self._opened: dict[str, ServedDataset] = {}
-    self._forever: dict[str, ElevatorDataset] = {}  # mixtures' components
+    self._forever: dict[str, ElevatorDataset] = {}
+    self._refused: dict[str, str] = {}
     self._lock = threading.Lock()
     if open_now:
       for name in config.datasets:
-        self.get(name)
+        try:
+          self.get(name)
+        except ShardChangedError:
+          pass  # refused, and logged once
 
   @property
   def names(self) -> list[str]:
@@ -438,23 +473,53 @@ class Datasets:
       opened = [*self._opened.values(), *self._forever.values()]
     return len({f for ds in opened for f in getattr(ds, "identities", {})})
 
+  def opened(self) -> dict[str, ServedDataset]:
+    """The datasets opened so far and served, by name (not those refused)."""
+    with self._lock:
+      return dict(self._opened)
+
   def get(self, name: str) -> ServedDataset:
-    """The opened dataset; UnknownDatasetError (NOT_FOUND) naming what exists."""
+    """The opened dataset; UnknownDatasetError (NOT_FOUND) naming what
+    exists; ShardChangedError (FAILED_PRECONDITION) for one refused."""
     with self._lock:
       return self._get_unlocked(name)
 
   def _get_unlocked(self, name: str) -> ServedDataset:
     """`get`, with the lock held (a stream's source opens its mixture)."""
     ds = self._opened.get(name)
-    if ds is None:
-      dataset_config = self.config.datasets.get(name)
-      if dataset_config is None:
-        raise UnknownDatasetError(
-            f"unknown dataset {name!r}; this server offers: "
-            f"{', '.join(self.names) or '(none)'}")
-      ds = open_dataset(dataset_config, self._identities, self._open_forever,
-                        self._get_unlocked)
-      self._opened[name] = ds
+    if ds is not None:
+      return ds
+    if name in self._refused:
+      raise ShardChangedError(self._refused[name])  # a new one: no traceback piles up
+    dataset_config = self.config.datasets.get(name)
+    if dataset_config is None:
+      raise UnknownDatasetError(
+          f"unknown dataset {name!r}; this server offers: "
+          f"{', '.join(self.names) or '(none)'}")
+    try:
+      ds = self._checked(dataset_config, lambda files: open_dataset(
+          dataset_config, self._shards, files, self._open_forever, self._get_unlocked))
+    except ShardChangedError as e:
+      self._refused[name] = str(e)
+      log.error("dataset %r is refused: %s", name, e)
+      raise
+    self._opened[name] = ds
+    return ds
+
+  @property
+  def _shards(self) -> Mapping[str, ShardIdentity] | None:
+    return None if self._recorded is None else self._recorded.shards
+
+  def _checked(self, config: DatasetConfig,
+               open_with: Callable[[OptionFiles], ServedDataset]) -> ServedDataset:
+    """`open_with(files)`, with the files `config`'s options name checked
+    against their recording before (nothing has read them yet) and after
+    (its pipelines were built and made their first record or batch, so
+    what they read is what the fingerprint covers)."""
+    files = OptionFiles(config, None if self._recorded is None else self._recorded.files)
+    files.check()
+    ds = open_with(files)
+    files.check()
     return ds
 
   def _open_forever(self, name: str) -> ElevatorDataset:
@@ -463,5 +528,6 @@ class Datasets:
     if ds is None:
       config = dataclasses.replace(self.config.datasets[name], num_epochs=0,
                                    drop_remainder=True)
-      ds = self._forever[name] = ElevatorDataset(config, self._identities)
+      ds = self._forever[name] = self._checked(config, lambda files: ElevatorDataset(
+          config, self._shards, files=files))
     return ds

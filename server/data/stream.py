@@ -42,7 +42,7 @@ from grain_elevator import pipelines
 from grain_elevator.proto import contract
 from grain_elevator.proto import positions
 from grain_elevator.proto import tree
-from grain_elevator.proto.errors import ConfigError, InvalidRequestError
+from grain_elevator.proto.errors import ConfigError, InvalidRequestError, ShardChangedError
 from grain_elevator.proto.limits import MAX_STREAM_STATE_BYTES
 from grain_elevator.proto.spec import DatasetInfo, ElementSpec
 from grain_elevator.server.data import cancellation
@@ -94,8 +94,12 @@ class StreamDataset:
   position. Thread-safe: every call builds its own Grain iterator."""
 
   def __init__(self, config: DatasetConfig, records: grain.MapDataset, head: grain.MapDataset,
-               *, num_records: int, fingerprint: str):
+               *, num_records: int, fingerprint: str,
+               check_files: Callable[[], None] | None = None):
+    """`check_files`: run before each build of the iter_pipeline, which may
+    read its iter_options' files again (server/data/shards/option_files.py)."""
     self.config = config
+    self._check_files = check_files
     self.records = records
     self.head = head  # pipeline(records): a MapDataset that may hold None holes
     self._iter_fn = config.iter_pipeline_fn()
@@ -130,6 +134,8 @@ class StreamDataset:
     """The contract's Grain pipeline for G (the oracle, with `head` None)."""
     ds = (head or (lambda d: d.to_iter_dataset()))(self.head)
     if self._iter_fn is not None:
+      if self._check_files is not None:
+        self._check_files()
       with pipelines.building_from(self.config.base_dir):
         ds = self._iter_fn(ds, **self.config.iter_options)
       if not isinstance(ds, grain.IterDataset):
@@ -160,7 +166,7 @@ class StreamDataset:
       batch = next(it)
     except StopIteration:
       raise ConfigError(f"dataset {name!r}: the stream is empty") from None
-    except ConfigError:
+    except (ConfigError, ShardChangedError):
       raise
     except Exception as e:
       raise ConfigError(f"dataset {name!r}: the stream fails on its first batch: "

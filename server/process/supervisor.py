@@ -123,7 +123,7 @@ class Server:
     self._history: collections.defaultdict[int, restarts.SlotHistory] = (
         collections.defaultdict(restarts.SlotHistory))
     self._crash_loop = restarts.CrashLoopFlag(self._ctx)
-    self._identities: dict[str, shard_identity.ShardIdentity] = {}
+    self._identities: shard_identity.Recorded | None = None
     self._stop = threading.Event()
     self._supervisor: threading.Thread | None = None
     self._metrics: metrics_lib.Exporter | None = None
@@ -177,8 +177,9 @@ class Server:
     """Checks config and options, starts every worker, and supervises them
     from a background thread; returns once all serve."""
     self.config = config_lib.load_config(self.config_path)  # fail fast on a bad file
-    # The shards as they are now, recorded once: every worker, a restarted one
-    # too, reads a shard only while it still matches, and fingerprints with them.
+    # The shards and option files as they are now, recorded once: every worker,
+    # a restarted one too, uses them only while they still match, and
+    # fingerprints with them.
     self._identities = shard_identity.record_identities(self.config)
     opts = self.options
     if opts.tls:

@@ -136,11 +136,12 @@ def build_servers(datasets: dataset_lib.Datasets, opts: ServerOptions, index: in
 
 
 def run(config_path: str, opts: ServerOptions, index: int, num_workers: int,
-        ready: Any, identities: dict[str, shard_identity.ShardIdentity] | None = None,
+        ready: Any, identities: shard_identity.Recorded | None = None,
         *, supervisor_pid: int | None = None, crash_loop: Any = None,
         last_request: Any = None, head_peers: Any = None) -> None:
   """Worker process entry point; reports (index, error or None) on `ready`.
-  `identities`: the shards as the supervisor recorded them at start-up.
+  `identities`: the shards and option files as the supervisor recorded them
+  at start-up.
   `supervisor_pid`: the parent it must not outlive (lifeline.py).
   `crash_loop`: a restarts.CrashLoopFlag; health is NOT_SERVING while it is on.
   `last_request`: a shared double this worker sets to inf while it has a
@@ -166,8 +167,7 @@ def run(config_path: str, opts: ServerOptions, index: int, num_workers: int,
     heads = None
     if head_peers is not None:
       heads = parallel_head.HeadService(head_peers, index, datasets)
-      for name in datasets.names:
-        ds = datasets.get(name)
+      for name, ds in datasets.opened().items():  # not those refused
         if isinstance(ds, StreamDataset):
           ds.use_head(heads.factory(name, ds.info.config_fingerprint),
                       elements_held=heads.elements_held)

@@ -7,7 +7,9 @@ hash of its tail) is recorded once, at start-up (`record_identities`, which
 the supervisor hands to every worker it starts, then or later), the
 fingerprint covers what the bytes are (server/data/dataset.py), and a worker
 reads a shard only through a `CheckedFile` that still matches it; otherwise
-ShardChangedError (FAILED_PRECONDITION) names the file.
+ShardChangedError (FAILED_PRECONDITION) names the file. The files a
+dataset's options name (a tokenizer) are recorded with them
+(option_files.py).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Iterable
 
 from grain_elevator.proto.errors import ConfigError, ShardChangedError
 from grain_elevator.server.data.config import ServerConfig
+from grain_elevator.server.data.shards import option_files
 from grain_elevator.server.data.shards import reader as shard_reader
 
 # How much of a shard's end its identity hashes: ArrayRecord's postscript
@@ -117,10 +120,20 @@ def shard_identities(files: Iterable[str]) -> dict[str, ShardIdentity]:
     return dict(zip(files, pool.map(_identity_of_path, files)))
 
 
-def record_identities(config: ServerConfig) -> dict[str, ShardIdentity]:
-  """Every shard of every dataset, by path: what the supervisor records
-  once at start-up and hands to each worker it starts, then or later."""
-  return shard_identities(f for d in config.datasets.values() for f in d.files)
+@dataclasses.dataclass(frozen=True)
+class Recorded:
+  """What the supervisor records once at start-up and hands to each worker
+  it starts, then or later: every dataset's shards, and the files their
+  options name, each by absolute path."""
+
+  shards: dict[str, ShardIdentity]
+  files: dict[str, option_files.FileIdentity]
+
+
+def record_identities(config: ServerConfig) -> Recorded:
+  """The shards and option files of every dataset, as they are now."""
+  return Recorded(shard_identities(f for d in config.datasets.values() for f in d.files),
+                  option_files.record_files(config))
 
 
 class CheckedFile:

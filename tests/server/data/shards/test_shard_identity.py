@@ -284,10 +284,12 @@ def test_both_readers_refuse_a_changed_shard(data, reader):
 def test_a_file_the_globs_match_only_now_is_refused(data):
   config = load_config(data.config)
   recorded = shard_identity.record_identities(config)
-  del recorded[data.shards[0]]  # as if it appeared after the server started
-  with pytest.raises(ShardChangedError,
-                     match=re.escape(f"shard {data.shards[0]} was not among")):
-    dataset_lib.Datasets(config, identities=recorded)
+  del recorded.shards[data.shards[0]]  # as if it appeared after the server started
+  datasets = dataset_lib.Datasets(config, identities=recorded)  # a worker still starts
+  for _ in range(2):  # and refuses the dataset on every request
+    with pytest.raises(ShardChangedError,
+                       match=re.escape(f"shard {data.shards[0]} was not among")):
+      datasets.get("plain")
 
 
 # Rewrites that put the size and mtime back (os.utime, cp -p, rsync -a): the
@@ -363,3 +365,19 @@ def test_a_shard_opened_after_such_a_rewrite_is_refused(tmp_path):
   shutil.copy2(path, copy)
   a, b = shard_identity.shard_identities([path, copy]).values()
   assert (a.size, a.mtime_ns, a.tail_hash) == (b.size, b.mtime_ns, b.tail_hash)
+
+
+def test_a_worker_opening_a_dataset_whose_first_shard_changed_refuses_only_it(data):
+  """Opening a dataset reads its record 0: a worker restarted after shard 0
+  changed refuses the dataset on every request and opens the others (it
+  used to fail to start, again and again)."""
+  pathlib.Path(data.config).write_text(CONFIG + CONFIG.replace("[datasets.plain", "[datasets.same")
+                                       .replace("shards/train-*", "other/train-*"))
+  config = load_config(data.config)
+  recorded = shard_identity.record_identities(config)
+  data.replace(0, "rename")
+  datasets = dataset_lib.Datasets(config, identities=recorded)
+  assert sorted(datasets.opened()) == ["same"]
+  for _ in range(2):
+    with pytest.raises(ShardChangedError, match=re.escape(f"shard {data.shards[0]} changed")):
+      datasets.get("plain")
