@@ -164,7 +164,7 @@ def run(config_path: str, opts: ServerOptions, index: int, num_workers: int,
       raise OSError(f"cannot listen on {opts.host}:{opts.port}")
     heads = None
     if head_peers is not None:
-      heads = parallel_head.HeadService(head_peers, index, datasets)
+      heads = parallel_head.HeadService(head_peers, index, datasets, metrics.current())
       for name in datasets.names:
         ds = datasets.get(name)
         if isinstance(ds, StreamDataset):

@@ -17,6 +17,13 @@ Workers record (labels in braces):
   elevator_batch_seconds{dataset}              histogram: time to produce one step
   elevator_inflight_requests                   admitted requests, all workers
   elevator_batch_cache_bytes                   bytes the workers' caches hold
+  elevator_head_tasks_total{owner,worker}      tasks of a stream's head (parallel_head.py)
+                                               of worker `owner`'s streams, computed by
+                                               worker `worker` (indices; owner == worker:
+                                               by the owner itself)
+  elevator_head_fallbacks_total{owner,worker}  of the tasks `owner` dealt to `worker`,
+                                               those it computed itself: that worker
+                                               died, hung or failed them
 
 The supervisor adds:
   elevator_workers                             live worker processes
@@ -88,6 +95,12 @@ class _Off:
   def inflight(self, delta: int) -> None:
     pass
 
+  def head_task(self, owner: int, worker: int) -> None:
+    pass
+
+  def head_fallback(self, owner: int, worker: int) -> None:
+    pass
+
 
 class _Recording(_Off):
   """A worker's metrics, written to its files in $PROMETHEUS_MULTIPROC_DIR."""
@@ -110,6 +123,12 @@ class _Recording(_Off):
                                    ["dataset"], buckets=_BATCH_BUCKETS)
     self._inflight = prom.Gauge("elevator_inflight_requests", "Admitted requests.",
                                 multiprocess_mode="livesum")
+    self._head_tasks = prom.Counter(
+        "elevator_head_tasks", "Tasks of the head of worker owner's streams, by the worker "
+        "that computed them.", ["owner", "worker"])
+    self._head_fallbacks = prom.Counter(
+        "elevator_head_fallbacks", "Tasks owner dealt to worker and computed itself (that "
+        "worker died, hung or failed them).", ["owner", "worker"])
 
   def produced(self, dataset: str, seconds: float) -> None:
     self._seconds.labels(dataset).observe(seconds)
@@ -130,6 +149,12 @@ class _Recording(_Off):
 
   def inflight(self, delta: int) -> None:
     self._inflight.inc(delta)
+
+  def head_task(self, owner: int, worker: int) -> None:
+    self._head_tasks.labels(str(owner), str(worker)).inc()
+
+  def head_fallback(self, owner: int, worker: int) -> None:
+    self._head_fallbacks.labels(str(owner), str(worker)).inc()
 
 
 _current: _Off = _Off()
