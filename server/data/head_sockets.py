@@ -12,9 +12,9 @@ was paused (SIGSTOP) and is accepted when it resumes, any process of the
 same user. So the accept loop never does a handshake itself and never ends
 on one: each runs on a thread of its own, bounded by the socket's kernel
 timeouts (SO_RCVTIMEO, SO_SNDTIMEO) at HEAD_HANDSHAKE_TIMEOUT_S, at most
-MAX_HEAD_HANDSHAKES at once (a newcomer beyond them is closed at once); one that
-fails is closed, with one log line per HEAD_LOG_PERIOD_S, and the loop goes on.
-A dial is bounded the same way, its connect included.
+MAX_HEAD_HANDSHAKES at once (a newcomer beyond them is closed at once);
+one that fails is closed, with one log line per HEAD_LOG_PERIOD_S, and the
+loop goes on. A dial is bounded the same way, its connect included.
 
 Kernel timeouts rather than Python's: multiprocessing's connections read and
 write a blocking descriptor (os.read, os.write), which a Python socket

@@ -14,8 +14,8 @@ whoever computes them, since an element depends on its index alone.
 Workers meet on Unix sockets in a private directory of the supervisor's
 (`HeadPeers`), one listening socket per worker index, each connection
 authenticated with the server's key (head_sockets.py: a handshake that
-fails or stalls past HEAD_HANDSHAKE_TIMEOUT_S closes that connection, never the
-accept loop, and dials time out too); nothing crosses the network, so
+fails or stalls past HEAD_HANDSHAKE_TIMEOUT_S closes that connection, never
+the accept loop, and dials time out too); nothing crosses the network, so
 pickling is safe here. A connection is one pair of processes and nothing
 else: no lock or buffer is shared by a third process, which a worker
 SIGKILLed in the middle of a write could leave broken for all.
@@ -33,9 +33,9 @@ goes on, exact (an element is the same bytes whoever computes it):
   dial's handshake succeeds again, that is until it runs again.
 - A peer that raises computing a task (another fingerprint): the owner
   computes that task itself.
-Each of those is one log line (at most one per head_sockets.HEAD_LOG_PERIOD_S
-for each peer and kind), and `count` (the server's metrics) counts the
-tasks each worker computed for each owner, and those the owner took back.
+Each of those is one log line (at most one per HEAD_LOG_PERIOD_S for each
+peer and kind), and `Counts` (the server's metrics) counts the tasks each
+worker computed for each owner, and those the owner took back.
 
 `ParallelHead` yields exactly what Grain's `to_iter_dataset()` yields, with
 the same state ({"next_index": i}), so positions from either continue in

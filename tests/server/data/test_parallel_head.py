@@ -124,7 +124,8 @@ def _read_until(it: Any, got: list, done: Callable[[], bool], what: str,
   deadline = time.monotonic() + timeout_s
   while not done():
     assert time.monotonic() < deadline, f"timed out waiting for {what}"
-    assert len(got) + PER_REQUEST <= STEPS, f"{what}: not after {len(got)} steps"
+    read = len(got)
+    assert read + PER_REQUEST <= STEPS, f"{what}: not after {read} steps"
     got += _read(it, PER_REQUEST, max(1.0, deadline - time.monotonic()))[0]
 
 
