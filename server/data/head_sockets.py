@@ -75,14 +75,14 @@ def shutdown(conn: mpc.Connection) -> None:
 def dial(address: str, authkey: bytes, *, recv_timeout_s: float | None,
          send_timeout_s: float | None) -> mpc.Connection:
   """An authenticated connection to the worker listening at `address`, its
-  reads and writes then bounded by the given timeouts. Raises OSError,
-  EOFError, mpc.AuthenticationError (or anything a garbled challenge
-  raises) within about 3 × HEAD_HANDSHAKE_TIMEOUT_S."""
+  reads and writes then bounded by the given timeouts. Connect and each
+  read or write of the handshake wait at most HEAD_HANDSHAKE_TIMEOUT_S,
+  then raise OSError (EOFError, mpc.AuthenticationError, or anything a
+  garbled challenge raises, for a peer that answers wrongly)."""
   sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
   try:
-    sock.settimeout(HEAD_HANDSHAKE_TIMEOUT_S)
-    sock.connect(address)  # a full backlog fails at once (EAGAIN)
-    sock.setblocking(True)
+    _set_timeouts(sock.fileno(), HEAD_HANDSHAKE_TIMEOUT_S, HEAD_HANDSHAKE_TIMEOUT_S)
+    sock.connect(address)  # waits for room in the backlog, as long as a send may
   except BaseException:
     sock.close()
     raise

@@ -12,6 +12,7 @@ import os
 import pathlib
 import signal
 import socket
+import struct
 import threading
 import time
 from typing import Any, Callable, Iterator
@@ -20,7 +21,7 @@ import psutil
 import pytest
 
 from grain_elevator.client import RemoteDataset, RetryPolicy, TransportOptions
-from grain_elevator.server.data import parallel_head
+from grain_elevator.server.data import head_sockets, parallel_head
 from grain_elevator.tools import top
 from grain_elevator.tools.launcher import LocalServer
 from helpers import assert_streams_equal, worker_pids
@@ -137,27 +138,31 @@ def _wait_for(predicate: Callable[[], bool], what: str, timeout_s: float = 60.0)
 
 
 def _connect(address: str) -> socket.socket:
+  """A raw connection to a head socket; connect waits up to 10 s for room
+  in its backlog (a Unix socket's connect waits as long as a send may)."""
   s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-  s.settimeout(10)
+  s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", 10, 0))
   try:
     s.connect(address)
   except BlockingIOError:
     s.close()
-    raise AssertionError(f"{address} takes no more connections: its backlog is full, "
-                         "nothing accepts them") from None
+    raise AssertionError(f"{address} took no connection for 10 s: nothing accepts "
+                         "them") from None
   return s
 
 
 def test_connections_that_never_finish_their_handshake_leave_every_worker_in_the_head(
     few_config, want, tmp_path):
   """Before the stream's owner ever dials its peers, every worker's head
-  socket gets a connection that stays silent (held open throughout), one
-  that closes at once (a worker killed mid-dial), one sending a length over
-  the handshake's, and one answering the challenge wrongly."""
+  socket gets connections that stay silent (held open throughout: more
+  than MAX_HEAD_HANDSHAKES, so the last are refused at once), one that
+  closes at once (a worker killed mid-dial), one sending a length over the
+  handshake's, and one answering the challenge wrongly."""
   with _server(few_config, tmp_path, workers=3) as server:
     sockets = _sockets(tmp_path)
     assert sorted(sockets) == [0, 1, 2]
-    silent = [_connect(address) for address in sockets.values()]
+    silent = [_connect(address) for address in sockets.values()
+              for _ in range(head_sockets.MAX_HEAD_HANDSHAKES + 4)]
     try:
       for address in sockets.values():
         _connect(address).close()
@@ -176,6 +181,7 @@ def test_connections_that_never_finish_their_handshake_leave_every_worker_in_the
       assert assert_streams_equal(got, want[:len(got)]) == len(got)
       _wait_for(lambda: all(_handshake_lines(server, w) for w in sockets),
                 "each worker to log the connections it closed")
+      assert "(MAX_HEAD_HANDSHAKES)" in server.stderr()
     finally:
       for s in silent:
         s.close()
