@@ -155,9 +155,10 @@ def test_connections_that_never_finish_their_handshake_leave_every_worker_in_the
     few_config, want, tmp_path):
   """Before the stream's owner ever dials its peers, every worker's head
   socket gets connections that stay silent (held open throughout: more
-  than MAX_HEAD_HANDSHAKES, so the last are refused at once), one that
-  closes at once (a worker killed mid-dial), one sending a length over the
-  handshake's, and one answering the challenge wrongly."""
+  than MAX_HEAD_HANDSHAKES, so the last are refused while the first wait
+  out HEAD_HANDSHAKE_TIMEOUT_S), one that closes at once (a worker killed
+  mid-dial), one sending a length over the handshake's, and one answering
+  the challenge wrongly."""
   with _server(few_config, tmp_path, workers=3) as server:
     sockets = _sockets(tmp_path)
     assert sorted(sockets) == [0, 1, 2]
@@ -181,7 +182,6 @@ def test_connections_that_never_finish_their_handshake_leave_every_worker_in_the
       assert assert_streams_equal(got, want[:len(got)]) == len(got)
       _wait_for(lambda: all(_handshake_lines(server, w) for w in sockets),
                 "each worker to log the connections it closed")
-      assert "(MAX_HEAD_HANDSHAKES)" in server.stderr()
     finally:
       for s in silent:
         s.close()
@@ -216,14 +216,14 @@ def test_a_worker_killed_mid_dial_is_dialled_again_once_restarted(few_config, wa
       # Restarted, the peer has no connection from the owner, which dials
       # it at its next task: while it is stopped.
       os.kill(_pid_of(server, sockets[peer]), signal.SIGKILL)
-      _wait_for(lambda: _serving_again(server, peer), f"worker {peer} to restart")
+      _wait_for(lambda: _serving_again(server, peer), f"worker {peer} to restart", 120)
       stopped = _pid_of(server, sockets[peer])
       os.kill(stopped, signal.SIGSTOP)
       got += _read(it, 2 * PER_REQUEST, 60)[0]
     assert assert_streams_equal(got, want[:len(got)]) == len(got)
     os.kill(_pid_of(server, sockets[owner]), signal.SIGKILL)  # mid-dial
     os.kill(stopped, signal.SIGCONT)
-    _wait_for(lambda: _serving_again(server, owner), f"worker {owner} to restart")
+    _wait_for(lambda: _serving_again(server, owner), f"worker {owner} to restart", 120)
     before = _tasks(server).get((owner, peer), 0)
     with _dataset(server) as ds:
       it = iter(ds)
