@@ -76,7 +76,10 @@ CONSTANTS = {
     "grain_elevator.server.data.shards.identity": ["IDENTITY_TAIL_BYTES"],
     "grain_elevator.server.data.shards.option_files": ["HASH_READ_BYTES"],
     "grain_elevator.server.data.parallel_head": [
-        "TASK_ELEMENTS", "TASKS_AHEAD_PER_WORKER", "TASK_TIMEOUT_S"],
+        "TASK_ELEMENTS", "TASKS_AHEAD_PER_WORKER", "PROGRESS_EVERY_S", "PEER_SILENT_S",
+        "REDIAL_S"],
+    "grain_elevator.server.data.head_sockets": [
+        "HEAD_HANDSHAKE_TIMEOUT_S", "MAX_HEAD_HANDSHAKES", "HEAD_LOG_PERIOD_S"],
     "grain_elevator.client.transport.connection": ["MAX_CONTROL_MESSAGE_BYTES"],
     "grain_elevator.client.transport.retry": ["RETRIABLE", "REFUSED"],
     "grain_elevator.client.window": ["REQUEST_BYTES", "WINDOW_BYTES", "MAX_STEPS_PER_REQUEST"],

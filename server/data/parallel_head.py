@@ -13,14 +13,29 @@ whoever computes them, since an element depends on its index alone.
 
 Workers meet on Unix sockets in a private directory of the supervisor's
 (`HeadPeers`), one listening socket per worker index, each connection
-authenticated with the server's key; nothing crosses the network, so
+authenticated with the server's key (head_sockets.py: a handshake that
+fails or stalls past HEAD_HANDSHAKE_TIMEOUT_S closes that connection, never
+the accept loop, and dials time out too); nothing crosses the network, so
 pickling is safe here. A connection is one pair of processes and nothing
-else: when either dies, the other sees the connection close at once, fails
-the tasks it had sent there (the owner then computes them itself) and dials
-the restarted worker later; no lock or buffer is shared by a third process,
-which a worker SIGKILLed in the middle of a write could leave broken for
-all. A task not answered within TASK_TIMEOUT_S (its worker hangs) is
-computed by the owner too.
+else: no lock or buffer is shared by a third process, which a worker
+SIGKILLed in the middle of a write could leave broken for all.
+
+What the owner of a stream does when a peer fails it, so that the stream
+goes on, exact (an element is the same bytes whoever computes it):
+- A peer that dies: its connection closes at once; the owner computes the
+  tasks it had sent there itself, and dials it again (every REDIAL_S while
+  it deals tasks) until the restarted worker answers.
+- A peer that hangs (SIGSTOP, a pipeline stuck in a call): a worker
+  computing a task sends a progress note at least every PROGRESS_EVERY_S
+  (between elements), so a peer with tasks outstanding that has sent
+  nothing for PEER_SILENT_S is hung, not slow. The owner closes its
+  connection and computes its tasks itself; dealing skips the peer until a
+  dial's handshake succeeds again, that is until it runs again.
+- A peer that raises computing a task (another fingerprint): the owner
+  computes that task itself.
+Each of those is one log line (at most one per HEAD_LOG_PERIOD_S for each
+peer and kind), and `Counts` (the server's metrics) counts the tasks each
+worker computed for each owner, and those the owner took back.
 
 `ParallelHead` yields exactly what Grain's `to_iter_dataset()` yields, with
 the same state ({"next_index": i}), so positions from either continue in
@@ -33,6 +48,7 @@ import concurrent.futures
 import itertools
 import logging
 import multiprocessing.connection as mpc
+import multiprocessing.reduction
 import os
 import shutil
 import tempfile
@@ -42,17 +58,31 @@ from typing import Any, Callable
 
 import grain
 
+from grain_elevator.proto.throttle import Throttled
+from grain_elevator.server.data import head_sockets
+
 log = logging.getLogger("grain_elevator.server")
 
 # Consecutive head indices per task, and tasks kept in flight per worker.
 TASK_ELEMENTS = 32
 TASKS_AHEAD_PER_WORKER = 2
-# After this long without an answer, the owner computes a task itself.
-TASK_TIMEOUT_S = 30.0
+# A worker computing a task tells its owner it is alive at least this often.
+PROGRESS_EVERY_S = 0.5
+# A peer with tasks outstanding that sends nothing (no answer, no progress
+# note) for this long is hung: its tasks are computed by their owner, and it
+# is dealt none until it answers a dial again. Ten progress notes missed: a
+# busy peer under load is slow, not silent.
+PEER_SILENT_S = 5.0
 # How long a worker that could not be reached is left alone before it is dialled again.
-_REDIAL_S = 1.0
+REDIAL_S = 1.0
+# How often a connection with nothing to read checks its peer's silence.
+_POLL_S = 0.25
 # The longest AF_UNIX path Linux takes (sun_path is 108 bytes, NUL included).
 _MAX_SOCKET_PATH = 107
+# A progress note: an answer to no task.
+_PROGRESS = (None, None, "")
+
+_throttled = Throttled(head_sockets.HEAD_LOG_PERIOD_S, log)
 
 
 class HeadPeers:
@@ -77,24 +107,44 @@ class HeadPeers:
     shutil.rmtree(self.directory, ignore_errors=True)
 
 
+class Counts:
+  """What the parallel head counts (the server's metrics implement it):
+  tasks of `owner`'s streams computed by `worker`, and tasks dealt to
+  `worker` that `owner` computed itself. Here: nothing."""
+
+  def head_task(self, owner: int, worker: int) -> None:
+    pass
+
+  def head_fallback(self, owner: int, worker: int) -> None:
+    pass
+
+
+class PeerLost(ConnectionError):
+  """The task's worker died, hung or was stopped before it answered (logged
+  once by its `_Peer`)."""
+
+
+class _OwnerGone(Exception):
+  """A task's owner no longer reads its answers."""
+
+
 class HeadService:
   """One worker's part: answers the other workers' tasks (a thread per
   connection), and deals its own streams' tasks to every worker."""
 
-  def __init__(self, peers: HeadPeers, index: int, datasets: Any):
+  def __init__(self, peers: HeadPeers, index: int, datasets: Any,
+               counts: Counts | None = None):
     self._peers = peers
     self._index = index
     self._datasets = datasets
+    self._counts = counts if counts is not None else Counts()
     self._ids = itertools.count()
     self._turn = itertools.count(index)
     self._local = concurrent.futures.ThreadPoolExecutor(1, "elevator-head-local")
-    self._others = {j: _Peer(peers.address(j), peers.authkey)
+    self._others = {j: _Peer(j, index, peers.address(j), peers.authkey, self._counts)
                     for j in range(peers.num_workers) if j != index}
-    address = peers.address(index)
-    if os.path.exists(address):  # this index's earlier life
-      os.unlink(address)
-    self._listener = mpc.Listener(address, family="AF_UNIX", authkey=peers.authkey)
-    threading.Thread(target=self._accept, name="elevator-head-accept", daemon=True).start()
+    self._listener = head_sockets.Listener(peers.address(index), peers.authkey, self._answer,
+                                           send_timeout_s=PEER_SILENT_S)
 
   def stop(self) -> None:
     self._listener.close()
@@ -118,73 +168,105 @@ class HeadService:
   def _submit(self, dataset: str, fingerprint: str, head: grain.MapDataset, start: int,
               count: int) -> concurrent.futures.Future:
     """Deals the task to the next worker in turn that can take it; the
-    future's `local` computes it here (the fallback of every failure)."""
+    future's `local` computes it here (the fallback of every failure), its
+    `worker` is the index of the worker it was dealt to."""
     task = (next(self._ids), dataset, fingerprint, start, count)
-    future = None
+    future, worker = None, self._index
     for _ in range(self._peers.num_workers):
-      peer = self._others.get(next(self._turn) % self._peers.num_workers)
+      j = next(self._turn) % self._peers.num_workers
+      peer = self._others.get(j)
       if peer is None:  # this worker's turn
         break
       future = peer.submit(task)
       if future is not None:
+        worker = j
         break
     if future is None:
-      future = self._local.submit(_elements, head, start, count)
-    future.local = lambda: _elements(head, start, count)  # type: ignore[attr-defined]
+      future = self._local.submit(self._here, head, start, count)
+
+    def local() -> list[Any]:
+      if worker != self._index:
+        self._counts.head_fallback(self._index, worker)
+      return self._here(head, start, count)
+
+    future.local = local  # type: ignore[attr-defined]
+    future.worker = worker  # type: ignore[attr-defined]
     return future
 
-  def _accept(self) -> None:
-    while True:
-      try:
-        conn = self._listener.accept()
-      except (OSError, EOFError, mpc.AuthenticationError) as e:
-        if isinstance(e, mpc.AuthenticationError):
-          log.warning("a head connection failed authentication: %s", e)
-          continue
-        return  # stopped
-      threading.Thread(target=self._answer, args=(conn,), name="elevator-head-answer",
-                       daemon=True).start()
+  def _here(self, head: grain.MapDataset, start: int, count: int) -> list[Any]:
+    elements = _elements(head, start, count)
+    self._counts.head_task(self._index, self._index)
+    return elements
 
   def _answer(self, conn: mpc.Connection) -> None:
-    """Computes one other worker's tasks, in the order they come."""
+    """Computes one other worker's tasks, in the order they come, with a
+    progress note at least every PROGRESS_EVERY_S while computing."""
     with conn:
+      sent = time.monotonic()
+
+      def note() -> None:
+        nonlocal sent
+        if time.monotonic() - sent >= PROGRESS_EVERY_S:
+          try:
+            conn.send(_PROGRESS)
+          except OSError as e:
+            raise _OwnerGone() from e
+          sent = time.monotonic()
+
       while True:
         try:
           task_id, dataset, fingerprint, start, count = conn.recv()
-        except (EOFError, OSError):
-          return
+        except Exception:  # pylint: disable=broad-except
+          return  # closed (EOFError, OSError) or not a task: this peer is done
         elements, error = None, ""
+        sent = time.monotonic()
         try:
           ds = self._datasets.get(dataset)
           if ds.info.config_fingerprint != fingerprint:
             raise RuntimeError(f"dataset {dataset!r} has fingerprint "
                                f"{ds.info.config_fingerprint} here, {fingerprint} asked")
-          elements = _elements(ds.head, start, count)
+          elements = _elements(ds.head, start, count, note)
+        except _OwnerGone:
+          return  # a progress note could not be sent: the owner is gone or hung
         except Exception as e:  # pylint: disable=broad-except
           error = f"{type(e).__name__}: {e}"
         try:
-          conn.send((task_id, elements, error))
+          payload = _pickled((task_id, elements, error))
+        except Exception as e:  # pylint: disable=broad-except
+          payload = _pickled((task_id, None, f"cannot send the elements: {type(e).__name__}: {e}"))
+        try:
+          conn.send_bytes(payload)
+          sent = time.monotonic()
         except (OSError, ValueError):
           return
 
 
 class _Peer:
-  """Another worker as seen from this one: a connection dialled when a
-  task is first sent there, its answers read by a thread of its own."""
+  """Another worker as seen from the one at index `owner`: a connection
+  dialled when a task is first sent there, its answers read by a thread of
+  its own, which also watches the peer's silence. Thread-safe; `_lock`
+  guards `_conn`, `_dialling`, `_redial_at`, `_pending`, `_heard`."""
 
-  def __init__(self, address: str, authkey: bytes):
+  def __init__(self, index: int, owner: int, address: str, authkey: bytes, counts: Counts):
+    self.index = index
+    self._owner = owner
     self._address = address
     self._authkey = authkey
+    self._counts = counts
     self._lock = threading.Lock()
     self._conn: mpc.Connection | None = None
     self._dialling = False
     self._redial_at = 0.0
     self._pending: dict[int, concurrent.futures.Future] = {}
+    # When the peer last sent anything, or was given work while it had none:
+    # its silence counts from there.
+    self._heard = 0.0
+    self._hung = False  # it went silent; said when it answers again
     self._closed = False
 
   def submit(self, task: tuple[Any, ...]) -> concurrent.futures.Future | None:
     """The future of `task` sent to this worker; None while it cannot take
-    it (not dialled yet, restarting, gone)."""
+    it (not dialled yet, restarting, gone, hung)."""
     with self._lock:
       if self._conn is None:
         if not self._dialling and not self._closed and time.monotonic() >= self._redial_at:
@@ -192,12 +274,15 @@ class _Peer:
           threading.Thread(target=self._dial, name="elevator-head-dial", daemon=True).start()
         return None
       future: concurrent.futures.Future = concurrent.futures.Future()
+      if not self._pending:
+        self._heard = time.monotonic()
       self._pending[task[0]] = future
       try:
         self._conn.send(task)
       except (OSError, ValueError):
         del self._pending[task[0]]
-        return None  # the reader sees the connection close and cleans up
+        head_sockets.shutdown(self._conn)  # a message may be cut: the reader ends it
+        return None
       return future
 
   def close(self) -> None:
@@ -205,38 +290,78 @@ class _Peer:
       self._closed = True
       conn = self._conn
     if conn is not None:
-      conn.close()
+      head_sockets.shutdown(conn)
 
   def _dial(self) -> None:
     """Connects (authentication may wait on the peer: not under the lock),
-    then reads answers until the connection closes."""
+    then reads answers until the connection ends; then fails the tasks
+    still outstanding, so that their owner computes them."""
     try:
-      conn = mpc.Client(self._address, family="AF_UNIX", authkey=self._authkey)
-    except (OSError, EOFError, mpc.AuthenticationError):
-      with self._lock:
-        self._dialling, self._redial_at = False, time.monotonic() + _REDIAL_S
+      conn = head_sockets.dial(self._address, self._authkey, recv_timeout_s=PEER_SILENT_S,
+                               send_timeout_s=PEER_SILENT_S)
+    except Exception:  # pylint: disable=broad-except
+      with self._lock:  # not there (restarting), or not answering (hung): later
+        self._dialling, self._redial_at = False, time.monotonic() + REDIAL_S
       return
     with self._lock:
       self._conn, self._dialling = conn, False
+      hung, self._hung = self._hung, False
+    if hung:
+      log.info("head: worker %d answers again; dealing it tasks", self.index)
+    why = self._read(conn)
+    with self._lock:
+      self._conn, self._redial_at = None, time.monotonic() + REDIAL_S
+      pending, self._pending = self._pending, {}
+      self._hung = why == "silent"
+    conn.close()
+    if why == "silent":
+      _throttled.warning(
+          ("silent", self.index), "head: worker %d sent nothing for %g s (PEER_SILENT_S) with "
+          "%d tasks outstanding: computing them here; it is dealt none until it answers a "
+          "dial again", self.index, PEER_SILENT_S, len(pending))
+    elif pending and not self._closed:
+      _throttled.warning(
+          ("lost", self.index), "head: worker %d ended its connection (%s) with %d tasks "
+          "outstanding: computing them here, and dialling it again", self.index, why,
+          len(pending))
+    for future in pending.values():
+      future.set_exception(PeerLost(f"worker {self.index}: {why}"))
+
+  def _read(self, conn: mpc.Connection) -> str:
+    """Reads answers into their futures until the connection ends; returns
+    why it ended ("silent": the peer is hung)."""
     try:
       while True:
+        if not conn.poll(_POLL_S):
+          with self._lock:
+            silent = bool(self._pending) and time.monotonic() - self._heard > PEER_SILENT_S
+          if silent:
+            return "silent"
+          if self._closed:
+            return "stopped"
+          continue
+        # A message cut midway waits at most PEER_SILENT_S (the socket's timeout).
         task_id, elements, error = conn.recv()
         with self._lock:
-          future = self._pending.pop(task_id, None)
-        if future is None:
+          self._heard = time.monotonic()
+          future = self._pending.pop(task_id, None) if task_id is not None else None
+        if future is None:  # a progress note
           continue
         if error:
           future.set_exception(RuntimeError(error))
         else:
+          self._counts.head_task(self._owner, self.index)
           future.set_result(elements)
-    except (EOFError, OSError):
-      pass
-    with self._lock:
-      self._conn, self._redial_at = None, time.monotonic() + _REDIAL_S
-      pending, self._pending = self._pending, {}
-    conn.close()
-    for future in pending.values():  # the owner computes them itself
-      future.set_exception(ConnectionError(f"{self._address} closed"))
+    except BlockingIOError:
+      return "silent"
+    except Exception as e:  # pylint: disable=broad-except
+      return head_sockets.describe(e)
+
+
+def _pickled(obj: Any) -> bytes:
+  """What `Connection.send(obj)` sends; pickling first, so a failure leaves
+  the connection whole."""
+  return bytes(multiprocessing.reduction.ForkingPickler.dumps(obj))
 
 
 class _Failed:
@@ -249,15 +374,17 @@ class _Failed:
 FAILED = _Failed()
 
 
-def _elements(head: grain.MapDataset, start: int, count: int) -> list[Any]:
+def _elements(head: grain.MapDataset, start: int, count: int,
+              progress: Callable[[], None] = lambda: None) -> list[Any]:
   """head[start : start+count], None for what the pipeline filtered out,
-  FAILED for what raised."""
+  FAILED for what raised; `progress()` after each element."""
   out: list[Any] = []
   for i in range(start, min(start + count, len(head))):
     try:
       out.append(head[i])
     except Exception:  # pylint: disable=broad-except
       out.append(FAILED)
+    progress()
   return out
 
 
@@ -305,14 +432,20 @@ class _ParallelHeadIterator(grain.DatasetIterator):
       del self._tasks[start]
 
   def _load(self, start: int) -> list[Any]:
+    """The elements of the task at `start`: its answer, or, when its worker
+    failed it, computed here. Every future ends: answered, failed by its
+    connection's end, or by its worker's silence (PEER_SILENT_S)."""
     future = self._tasks[start]
     try:
-      return future.result(timeout=TASK_TIMEOUT_S)
+      return future.result()
+    except PeerLost:
+      pass  # logged once for all its tasks
     except Exception as e:  # pylint: disable=broad-except
-      log.warning("head elements %d-%d not computed by another worker (%s): computing "
-                  "them here", start, start + TASK_ELEMENTS - 1,
-                  "no answer in time" if isinstance(e, concurrent.futures.TimeoutError) else e)
-      return future.local()  # type: ignore[attr-defined]
+      worker = getattr(future, "worker", None)
+      _throttled.warning(("failed", worker), "head: worker %s did not compute elements %d-%d "
+                         "(%s): computing them here", worker, start,
+                         start + TASK_ELEMENTS - 1, e)
+    return future.local()  # type: ignore[attr-defined]
 
   def __next__(self) -> Any:
     end = len(self._head)

@@ -166,7 +166,7 @@ def run(config_path: str, opts: ServerOptions, index: int, num_workers: int,
       raise OSError(f"cannot listen on {opts.host}:{opts.port}")
     heads = None
     if head_peers is not None:
-      heads = parallel_head.HeadService(head_peers, index, datasets)
+      heads = parallel_head.HeadService(head_peers, index, datasets, metrics.current())
       for name, ds in datasets.opened().items():  # not those refused
         if isinstance(ds, StreamDataset):
           ds.use_head(heads.factory(name, ds.info.config_fingerprint),

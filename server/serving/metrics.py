@@ -22,6 +22,13 @@ Workers record (labels in braces):
   elevator_stream_session_bytes                their global batches and live iterators
   elevator_stream_session_evictions_total      sessions (or their batches) evicted
                                                to stay within the budget
+  elevator_head_tasks_total{owner,worker}      tasks of a stream's head (parallel_head.py)
+                                               of worker `owner`'s streams, computed by
+                                               worker `worker` (indices; owner == worker:
+                                               by the owner itself)
+  elevator_head_fallbacks_total{owner,worker}  of the tasks `owner` dealt to `worker`,
+                                               those it computed itself: that worker
+                                               died, hung or failed them
 
 The supervisor adds:
   elevator_workers                             live worker processes
@@ -99,6 +106,12 @@ class _Off:
   def stream_session_evicted(self) -> None:
     pass
 
+  def head_task(self, owner: int, worker: int) -> None:
+    pass
+
+  def head_fallback(self, owner: int, worker: int) -> None:
+    pass
+
 
 class _Recording(_Off):
   """A worker's metrics, written to its files in $PROMETHEUS_MULTIPROC_DIR."""
@@ -130,6 +143,12 @@ class _Recording(_Off):
     self._evictions = prom.Counter(
         "elevator_stream_session_evictions",
         "Stream sessions (or their batches) evicted to stay within the budget.")
+    self._head_tasks = prom.Counter(
+        "elevator_head_tasks", "Tasks of the head of worker owner's streams, by the worker "
+        "that computed them.", ["owner", "worker"])
+    self._head_fallbacks = prom.Counter(
+        "elevator_head_fallbacks", "Tasks owner dealt to worker and computed itself (that "
+        "worker died, hung or failed them).", ["owner", "worker"])
 
   def produced(self, dataset: str, seconds: float) -> None:
     self._seconds.labels(dataset).observe(seconds)
@@ -157,6 +176,11 @@ class _Recording(_Off):
 
   def stream_session_evicted(self) -> None:
     self._evictions.inc()
+  def head_task(self, owner: int, worker: int) -> None:
+    self._head_tasks.labels(str(owner), str(worker)).inc()
+
+  def head_fallback(self, owner: int, worker: int) -> None:
+    self._head_fallbacks.labels(str(owner), str(worker)).inc()
 
 
 _current: _Off = _Off()
