@@ -38,7 +38,8 @@ from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.proto import wire
 from grain_elevator.proto.errors import (Cancelled, DataLossError, ElevatorError,
                                          EndOfDataError, InvalidRequestError,
-                                         StreamMismatchError, UnauthenticatedError)
+                                         ShardChangedError, StreamMismatchError,
+                                         UnauthenticatedError)
 from grain_elevator.proto.throttle import Throttled
 from grain_elevator.proto.spec import DatasetInfo
 from grain_elevator.server.data import collate as collate_lib
@@ -167,8 +168,15 @@ class RequestPath:
     if request.global_batch_size < 0:
       raise InvalidRequestError(
           f"global_batch_size must be >= 0, got {request.global_batch_size}")
-    names = [request.dataset] if request.dataset else self.datasets.names
-    return [self.datasets.get(n).info for n in names]
+    if request.dataset:
+      return [self.datasets.get(request.dataset).info]
+    infos = []
+    for name in self.datasets.names:
+      try:
+        infos.append(self.datasets.get(name).info)
+      except ShardChangedError:  # refused on this worker: asked by name, it says why
+        continue
+    return infos
 
   def describe_response(self, ticket: Ticket,
                         request: pb.DescribeRequest) -> pb.DescribeResponse:

@@ -36,6 +36,7 @@ from grain_elevator.server.data import dataset as dataset_lib
 from grain_elevator.server.data.config import load_config
 from grain_elevator.server.data.shards import identity as shard_identity
 from grain_elevator.server.data.shards import option_files
+from grain_elevator.server.serving.request_path import RequestPath
 from grain_elevator.tools import text_corpus
 from grain_elevator.tools import tokenizer as tokenizer_lib
 from grain_elevator.tools.launcher import LocalServer
@@ -330,6 +331,12 @@ def test_a_changed_table_refuses_its_dataset_its_mixture_and_the_stream_over_it(
   for name in ("other", "iter"):  # no file of theirs changed
     assert restarted.get(name).info.config_fingerprint == fingerprints[name]
   assert sorted(restarted.opened()) == ["iter", "other"]
+  # Describe of every dataset lists what this worker serves; by name, the refusal.
+  path = RequestPath(restarted)
+  with path.admitted(None) as ticket:
+    assert [i.name for i in path.describe(ticket, pb.DescribeRequest())] == ["iter", "other"]
+    with pytest.raises(ShardChangedError, match="options.table"):
+      path.describe(ticket, pb.DescribeRequest(dataset="one"))
   # A server started now records the new file: new fingerprints where it is read.
   fresh = dataset_lib.Datasets(config, identities=shard_identity.record_identities(config))
   for name in before.names:
