@@ -60,7 +60,8 @@ class BulkConnection:
                            f"bulk transport {self.address}: handshake failed: {e}") from e
 
   def stream(self, request: pb.BatchRequest, *, timeout_s: float, token: CancelToken,
-             max_frame_bytes: int, expect: Sequence[LeafSpec] | None = None) -> Steps:
+             max_frame_bytes: int, expect: Sequence[LeafSpec] | None = None,
+             positions_of: str | None = None) -> Steps:
     """See `Connection.stream`. `timeout_s` bounds each wait for data, so a
     frozen server cannot hang the trainer."""
     where = f"{self.address} (bulk transport)"
@@ -81,7 +82,8 @@ class BulkConnection:
           status = pb.BulkStatus.FromString(payload.tobytes())
           raise TransportError(errors.code_from_number(status.code), status.message,
                                status.error_type)
-        yield decode_step(payload, request, index, max_frame_bytes, expect, where)
+        yield decode_step(payload, request, index, max_frame_bytes, expect, where,
+                          positions_of=positions_of)
     except BadReplyError:
       self.broken = True  # unread frames may remain
       raise

@@ -23,6 +23,7 @@ import numpy as np
 
 from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.proto import errors
+from grain_elevator.proto import positions
 from grain_elevator.proto import wire
 from grain_elevator.proto.spec import LeafSpec
 
@@ -73,11 +74,14 @@ class BadReplyError(TransportError):
 
 
 def decode_step(payload: Any, request: pb.BatchRequest, index: int, max_bytes: int,
-                expect: Sequence[LeafSpec] | None, server: str
-                ) -> tuple[int, list[np.ndarray], str]:
+                expect: Sequence[LeafSpec] | None, server: str, *,
+                positions_of: str | None = None) -> tuple[int, list[np.ndarray], str]:
   """Step `index` of `request` from a received Batch, checked against its
   size bound, `expect` (the leaves the spec gives it) and the step it must
-  be. `server` names the sender and its transport for the error."""
+  be; for a stream dataset (`positions_of`: its first position), the
+  position after it must be one of its stream's (proto/positions.py): an
+  empty one would restart the stream, a foreign one break it. `server`
+  names the sender and its transport for the error."""
   step = request.start_step + index
   if len(payload) > max_bytes:
     raise BadReplyError(
@@ -91,6 +95,15 @@ def decode_step(payload: Any, request: pb.BatchRequest, index: int, max_bytes: i
   if got != step:
     raise BadReplyError(f"{server} sent step {got} for dataset {request.dataset!r} "
                         f"step {step}")
+  if positions_of is not None:
+    if not state:
+      raise BadReplyError(f"{server} sent no stream position with dataset "
+                          f"{request.dataset!r} step {step}")
+    try:
+      positions.parse(state, positions_of)
+    except positions.BadPosition as e:
+      raise BadReplyError(f"{server} sent dataset {request.dataset!r} step {step} with a "
+                          f"stream position not of its stream: {e}") from None
   return got, leaves, state
 
 
@@ -130,11 +143,13 @@ class Connection(Protocol):
   broken: bool  # must be reopened before its next request
 
   def stream(self, request: pb.BatchRequest, *, timeout_s: float, token: CancelToken,
-             max_frame_bytes: int, expect: Sequence[LeafSpec] | None = None) -> Steps:
+             max_frame_bytes: int, expect: Sequence[LeafSpec] | None = None,
+             positions_of: str | None = None) -> Steps:
     """(step, leaves, next_stream_state) for each step of `request`, in order; TransportError
     on failure. `timeout_s` bounds the request (bulk: each wait for data). A
     step message over `max_frame_bytes`, or whose leaves are not those
-    `expect` gives, is a BadReplyError before it is decoded; what is
+    `expect` gives, or (a stream's) whose position is not one of those
+    `positions_of` has, is a BadReplyError before it is decoded; what is
     allocated before that check is bounded too (bulk: by the frame header,
     gRPC: by the channel's limits)."""
 

@@ -106,7 +106,8 @@ class GrpcConnection:
     return response
 
   def stream(self, request: pb.BatchRequest, *, timeout_s: float, token: CancelToken,
-             max_frame_bytes: int, expect: Sequence[LeafSpec] | None = None) -> Steps:
+             max_frame_bytes: int, expect: Sequence[LeafSpec] | None = None,
+             positions_of: str | None = None) -> Steps:
     """See `Connection.stream`. gRPC receives a message whole before this
     sees it: the channel's limit bounds that, this checks the exact one."""
     where = self._name
@@ -115,7 +116,8 @@ class GrpcConnection:
     index = 0
     try:
       for payload in call:
-        yield decode_step(payload, request, index, max_frame_bytes, expect, where)
+        yield decode_step(payload, request, index, max_frame_bytes, expect, where,
+                          positions_of=positions_of)
         index += 1
     except grpc.RpcError as e:
       if _over_limit(e):

@@ -40,10 +40,9 @@ from grain_elevator.client.transport.grpc_connection import GrpcConnection
 from grain_elevator.client.transport.retry import REFUSED, RETRIABLE, Retrier
 from grain_elevator.client.transport.slots import (Slot, Slots, interleave,
                                                    spread_over_workers)
-from grain_elevator.client.transport.targets import bulk_hosts, replica_name
+from grain_elevator.client.transport.targets import bulk_hosts
 from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.proto import errors
-from grain_elevator.proto import positions
 from grain_elevator.proto.spec import DatasetInfo, LeafSpec
 
 log = logging.getLogger("grain_elevator.client")
@@ -376,6 +375,7 @@ class ConnectionPool:
     else:
       route = request.start_step // max(1, request.num_steps)
     liars: set[tuple[str, str]] = set()
+    positions_of = info.stream_start if info is not None and info.stream else None
 
     def attempt(slots: Slots | None) -> list[Step]:
       assert slots is not None
@@ -387,11 +387,9 @@ class ConnectionPool:
         remaining.stream_state = out[-1].next_stream_state  # a stream: after the last
 
       def stream(slot: Slot) -> None:
-        for step, leaves, state in slot.conn.stream(
+        for _, leaves, state in slot.conn.stream(
             remaining, timeout_s=self.retry.request_timeout_s, token=token,
-            max_frame_bytes=limit, expect=expect):
-          if info is not None and info.stream:
-            _check_position(state, info, step, slot)
+            max_frame_bytes=limit, expect=expect, positions_of=positions_of):
           out.append(Step(leaves, state))  # the step it must be, checked (decode_step)
           slot.served += 1
 
@@ -454,18 +452,3 @@ class ConnectionPool:
                            f"replica {target} no longer offers the bulk transport")
     return self._open_bulk(target, host, self._bulk_ports[target])
 
-
-def _check_position(state: str, info: DatasetInfo, step: int, slot: Slot) -> None:
-  """A stream's next position, as a batch brought it: BadReplyError unless
-  it has the shape of the stream's positions (proto/positions.py). An
-  empty one would restart the stream, a foreign one break it; a position
-  moved along the stream cannot be told apart (docs/operations.md)."""
-  if not state:
-    raise BadReplyError(f"{replica_name(slot.replica)} sent no stream position with "
-                        f"dataset {info.name!r} step {step}")
-  try:
-    positions.parse(state, info.stream_start)
-  except positions.BadPosition as e:
-    raise BadReplyError(f"{replica_name(slot.replica)} sent dataset {info.name!r} step "
-                        f"{step} with a stream position that is not one of its stream: "
-                        f"{e}") from None

@@ -236,7 +236,12 @@ class StreamDataset:
       next(it)
       held = tracemalloc.get_traced_memory()[0]
       tracemalloc.clear_traces()
-      elements = [self.head[i] for i in range(min(_MEASURED_ELEMENTS, len(self.head)))]
+      elements = []
+      for i in range(min(_MEASURED_ELEMENTS, len(self.head))):
+        try:
+          elements.append(self.head[i])
+        except Exception:  # pylint: disable=broad-except
+          continue  # a record that fails fails when served, with its step named
       element = tracemalloc.get_traced_memory()[0] // max(1, len(elements))
       del it, elements
       return held, element

@@ -264,7 +264,7 @@ class RequestPath:
     finally:
       batches.close()  # its session is released now, not when collected
     if step < r.start_step + r.num_steps and is_active():
-      raise EndOfDataError(f"dataset {name!r}: the stream ended after step {step - 1} "
+      raise EndOfDataError(f"dataset {name!r}: the stream ends before step {step} "
                            f"(asked for steps up to {r.start_step + r.num_steps - 1})")
 
   @staticmethod

@@ -160,9 +160,12 @@ class Liar:
   """A replica whose Describe is `honest`'s and whose every step is `lie`'s
   corruption of the true one (from `oracle`), over gRPC and bulk."""
 
-  def __init__(self, honest: str, oracle, lie: Lie):
+  def __init__(self, honest: str, oracle, lie: Lie,
+               position: Callable[[str], str] | None = None):
+    """`position`: for a stream dataset, the lie told of the position after
+    each step (the true batch goes with it)."""
     self.requests = 0
-    self._oracle, self._lie = oracle, lie
+    self._oracle, self._lie, self._position = oracle, lie, position
     self._honest = grpc.insecure_channel(honest)
     self._stub = pb_grpc.ElevatorStub(self._honest)
     self._bulk = _BulkLiar(self._step)
@@ -190,6 +193,10 @@ class Liar:
     one.CopyFrom(request)
     one.start_step, one.num_steps = step, 1
     (got,) = self._oracle.fetch(one)
+    if self._position is not None:
+      return pb.Batch(step=step, leaves=_tensors([np.asarray(a) for a in got.leaves]),
+                      next_stream_state=self._position(got.next_stream_state)
+                      ).SerializeToString()
     return self._lie(request, step, [np.asarray(a) for a in got.leaves])
 
   def _get_batches(self, request: pb.BatchRequest, _) -> Iterator[bytes]:
@@ -206,8 +213,8 @@ class Liar:
 
 
 @contextlib.contextmanager
-def _liar(server, oracle, lie: Lie) -> Iterator[Liar]:
-  liar = Liar(server.target, oracle, lie)
+def _liar(server, oracle, lie: Lie, **kwargs) -> Iterator[Liar]:
+  liar = Liar(server.target, oracle, lie, **kwargs)
   try:
     yield liar
   finally:
@@ -410,6 +417,60 @@ def test_a_liar_is_shunned_and_the_stream_stays_exact(server, oracle, config_pat
     assert assert_streams_equal(got, local) == 50
   warned = [r.getMessage() for r in caplog.records if "shunning" in r.getMessage()]
   assert warned and all(_names(liar, kind) in m for m in warned), warned
+
+
+# -- a stream's position: what a client checks -------------------------------
+
+POSITION_LIES = {  # the lie told of the true position, and what the error names
+    "empty": (lambda state: "", "no stream position"),
+    "another key": (lambda state: json.dumps({**json.loads(state), "more": 1}),
+                    "must have exactly the keys"),
+    "not a number": (lambda state: state.replace(":", ':"', 1).replace(",", '",', 1)
+                     if "," in state else json.dumps({k: str(v) for k, v in
+                                                      json.loads(state).items()}),
+                     "must be"),
+    "not JSON": (lambda state: state[:-1], "not JSON"),
+}
+
+
+@pytest.fixture(scope="module")
+def few_server(few_config):
+  with LocalServer(few_config, workers=1) as s:
+    yield s
+
+
+@pytest.mark.parametrize("kind", ["grpc", "bulk"])
+@pytest.mark.parametrize("case", list(POSITION_LIES))
+def test_a_position_that_is_not_of_the_stream_is_data_loss(few_server, few_config, kind, case):
+  """Taken on trust, an empty position restarted the stream in silence and
+  a foreign one broke it later; it is refused as any other lie, naming it."""
+  from grain_elevator.client.embedded import EmbeddedBackend  # pylint: disable=g-import-not-at-top
+  lie, names = POSITION_LIES[case]
+  with _liar(few_server, EmbeddedBackend(few_config), None, position=lie) as liar:
+    error = _refusal(lambda: _first_batch(liar.target, "few", 8, kind))
+  assert isinstance(error, DataLossError), error
+  assert "stream position" in str(error) and names in str(error), error
+  assert _names(liar, kind) in str(error)
+
+
+def test_a_replica_lying_about_positions_is_shunned_and_the_stream_stays_exact(
+    few_server, few_config):
+  from grain_elevator.client.embedded import EmbeddedBackend  # pylint: disable=g-import-not-at-top
+  with _liar(few_server, EmbeddedBackend(few_config), None,
+             position=POSITION_LIES["empty"][0]) as liar:
+    targets = [liar.target, few_server.target]
+    options = dict(transport=TransportOptions(steps_per_request=2), prefetch=4)
+    with RemoteDataset(targets, "few", 8, **options) as remote:
+      it = iter(remote)
+      got = [next(it) for _ in range(12)]
+      # A stream's chunks all go to the worker its fingerprint picks: the
+      # liar, or not (the fingerprint names the data's temporary folder).
+      shunned = [s for s in it._backend.data_slots()  # pylint: disable=protected-access
+                 if s.conn.target == liar.target and s.shunned_until > time.monotonic()]
+      assert bool(shunned) == bool(liar.requests), (len(shunned), liar.requests)
+  with RemoteDataset.embedded(few_config, "few", 8) as local:
+    it = iter(local)
+    assert assert_streams_equal(got, [next(it) for _ in range(12)]) == 12
 
 
 # -- a refusal is said as such, whatever the transport -----------------------
