@@ -130,6 +130,31 @@ def few_config(data_dir: pathlib.Path, tmp_path_factory: pytest.TempPathFactory)
   return str(path)
 
 
+# "big": a stream dataset of rows of about 3 KiB (32x32x3 images, a filter
+# keeping 9 labels of 10), repeating forever: memory under pressure shows.
+BIG_SIDE = 32
+
+
+@pytest.fixture(scope="session")
+def big_config(tmp_path_factory: pytest.TempPathFactory) -> str:
+  root = tmp_path_factory.mktemp("big")
+  examples.write_image_shards(str(root / "shards"), num_records=600, num_shards=2,
+                              height=BIG_SIDE, width=BIG_SIDE, channels=3)
+  (root / "elevator.toml").write_text(textwrap.dedent(f"""\
+      [datasets.big]
+      paths = ["shards/*.array_record"]
+      pipeline = "grain_elevator.pipelines.examples:decode_some"
+      seed = 5
+      num_epochs = 0
+      [datasets.big.options]
+      height = {BIG_SIDE}
+      width = {BIG_SIDE}
+      channels = 3
+      labels = [0, 1, 2, 3, 4, 5, 6, 7, 8]
+      """))
+  return str(root / "elevator.toml")
+
+
 @pytest.fixture(scope="session")
 def oracle(config_path: str):
   """Embedded mode: the in-process contract every service test compares to."""

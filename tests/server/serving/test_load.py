@@ -9,6 +9,7 @@ runs by hand:  ELEVATOR_LOAD_CONNECTIONS=2200 .venv/bin/pytest -s tests/server/s
 
 from __future__ import annotations
 
+import json
 import os
 import resource
 import socket
@@ -21,10 +22,15 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from grain_elevator.client import RemoteDataset, TransportOptions
+from grain_elevator.proto import elevator_pb2 as pb
+from grain_elevator.proto import elevator_pb2_grpc as pb_grpc
 from grain_elevator.proto import framing
+from grain_elevator.server import Server
 from grain_elevator.server.process import descriptors
 from grain_elevator.server.process.options import ServerOptions
 from grain_elevator.server.serving.grpc_service import REQUEST_ARRIVAL_TIMEOUT_S, SERVICE_NAME
+from grain_elevator.server.serving.stream_sessions import MAX_STREAM_SESSIONS
+from grain_elevator.tools import top
 from grain_elevator.tools.bench.h2peer import H2Peer
 from grain_elevator.tools.launcher import LocalServer
 from helpers import assert_streams_equal, worker_pids
@@ -106,3 +112,63 @@ def test_a_large_job_on_one_worker(config_path):
   assert fds <= budget.total
   assert rss - rest_rss <= CONNECTIONS * RSS_PER_CONNECTION + RSS_SLACK
   assert health_s and max(health_s) < 5.0  # a generous bound; the figure is printed
+
+
+# -- a stream dataset's sessions under load ----------------------------------
+
+STREAM_BUDGET_MB = 16  # --batch-cache-mb: the one worker's sessions get as much again
+REFUSED_POSITIONS = 2000
+POSITIONS = 400
+LONG_STEPS, LONG_G = 150, 256  # one request; its other host never comes
+
+
+@pytest.mark.slow
+def test_stream_sessions_under_load_stay_within_their_bounds(big_config):
+  """Refused positions by the thousand, hundreds of valid ones each read by
+  one host of sixteen, and a long request whose other host never comes:
+  sessions and their bytes stay within the count and the budget, the
+  worker's memory with them, and the stream stays exact."""
+  budget = STREAM_BUDGET_MB << 20
+  with Server(big_config, ServerOptions(port=0, workers=1, metrics_port=0,
+                                        batch_cache_mb=STREAM_BUDGET_MB)) as server:
+    (worker,) = map(psutil.Process, server.worker_pids())
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
+    stub = pb_grpc.ElevatorStub(channel)
+
+    def get(timeout_s: float = 60.0, **request) -> list:
+      return list(stub.GetBatches(pb.BatchRequest(dataset="big", **request), timeout=timeout_s))
+
+    with channel:
+      (info,) = stub.Describe(pb.DescribeRequest(dataset="big"), timeout=30).datasets
+      got = get(global_batch_size=1, shard_count=1, num_steps=POSITIONS)
+      positions = [b.next_stream_state for b in got]
+      rest = worker.memory_info().rss
+      start = json.loads(info.stream_start)
+      for i in range(REFUSED_POSITIONS):
+        bad = json.dumps({**start, "next_index": 10**19 + i} if i % 2 else {**start, "x": i})
+        with pytest.raises(grpc.RpcError) as e:
+          get(stream_state=bad, global_batch_size=16, shard_count=1, num_steps=1)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+      for position in positions:  # host 0 of 16 reads one row; the others never come
+        assert len(get(stream_state=position, global_batch_size=16, shard_count=16,
+                       num_steps=1)) == 1
+      long = get(global_batch_size=LONG_G, shard_count=2, num_steps=LONG_STEPS)
+      assert len(long) == LONG_STEPS
+      grown = worker.memory_info().rss - rest
+      m = top.scrape(f"127.0.0.1:{server.metrics_port}", timeout_s=10)
+      sessions = m[("elevator_stream_sessions", ())]
+      held = m[("elevator_stream_session_bytes", ())]
+      evicted = m[("elevator_stream_session_evictions_total", ())]
+    with RemoteDataset(f"127.0.0.1:{server.port}", "big", 16) as remote, \
+        RemoteDataset.embedded(big_config, "big", 16) as local:
+      r, l = iter(remote), iter(local)
+      assert assert_streams_equal([next(r) for _ in range(3)], [next(l) for _ in range(3)]) == 3
+  global_batch = 2 * sum(len(t.data) for t in long[0].leaves)  # two hosts' rows
+  print(f"\nstream sessions: {sessions:.0f} held ({held / 2**20:.1f} MiB of a "
+        f"{STREAM_BUDGET_MB} MiB budget), {evicted:.0f} evicted; worker RSS grew "
+        f"{grown / 2**20:.0f} MiB")
+  assert sessions <= MAX_STREAM_SESSIONS
+  assert held <= budget + global_batch
+  assert evicted > 0
+  # The budget, one global batch in the making, and the allocator's slack.
+  assert grown < budget + global_batch + (48 << 20), f"grew {grown >> 20} MiB"

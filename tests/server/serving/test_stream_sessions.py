@@ -9,43 +9,24 @@ from __future__ import annotations
 
 import json
 import random
-import textwrap
 import threading
 
 import numpy as np
 import pytest
 
-from grain_elevator.pipelines import examples
 from grain_elevator.proto.errors import Cancelled, InvalidRequestError
 from grain_elevator.server.data import config as config_lib
 from grain_elevator.server.data import dataset as dataset_lib
 from grain_elevator.server.data import stream as stream_lib
 from grain_elevator.server.serving.stream_sessions import StreamSessions
 
-SIDE = 32  # 32x32x3 images: rows of about 3 KiB
 G = 16
 _JOIN_S = 120.0
 
 
 @pytest.fixture(scope="module")
-def big(tmp_path_factory: pytest.TempPathFactory) -> stream_lib.StreamDataset:
-  """A stream dataset (a filter keeping 9 labels of 10), repeating forever."""
-  root = tmp_path_factory.mktemp("sessions")
-  examples.write_image_shards(str(root / "shards"), num_records=400, num_shards=2,
-                              height=SIDE, width=SIDE, channels=3)
-  (root / "elevator.toml").write_text(textwrap.dedent(f"""\
-      [datasets.big]
-      paths = ["shards/*.array_record"]
-      pipeline = "grain_elevator.pipelines.examples:decode_some"
-      seed = 5
-      num_epochs = 0
-      [datasets.big.options]
-      height = {SIDE}
-      width = {SIDE}
-      channels = 3
-      labels = [0, 1, 2, 3, 4, 5, 6, 7, 8]
-      """))
-  ds = dataset_lib.Datasets(config_lib.load_config(str(root / "elevator.toml"))).get("big")
+def big(big_config: str) -> stream_lib.StreamDataset:
+  ds = dataset_lib.Datasets(config_lib.load_config(big_config)).get("big")
   assert isinstance(ds, stream_lib.StreamDataset)
   return ds
 
