@@ -72,22 +72,25 @@ test-grain-lowest: $(STAMP) $(GRAIN_LOWEST_DIR)/.installed
 test-fast: $(STAMP)
 	$(PY) -m pytest -m "not slow and not netns" $(PYTEST_ARGS)
 
-# Two fuzzers side by side for FUZZ_SECONDS, a process each (tests/fuzz): the
+# Three fuzzers side by side for FUZZ_SECONDS, a process each (tests/fuzz): the
 # shard reader (server/data/shards/riegeli.c built with ASan and UBSan) against
 # ArrayRecord's own reader, on mutants of real shards, many re-signed so that
-# every hash checks; and the wire (fuzz_wire.py, its lines "fuzz-wire:"): the
+# every hash checks; the wire (fuzz_wire.py, its lines "fuzz-wire:"): the
 # client's batch decoding, a live server's bulk framing and the bulk client's,
-# on mutants of real batches and sessions. Fails if either fails; findings go
-# to fuzz-findings/. `make test` runs each briefly (tests/fuzz/test_fuzz_reader.py,
-# tests/fuzz/test_fuzz_wire.py).
+# on mutants of real batches and sessions; and stream positions
+# (fuzz_positions.py, "fuzz-positions:"): mutants of real positions of three
+# stream shapes sent to a live server. Fails if any fails; findings go to
+# fuzz-findings/. `make test` runs each briefly (tests/fuzz/test_fuzz_*.py).
 FUZZ_SECONDS ?= 1800
 fuzz: $(STAMP)
 	$(PY) tests/fuzz/fuzz_reader.py --seconds $(FUZZ_SECONDS) --out fuzz-findings & \
 	  reader=$$!; \
+	$(PY) tests/fuzz/fuzz_positions.py --seconds $(FUZZ_SECONDS) --out fuzz-findings & \
+	  positions=$$!; \
 	$(PY) tests/fuzz/fuzz_wire.py --seconds $(FUZZ_SECONDS) --out fuzz-findings; wire=$$?; \
-	wait $$reader; reader=$$?; \
-	echo "make fuzz: fuzz_reader.py exited $$reader, fuzz_wire.py $$wire"; \
-	[ $$reader -eq 0 ] && [ $$wire -eq 0 ]
+	wait $$reader; reader=$$?; wait $$positions; positions=$$?; \
+	echo "make fuzz: fuzz_reader.py exited $$reader, fuzz_wire.py $$wire, fuzz_positions.py $$positions"; \
+	[ $$reader -eq 0 ] && [ $$wire -eq 0 ] && [ $$positions -eq 0 ]
 
 host-tools:
 	@missing=$$(for t in $(HOST_TOOLS); do command -v $$t >/dev/null || echo $$t; done); \
