@@ -64,6 +64,8 @@ CONSTANTS = {
     "grain_elevator.server.serving.health": ["PROBE_TIMEOUT_S"],
     "grain_elevator.server.serving.admission": ["STALL_GRACE_S", "SLICE_S"],
     "grain_elevator.server.serving.batch_cache": ["DEFAULT_WAIT_S"],
+    "grain_elevator.server.serving.stream_sessions": ["MAX_STREAM_SESSIONS",
+                                                     "MAX_TRACKED_HOSTS"],
     "grain_elevator.server.serving.metrics": [
         "UTILIZATION_WINDOW_S", "SCRAPE_TIMEOUT_S", "MAX_SCRAPE_CONNECTIONS"],
     "grain_elevator.server.process.options": [
