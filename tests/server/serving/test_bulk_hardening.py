@@ -106,7 +106,8 @@ def test_throttled_logs_once_a_period_per_key_and_counts_the_rest(caplog):
 def test_follow_on_requests_on_descriptors_past_1023(config_path):
   """select() refuses descriptors past 1023: a worker with many sockets
   must still serve a connection's follow-on requests, and close it after."""
-  with _server(config_path, "--max-bulk-connections", "4096") as (server, worker):
+  with _server(config_path, "--max-bulk-connections", "4096",
+               "--max-bulk-connections-per-peer", "4096") as (server, worker):
     idle = [_connect(server) for _ in range(1100)]
     try:
       s = _connect(server)
