@@ -10,9 +10,10 @@ costs what a peer can make it cost, bounded per peer address:
     MAX_WAITING_PER_PEER of them waiting at once, more are refused at once,
     so header-only calls from one address cannot queue everyone else's
     Check behind them;
-  * Watch holds no thread once its request came (gRPC's non-blocking
-    streams): a peer keeps at most MAX_WATCHES_PER_PEER open, a worker
-    MAX_WATCHES; and one without the server's token ends after the idle
+  * Watch waits for its request on threads of its own, as many per peer,
+    and holds none once it came (gRPC's non-blocking streams): a peer keeps
+    at most MAX_WATCHES_PER_PEER open, a worker MAX_WATCHES; and one
+    without the server's token ends after the idle
     timeout (`--idle-timeout-s`, status OK: open another), so that a Watch
     cannot keep its connection from going idle and being closed.
 
@@ -134,7 +135,10 @@ class Health:
     self._watch_s = watch_s
     self._trusted = trusted
     self._report = report
-    self._waiting = PeerCounts(MAX_WAITING_PER_PEER)
+    # Calls waiting for their message, per peer: Check and List apart from
+    # Watch, so that a flood of Watch calls does not refuse its peer's Checks.
+    self._waiting = {False: PeerCounts(MAX_WAITING_PER_PEER),
+                     True: PeerCounts(MAX_WAITING_PER_PEER)}
     self._watchers = PeerCounts(MAX_WATCHES_PER_PEER)
     self._stop = threading.Event()
     self._lock = threading.Lock()  # guards everything below
@@ -214,14 +218,14 @@ class Health:
 
     def unary(method: Callable[[Any, grpc.ServicerContext], Any], request: Any) -> Any:
       def call(requests: Iterator[bytes], context: grpc.ServicerContext) -> Any:
-        message = self._first(requests, context, request)
+        message = self._first(requests, context, request, watch=False)
         return request() if message is None else method(message, context)
       call.experimental_thread_pool = check_pool  # type: ignore[attr-defined]
       return call
 
     def watch(requests: Iterator[bytes], context: grpc.ServicerContext,
               send: Callable[[Any], None]) -> None:
-      message = self._first(requests, context, pb.HealthCheckRequest)
+      message = self._first(requests, context, pb.HealthCheckRequest, watch=True)
       if message is not None:
         self._watch(message, context, send)
       else:
@@ -242,18 +246,19 @@ class Health:
         (grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
 
   def _first(self, requests: Iterator[bytes], context: grpc.ServicerContext,
-             message: Any) -> Any:
-    """The call's request message; None (the call ended) if its peer has
-    MAX_WAITING_PER_PEER calls waiting for theirs already, or if it never came."""
-    peer = peer_address(context.peer())
-    if not self._waiting.take(peer):
+             message: Any, *, watch: bool) -> Any:
+    """The call's request message; None if it never came. Refused at once
+    (RESOURCE_EXHAUSTED) if its peer has MAX_WAITING_PER_PEER calls of its
+    kind (Watch; Check or List) waiting for theirs already."""
+    peer, waiting = peer_address(context.peer()), self._waiting[watch]
+    if not waiting.take(peer):
       context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                     f"{MAX_WAITING_PER_PEER} health calls of {peer} are waiting for "
                     "their request message already")
     try:
       return first_request(requests, context, message)
     finally:
-      self._waiting.give(peer)
+      waiting.give(peer)
 
   def _check(self, request: pb.HealthCheckRequest,
              context: grpc.ServicerContext) -> pb.HealthCheckResponse:
