@@ -24,7 +24,8 @@ What a connection can cost is bounded, whatever its peer does:
     REQUEST_ARRIVAL_TIMEOUT_S, as on the gRPC port;
   * time: a connection must have a request answered within
     HEALTH_FIRST_REQUEST_TIMEOUT_S of connecting, and is closed once it has
-    had none answered for HEALTH_IDLE_TIMEOUT_S and holds no Watch; a Watch
+    had none answered for HEALTH_IDLE_TIMEOUT_S and holds no Watch, or once
+    it has carried HEALTH_MAX_CALLS_PER_CONNECTION calls; a Watch
     lasts the idle timeout (`--idle-timeout-s`, then ends with status OK)
     and a peer keeps at most MAX_WATCHES_PER_PEER open;
   * bytes: a connection may send HEALTH_RECEIVE_BUDGET_BYTES at once,
@@ -79,6 +80,9 @@ HEALTH_MAX_HEADER_LIST_BYTES = 8 << 10
 HEALTH_RECEIVE_BUDGET_BYTES = 16 << 10
 HEALTH_RECEIVE_REFILL_S = 16.0
 HEALTH_MAX_UNSENT_BYTES = 64 << 10
+# Then the connection is closed once its calls are over (GOAWAY; a client
+# opens another): what h2 keeps of a connection's past streams stays small.
+HEALTH_MAX_CALLS_PER_CONNECTION = 1000
 
 _CHECK, _LIST, _WATCH = (f"/{SERVICE_NAME}/{m}" for m in ("Check", "List", "Watch"))
 _OK, _INVALID_ARGUMENT, _NOT_FOUND, _RESOURCE_EXHAUSTED, _UNIMPLEMENTED = 0, 3, 5, 8, 12
@@ -111,7 +115,8 @@ class _Connection:
   answered_at: float  # when a request was last answered (or it connected)
   budget: float = HEALTH_RECEIVE_BUDGET_BYTES
   budget_at: float = 0.0
-  served: int = 0
+  served: int = 0  # requests answered
+  opened_calls: int = 0
   calls: dict[int, _Call] = dataclasses.field(default_factory=dict)
   unsent: bytearray = dataclasses.field(default_factory=bytearray)
   writing: bool = False  # registered for EVENT_WRITE too
@@ -190,64 +195,66 @@ class HealthPort:
     while not self._stopping:
       for key, mask in self._selector.select(timeout=_TICK_S):
         if key.data == "accept":
-          self._accept()
-        elif key.data == "wake":
-          pass  # `stop`
-        else:
-          self._serve(key.data, mask)
+          try:
+            self._accept()
+          except Exception:  # pylint: disable=broad-except
+            log.exception("health port: accepting failed")  # a bug: the port lives on
+        elif key.data != "wake":  # "wake": `stop`
+          self._guarded(key.data, self._serve, mask)
       now = time.monotonic()
       if now >= next_tick:
         next_tick = now + _TICK_S
-        self._tick(now)
+        if self._accept_again_at and now >= self._accept_again_at:
+          self._accept_again_at = 0.0
+          self._selector.register(self._listener, selectors.EVENT_READ, "accept")
+        status: list[int] = []  # asked once per tick, if a Watch needs it
+        for conn in list(self._conns):
+          self._guarded(conn, self._tick, now, status)
 
-  def _serve(self, conn: _Connection, mask: int) -> None:
-    """What a connection's socket is ready for; a failure costs that connection."""
+  def _guarded(self, conn: _Connection, step: Callable[..., None], *args: object) -> None:
+    """`step(conn, *args)`; what goes wrong costs that connection alone."""
     if conn not in self._conns:
       return  # closed by an earlier event of this round
     try:
-      if mask & selectors.EVENT_READ:
-        self._receive(conn)
-      self._flush(conn)
+      step(conn, *args)
     except _Closed as e:
       self._throttled.warning(("closed", e.why), "health port: closed a connection of "
                               "%s: %s", conn.peer, e)
       self._close(conn, h2.errors.ErrorCodes.ENHANCE_YOUR_CALM)
-    except (OSError, h2.exceptions.ProtocolError):  # gone, or not HTTP/2
-      self._close(conn, h2.errors.ErrorCodes.PROTOCOL_ERROR)
+    except (OSError, h2.exceptions.ProtocolError):  # gone, or not HTTP/2 (h2 said GOAWAY)
+      self._close(conn)
     except Exception:  # pylint: disable=broad-except
       log.exception("health port: a connection of %s closed: serving it failed", conn.peer)
       self._close(conn, h2.errors.ErrorCodes.INTERNAL_ERROR)
 
-  def _tick(self, now: float) -> None:
-    """Deadlines, Watch streams, and accepting again after a pause."""
-    if self._accept_again_at and now >= self._accept_again_at:
-      self._accept_again_at = 0.0
-      self._selector.register(self._listener, selectors.EVENT_READ, "accept")
-    status = None
-    for conn in list(self._conns):
-      try:
-        for stream_id, call in list(conn.calls.items()):
-          if not call.answered and now - call.arrived > REQUEST_ARRIVAL_TIMEOUT_S:
-            conn.h2.reset_stream(stream_id, h2.errors.ErrorCodes.CANCEL)
-            del conn.calls[stream_id]
-          elif call.method == _WATCH and call.answered:
-            if now >= call.watch_until:
-              self._end(conn, stream_id, _OK, "a Watch lasts --idle-timeout-s; open another")
-              conn.answered_at = now
-              continue
-            status = self._status() if status is None else status
-            self._watch_update(conn, stream_id, call, status)
-        limit = HEALTH_IDLE_TIMEOUT_S if conn.served else HEALTH_FIRST_REQUEST_TIMEOUT_S
-        if not conn.watches() and now - conn.answered_at > limit:
-          self._close(conn)
+  def _serve(self, conn: _Connection, mask: int) -> None:
+    """What a connection's socket is ready for."""
+    if mask & selectors.EVENT_READ:
+      self._receive(conn)
+    self._flush(conn)
+
+  def _tick(self, conn: _Connection, now: float, status: list[int]) -> None:
+    """A connection's deadlines, and its Watch streams told of a change.
+    `status`: the server's status, once asked this tick ([] until then)."""
+    for stream_id, call in list(conn.calls.items()):
+      if not call.answered and now - call.arrived > REQUEST_ARRIVAL_TIMEOUT_S:
+        conn.h2.reset_stream(stream_id, h2.errors.ErrorCodes.CANCEL)
+        del conn.calls[stream_id]
+      elif call.method == _WATCH and call.answered:
+        if now >= call.watch_until:
+          self._end(conn, stream_id, _OK, "a Watch lasts --idle-timeout-s; open another")
+          conn.answered_at = now
           continue
-        self._flush(conn)
-      except (OSError, h2.exceptions.ProtocolError):
+        if not status:
+          status.append(self._status())
+        self._watch_update(conn, stream_id, call, status[0])
+    if not conn.watches():
+      limit = HEALTH_IDLE_TIMEOUT_S if conn.served else HEALTH_FIRST_REQUEST_TIMEOUT_S
+      if now - conn.answered_at > limit or (
+          conn.opened_calls >= HEALTH_MAX_CALLS_PER_CONNECTION and not conn.calls):
         self._close(conn)
-      except _Closed as e:
-        self._throttled.warning(("closed", e.why), "health port: closed a connection of "
-                                "%s: %s", conn.peer, e)
-        self._close(conn, h2.errors.ErrorCodes.ENHANCE_YOUR_CALM)
+        return
+    self._flush(conn)
 
   # Connections ---------------------------------------------------------------
 
@@ -361,6 +368,7 @@ class HealthPort:
     if isinstance(event, h2.events.RequestReceived):
       headers = dict(event.headers)
       path = headers.get(b":path", b"").decode("ascii", "replace")
+      conn.opened_calls += 1
       conn.calls[event.stream_id] = _Call(path, arrived=now,
                                           half_closed=event.stream_ended is not None)
       if headers.get(b":method") != b"POST" or path not in (_CHECK, _LIST, _WATCH):
