@@ -196,7 +196,7 @@ def test_one_address_cannot_take_the_health_ports_connections(config_path):
     supervisor = server.proc.pid
     n = hp.HEALTH_MAX_CONNECTIONS + 20
     held = _open_from(server, ATTACKER, n, port=server.health_port)
-    with _kept(held):
+    with _kept(held, CHECK):  # each holding header-only calls too
       assert len(held) == n  # none refused: the oldest of the address made room
       _wait_for(lambda: _established(supervisor, server.health_port, ATTACKER)
                 <= hp.HEALTH_MAX_CONNECTIONS_PER_PEER, 10, "the address kept more")
@@ -262,3 +262,53 @@ def test_the_health_port_says_what_the_workers_say(config_path):
       psutil.Process(worker).send_signal(signal.SIGCONT)
     _wait_for(lambda: _check(stub_target) == SERVING, 4 * health_lib.PROBE_TIMEOUT_S,
               "the worker answered again but health did not say so")
+
+
+def test_a_stopping_server_says_not_serving(config_path):
+  # A stream nobody reads keeps the server in its grace period after SIGTERM:
+  # the health port answers NOT_SERVING meanwhile, so that the pod leaves
+  # the rotation while its streams finish.
+  import signal  # pylint: disable=g-import-not-at-top
+  from grain_elevator.proto import elevator_pb2 as pb  # pylint: disable=g-import-not-at-top
+  from grain_elevator.proto import elevator_pb2_grpc as pb_grpc  # pylint: disable=g-import-not-at-top
+  endless = pb.BatchRequest(dataset="forever", global_batch_size=256, shard_count=1,
+                            num_steps=1_000_000)
+  with LocalServer(config_path, workers=1, extra_args=("--grace-s", "30")) as server, \
+       grpc.insecure_channel(server.target) as channel:
+    call = pb_grpc.ElevatorStub(channel).GetBatches(endless, timeout=120)
+    try:
+      next(call)  # it runs
+      assert _check(server.health_target) == SERVING
+      server.proc.send_signal(signal.SIGTERM)
+      _wait_for(lambda: _check(server.health_target) == health_lib.NOT_SERVING, 10,
+                "health said SERVING while the server stopped")
+    finally:
+      call.cancel()
+    assert server.proc.wait(60) == 0
+
+
+def test_a_watch_on_the_health_port_hears_each_change_and_ends():
+  """In-process: the health port's Watch sends the status at once and on
+  each change, SERVICE_UNKNOWN for a service it does not serve, and ends
+  (status OK) when its time is up."""
+  status = [SERVING]
+  port = hp.HealthPort(lambda: status[0], ("",), watch_s=3.0)
+  target = f"127.0.0.1:{port.start('127.0.0.1', 0)}"
+  try:
+    with grpc.insecure_channel(target) as ch:
+      stub = health_pb2_grpc.HealthStub(ch)
+      unknown = stub.Watch(health_pb2.HealthCheckRequest(service="nope"), timeout=10)
+      assert next(unknown).status == health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
+      unknown.cancel()
+      watch = stub.Watch(health_pb2.HealthCheckRequest(), timeout=10)
+      assert next(watch).status == SERVING
+      status[0] = health_lib.NOT_SERVING
+      assert next(watch).status == health_lib.NOT_SERVING
+      assert stub.Check(health_pb2.HealthCheckRequest(), timeout=5).status == (
+          health_lib.NOT_SERVING)
+      status[0] = SERVING
+      assert next(watch).status == SERVING
+      assert list(watch) == []  # ended by the server after watch_s
+      assert watch.code() == grpc.StatusCode.OK
+  finally:
+    port.stop()
