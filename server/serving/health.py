@@ -105,10 +105,6 @@ class PeerCounts:
       else:
         self._held.pop(peer, None)
 
-  def total(self) -> int:
-    with self._lock:
-      return sum(self._held.values())
-
 
 @dataclasses.dataclass(eq=False)
 class _Watch:
