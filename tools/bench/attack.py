@@ -15,7 +15,8 @@ defend against:
   bulk-idle     2,000 greeted bulk connections that send nothing (past the
                 1,024 cap per worker); reopened when closed
   oversize      connections promising a 2**34-byte request, then junk
-  slowloris     200 connections sending a request header a byte every 2 s
+  slowloris     200 connections sending a request header a byte every 2 s,
+                then holding them
   headers       header-only gRPC calls (headers, never a message) to Describe,
                 GetBatches and health Check, as many as each of 8 connections
                 may carry (the server's stream limit); each one cut is opened

@@ -47,13 +47,17 @@ def _check(target: str, timeout_s: float = 5.0, service: str = "") -> int:
 
 
 def _p99_of_probes(target: str, n: int = PROBES) -> float:
-  """The p99 latency of `n` probes, each of which must answer SERVING."""
+  """The p99 latency of `n` probes, each of which must answer SERVING;
+  printed with p50 and max (BENCHMARKS.md quotes `pytest -s`)."""
   took = []
   for _ in range(n):
     start = time.monotonic()
     assert _check(target) == SERVING
     took.append(time.monotonic() - start)
-  return float(np.percentile(took, 99))
+  p50, p99 = np.percentile(took, [50, 99]) * 1e3
+  print(f"\n{n} probes at {target}: p50 {p50:.1f} ms, p99 {p99:.1f} ms, "
+        f"max {max(took) * 1e3:.1f} ms", end=" ")
+  return p99 / 1e3
 
 
 def _open_from(server, peer: str, count: int, port: int | None = None) -> list[H2Peer]:
