@@ -88,6 +88,7 @@ _CHECK, _LIST, _WATCH = (f"/{SERVICE_NAME}/{m}" for m in ("Check", "List", "Watc
 _OK, _INVALID_ARGUMENT, _NOT_FOUND, _RESOURCE_EXHAUSTED, _UNIMPLEMENTED = 0, 3, 5, 8, 12
 _RESPONSE_HEADERS = ((b":status", b"200"), (b"content-type", b"application/grpc"))
 _TICK_S = 0.05  # how often deadlines are checked, and Watch streams told of a change
+_IDLE_WAIT_S = 1.0
 _ACCEPTS_PER_TICK = 64  # then the connections already open have their turn
 _ACCEPT_PAUSE_S = 0.1  # out of descriptors: accepting waits this long
 _LOG_PERIOD_S = 10.0
@@ -193,7 +194,9 @@ class HealthPort:
   def _loop(self) -> None:
     next_tick = 0.0
     while not self._stopping:
-      for key, mask in self._selector.select(timeout=_TICK_S):
+      # With no connection there are no deadlines: wait for one (or `stop`).
+      timeout = _TICK_S if self._conns or self._accept_again_at else _IDLE_WAIT_S
+      for key, mask in self._selector.select(timeout=timeout):
         if key.data == "accept":
           try:
             self._accept()
