@@ -13,10 +13,11 @@ waiting out its delay holds up neither the others nor `stop`.
 A slot whose worker died more than CRASH_LOOP_RESTARTS times in a row, each
 within RESTART_STABLE_AFTER_S of its start, is crash-looping until a worker
 of it stays up that long. Each of its deaths is logged at ERROR (worker, deaths in a row, exit
-code or signal, next delay), and every worker's health service says
-NOT_SERVING, for "" and the Elevator service alike: the supervisor counts the
-looping slots in a shared integer (restarts.CrashLoopFlag) that each worker
-polls. The whole server goes out of a load balancer's or readiness probe's
+code or signal, next delay), and health says NOT_SERVING, for "" and the
+Elevator service alike: on the health port, which this process serves
+(server/serving/health_port.py, from health_board.py), and on every worker's
+gRPC port, since the supervisor counts the looping slots in a shared
+integer (restarts.CrashLoopFlag) that each worker polls. The whole server goes out of a load balancer's or readiness probe's
 rotation rather than one worker of it, since a probe cannot pick the worker
 its connection reaches (SO_REUSEPORT), and a server that keeps losing a
 worker resets some clients' connections whichever one answered. Requests
@@ -54,9 +55,9 @@ from grain_elevator.server.data import config as config_lib
 from grain_elevator.server.data import parallel_head
 from grain_elevator.server.data.shards import identity as shard_identity
 from grain_elevator.server.process import lifeline
-from grain_elevator.server.process.health_board import HealthBoard
 from grain_elevator.server.process import restarts
 from grain_elevator.server.process import sockets
+from grain_elevator.server.process.health_board import HealthBoard
 from grain_elevator.server.process.options import ServerOptions
 from grain_elevator.server.serving import auth
 from grain_elevator.server.serving import health as health_lib
