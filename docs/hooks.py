@@ -61,7 +61,14 @@ CONSTANTS = {
     "grain_elevator.proto.contract": ["MASK_KEY"],
     "grain_elevator.server.serving.bulk": ["HANDSHAKE_TIMEOUT_S"],
     "grain_elevator.server.serving.grpc_service": ["REQUEST_ARRIVAL_TIMEOUT_S"],
-    "grain_elevator.server.serving.health": ["PROBE_TIMEOUT_S"],
+    "grain_elevator.server.serving.health": [
+        "PROBE_TIMEOUT_S", "MAX_WAITING_PER_PEER", "MAX_WATCHES_PER_PEER", "MAX_WATCHES"],
+    "grain_elevator.server.serving.health_port": [
+        "HEALTH_MAX_CONNECTIONS", "HEALTH_MAX_CONNECTIONS_PER_PEER",
+        "HEALTH_MAX_STREAMS_PER_CONNECTION", "HEALTH_FIRST_REQUEST_TIMEOUT_S",
+        "HEALTH_IDLE_TIMEOUT_S", "HEALTH_MAX_REQUEST_BYTES", "HEALTH_MAX_HEADER_LIST_BYTES",
+        "HEALTH_RECEIVE_BUDGET_BYTES", "HEALTH_RECEIVE_REFILL_S", "HEALTH_MAX_UNSENT_BYTES",
+        "HEALTH_MAX_CALLS_PER_CONNECTION"],
     "grain_elevator.server.serving.admission": ["STALL_GRACE_S", "SLICE_S"],
     "grain_elevator.server.serving.batch_cache": ["DEFAULT_WAIT_S"],
     "grain_elevator.server.serving.stream_sessions": ["MAX_STREAM_SESSIONS",

@@ -49,8 +49,9 @@ class LocalServer:
       why = (f"not ready after {start_timeout_s:.0f} s, killed" if line is None
              else f"exit {self.proc.returncode}")
       raise RuntimeError(f"elevator serve did not start ({why}):\n{self.stderr()}")
-    self.host, self.port, self.bulk_port = ready
+    self.host, self.port, self.bulk_port, self.health_port = ready
     self.target = f"{self.host}:{self.port}"
+    self.health_target = f"{self.host}:{self.health_port}"
 
   def _ready_line(self, timeout_s: float) -> str | None:
     """The server's first line of stdout ("" at EOF), None after `timeout_s`."""

@@ -111,6 +111,14 @@ class ServerOptions:
   metrics_port: int | None = _option(
       None, "serve Prometheus metrics of the whole server at http://HOST:PORT/metrics; "
             "0 picks a free one", none="off")
+  health_port: int = _option(
+      0, "the health port: grpc.health.v1.Health (Check, List, Watch) for probes and load "
+         "balancers, on connections of its own, reached by no load on the other ports; "
+         "answers for the whole server; 0 picks a free one (the ready line says which)")
+  max_bulk_connections_per_peer: int = _option(
+      128, "bulk connections one client address keeps open on one worker; past it that "
+           "address's longest-idle one is closed to admit its newcomer, or the newcomer "
+           "if none is idle")
   idle_exit_s: float | None = _option(
       None, "exit 0 once no request (health checks aside) has been in flight for this "
             "many seconds: a data tier started for one job ends with it", none="never")
@@ -121,13 +129,13 @@ class ServerOptions:
             "auto: 1/16 of the container's memory limit, at most 512", none="auto")
 
   def __post_init__(self) -> None:
-    for name in ("port", "bulk_port", "metrics_port"):
+    for name in ("port", "bulk_port", "metrics_port", "health_port"):
       value = getattr(self, name)
       if value is not None and not 0 <= value < 65536:
         raise ConfigError(f"{name} must be in [0, 65536), got {value}")
     for name in ("max_concurrent_requests", "max_message_bytes", "max_stream_batch_bytes",
-                 "max_bulk_connections",
-                 "max_grpc_connections", "max_streams_per_connection"):
+                 "max_bulk_connections", "max_grpc_connections", "max_streams_per_connection",
+                 "max_bulk_connections_per_peer"):
       if getattr(self, name) < 1:
         raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
     if self.threads is not None and self.threads <= self.max_concurrent_requests:

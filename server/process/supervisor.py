@@ -13,10 +13,11 @@ waiting out its delay holds up neither the others nor `stop`.
 A slot whose worker died more than CRASH_LOOP_RESTARTS times in a row, each
 within RESTART_STABLE_AFTER_S of its start, is crash-looping until a worker
 of it stays up that long. Each of its deaths is logged at ERROR (worker, deaths in a row, exit
-code or signal, next delay), and every worker's health service says
-NOT_SERVING, for "" and the Elevator service alike: the supervisor counts the
-looping slots in a shared integer (restarts.CrashLoopFlag) that each worker
-polls. The whole server goes out of a load balancer's or readiness probe's
+code or signal, next delay), and health says NOT_SERVING, for "" and the
+Elevator service alike: on the health port, which this process serves
+(server/serving/health_port.py, from health_board.py), and on every worker's
+gRPC port, since the supervisor counts the looping slots in a shared
+integer (restarts.CrashLoopFlag) that each worker polls. The whole server goes out of a load balancer's or readiness probe's
 rotation rather than one worker of it, since a probe cannot pick the worker
 its connection reaches (SO_REUSEPORT), and a server that keeps losing a
 worker resets some clients' connections whichever one answered. Requests
@@ -46,7 +47,7 @@ import re
 import signal
 import threading
 import time
-from typing import Any, Iterator
+from typing import Any, Iterator, NamedTuple
 
 from grain_elevator.proto import malloc
 from grain_elevator.proto.errors import ElevatorError
@@ -56,9 +57,13 @@ from grain_elevator.server.data.shards import identity as shard_identity
 from grain_elevator.server.process import lifeline
 from grain_elevator.server.process import restarts
 from grain_elevator.server.process import sockets
+from grain_elevator.server.process.health_board import HealthBoard
 from grain_elevator.server.process.options import ServerOptions
 from grain_elevator.server.serving import auth
+from grain_elevator.server.serving import health as health_lib
 from grain_elevator.server.serving import metrics as metrics_lib
+from grain_elevator.server.serving.grpc_service import SERVICE_NAME
+from grain_elevator.server.serving.health_port import HealthPort
 
 log = logging.getLogger("grain_elevator.server")
 
@@ -128,6 +133,10 @@ class Server:
     self._supervisor: threading.Thread | None = None
     self._metrics: metrics_lib.Exporter | None = None
     self._head_peers: parallel_head.HeadPeers | None = None
+    # The health port (server/serving/health_port.py), answering from the
+    # board that the workers and this supervisor write (health_board.py).
+    self._health_board: HealthBoard | None = None
+    self._health_port: HealthPort | None = None
     # A shared double per worker slot (made by `start`), set by its worker:
     # inf while a request is in flight, else time.monotonic() when its last
     # request ended (CLOCK_MONOTONIC is one clock for every process of the
@@ -147,6 +156,10 @@ class Server:
   @property
   def bulk_port(self) -> int | None:
     return self.options.bulk_port if self.options.serves_bulk else None
+
+  @property
+  def health_port(self) -> int:
+    return self.options.health_port
 
   @property
   def target(self) -> str:
@@ -196,6 +209,7 @@ class Server:
             f"cannot serve metrics on {opts.host}:{opts.metrics_port}: {e}") from e
     self._activity = [self._ctx.RawValue("d", time.monotonic())
                       for _ in range(self.num_workers)]
+    self._start_health_port()
     # Stream datasets' heads are computed by every worker (server/data/parallel_head.py).
     self._head_peers = (parallel_head.HeadPeers(self.num_workers)
                         if self.num_workers > 1 else None)
@@ -204,6 +218,22 @@ class Server:
                                         name="elevator-supervisor")
     self._supervisor.start()
     return self
+
+  def _start_health_port(self) -> None:
+    """Serves the health port, NOT_SERVING until every worker is ready."""
+    board = self._health_board = HealthBoard(self._ctx, self.num_workers)
+    board.set_reason("starting", True)
+    port = self._health_port = HealthPort(
+        lambda: health_lib.NOT_SERVING if board.reasons() else health_lib.SERVING,
+        ("", SERVICE_NAME), watch_s=self.options.idle_timeout_s)
+    try:
+      resolved = port.start(self.options.host, self.options.health_port)
+    except OSError as e:
+      if self._metrics:
+        self._metrics.stop()
+      raise sockets.BindError(f"cannot serve health on {self.options.host}:"
+                              f"{self.options.health_port}: {e.strerror}") from e
+    self.options = dataclasses.replace(self.options, health_port=resolved)
 
   def _start_workers(self) -> None:
     reservations = [sockets.bind_shared(self.options.host, self.options.port)]
@@ -216,6 +246,7 @@ class Server:
       for i in range(self.num_workers):
         self._spawn(i)
       self._await_ready(set(range(self.num_workers)))
+      self._health_board.set_reason("starting", False)
     except BaseException:
       self.stop()
       raise
@@ -231,8 +262,10 @@ class Server:
         args=(os.getpid(), self.config_path, self.options, index, self.num_workers,
               self._ready, self._identities),
         kwargs={"crash_loop": self._crash_loop, "last_request": self._activity[index],
-                "head_peers": self._head_peers},
+                "head_peers": self._head_peers,
+                "health_slot": self._health_board.slot(index)},
         name=f"elevator-worker-{index}", daemon=True)
+    self._health_board.reset(index)
     with _worker_environment(self._metrics.worker_env() if self._metrics else {}):
       p.start()
     self._procs[index] = p
@@ -292,6 +325,7 @@ class Server:
     """Logs why worker `index` died; returns the delay before its restart."""
     p = self._procs[index]
     p.join()
+    self._health_board.reset(index)
     if self._metrics:
       self._metrics.worker_died(p.pid)
     if math.isinf(self._activity[index].value):  # its requests ended with it
@@ -312,7 +346,9 @@ class Server:
 
   def _publish_crash_loops(self) -> None:
     """Tells the workers how many slots are crash-looping (health)."""
-    self._crash_loop.set(sum(h.crash_loop for h in self._history.values()))
+    looping = sum(h.crash_loop for h in self._history.values())
+    self._crash_loop.set(looping)
+    self._health_board.set_reason("crash loop", looping > 0)
 
   def _log_restarts(self) -> None:
     """Logs what restarted workers reported at start-up: serving again, or
@@ -328,7 +364,10 @@ class Server:
         log.info("worker %d (pid %s) is serving again", index, self._procs[index].pid)
 
   def stop(self) -> None:
-    """SIGTERM every worker, wait out their grace period, then SIGKILL."""
+    """Health NOT_SERVING; SIGTERM every worker, wait out their grace period,
+    then SIGKILL."""
+    if self._health_board is not None:
+      self._health_board.set_reason("stopping", True)
     self._stop.set()
     if self._supervisor is not None and self._supervisor is not threading.current_thread():
       self._supervisor.join()
@@ -343,6 +382,8 @@ class Server:
         p.join()
     if self._metrics:
       self._metrics.stop()
+    if self._health_port is not None:
+      self._health_port.stop()
     if self._head_peers is not None:
       self._head_peers.remove()
 
@@ -354,8 +395,17 @@ class Server:
 
 
 # The line `serve` prints once every worker is ready; tools/launcher.py reads
-# the address from it.
-_READY = re.compile(r" on (\S+):(\d+) with \d+ worker processes(?:, bulk port (\d+))? ")
+# the addresses from it.
+_READY = re.compile(r" on (\S+):(\d+) with \d+ worker processes(?:, bulk port (\d+))?"
+                    r"(?:, health port (\d+))? ")
+
+
+class Ready(NamedTuple):
+  """What a ready line says: where the server serves."""
+  host: str
+  port: int
+  bulk_port: int | None
+  health_port: int | None
 
 
 def ready_line(server: Server) -> str:
@@ -364,16 +414,18 @@ def ready_line(server: Server) -> str:
   metrics = (f"; metrics at http://{server.host}:{server.metrics_port}/metrics"
              if server.metrics_port is not None else "")
   return (f"elevator: serving [{names}] on {server.host}:{server.port} with "
-          f"{server.num_workers} worker processes{bulk} (pid {os.getpid()}){metrics}")
+          f"{server.num_workers} worker processes{bulk}, health port {server.health_port} "
+          f"(pid {os.getpid()}){metrics}")
 
 
-def parse_ready_line(line: str) -> tuple[str, int, int | None] | None:
-  """(host, port, bulk port or None) of a ready line; None for any other line."""
+def parse_ready_line(line: str) -> Ready | None:
+  """Where a ready line says the server serves; None for any other line."""
   match = _READY.search(line)
   if not match:
     return None
-  bulk = match.group(3)
-  return match.group(1), int(match.group(2)), int(bulk) if bulk else None
+  bulk, health = match.group(3), match.group(4)
+  return Ready(match.group(1), int(match.group(2)), int(bulk) if bulk else None,
+               int(health) if health else None)
 
 
 def serve(config: str | os.PathLike[str], options: ServerOptions = ServerOptions()) -> int:

@@ -71,8 +71,10 @@ class Servers:
 
 
 def build_servers(datasets: dataset_lib.Datasets, opts: ServerOptions, index: int = 0,
-                  num_workers: int = 1) -> Servers:
-  """Start-able gRPC (Elevator, health, reflection) and bulk servers."""
+                  num_workers: int = 1,
+                  report: health_lib.WorkerReport | None = None) -> Servers:
+  """Start-able gRPC (Elevator, health, reflection) and bulk servers;
+  `report`: where the worker's health is seen from the health port."""
   budget = descriptors.Budget(
       bulk_connections=opts.max_bulk_connections if opts.serves_bulk else 0,
       grpc_connections=opts.max_grpc_connections, shards=datasets.num_shards)
@@ -118,13 +120,23 @@ def build_servers(datasets: dataset_lib.Datasets, opts: ServerOptions, index: in
     bulk_server = bulk_lib.BulkServer(path, opts.host, opts.bulk_port,
                                       idle_timeout_s=opts.idle_timeout_s,
                                       max_connections=opts.max_bulk_connections,
+                                      max_per_peer=opts.max_bulk_connections_per_peer,
                                       threads=opts.max_concurrent_requests)
     path.server_info.bulk_port = bulk_server.port
   grpc_service.add_to_server(grpc_service.GrpcService(path), server)
-  health = health_lib.Health(("", grpc_service.SERVICE_NAME))
+  def trusted(context: grpc.ServicerContext) -> bool:  # carries the server's token
+    if token is None:
+      return False
+    try:
+      path.authenticate(grpc_service.bearer_token(context.invocation_metadata()))
+    except ElevatorError:
+      return False
+    return True
+  health = health_lib.Health(("", grpc_service.SERVICE_NAME), watch_s=opts.idle_timeout_s,
+                             trusted=trusted, report=report)
   health.add_to_server(server)
   reflection.enable_server_reflection(
-      (grpc_service.SERVICE_NAME, health_lib.health.SERVICE_NAME, reflection.SERVICE_NAME),
+      (grpc_service.SERVICE_NAME, health_lib.SERVICE_NAME, reflection.SERVICE_NAME),
       server)
   address = f"{opts.host}:{opts.port}"
   if opts.tls:
@@ -138,7 +150,8 @@ def build_servers(datasets: dataset_lib.Datasets, opts: ServerOptions, index: in
 def run(config_path: str, opts: ServerOptions, index: int, num_workers: int,
         ready: Any, identities: shard_identity.Recorded | None = None,
         *, supervisor_pid: int | None = None, crash_loop: Any = None,
-        last_request: Any = None, head_peers: Any = None) -> None:
+        last_request: Any = None, head_peers: Any = None,
+        health_slot: health_lib.WorkerReport | None = None) -> None:
   """Worker process entry point; reports (index, error or None) on `ready`.
   `identities`: the shards and option files as the supervisor recorded them
   at start-up.
@@ -148,7 +161,9 @@ def run(config_path: str, opts: ServerOptions, index: int, num_workers: int,
   request in flight and to time.monotonic() when its last one ends (the
   supervisor's `--idle-exit-s`).
   `head_peers`: the parallel_head.HeadPeers where the server's workers meet
-  to compute its stream datasets' heads together (None: one worker)."""
+  to compute its stream datasets' heads together (None: one worker).
+  `health_slot`: where this worker's health is seen from the health port
+  (health_board.WorkerSlot)."""
   lifeline.tie(supervisor_pid)  # again, for a worker spawned with `run` as its target
   signal.signal(signal.SIGINT, signal.SIG_IGN)  # The supervisor handles Ctrl-C.
   logs.setup(f"elevator[worker {index}]")
@@ -161,7 +176,7 @@ def run(config_path: str, opts: ServerOptions, index: int, num_workers: int,
     # only set `stop`: bind no port for a server that is gone.
     if stop.is_set() or lifeline.orphaned(supervisor_pid):
       return
-    servers = build_servers(datasets, opts, index, num_workers)
+    servers = build_servers(datasets, opts, index, num_workers, health_slot)
     if servers.port == 0:
       raise OSError(f"cannot listen on {opts.host}:{opts.port}")
     heads = None

@@ -19,7 +19,10 @@ What a connection costs is bounded, whatever its peer does:
   * admission cancels a request whose client stops reading (its write
     timeout, server/serving/admission.py) by shutting the socket down;
   * past `max_connections`, the longest-idle connection is closed to admit
-    a new one, so idle sockets cannot lock clients out;
+    a new one, so idle sockets cannot lock clients out; past `max_per_peer`
+    connections of one client address, that address's longest-idle one is
+    (or the newcomer, when all of them are busy), so one address cannot
+    take the cap;
   * out of descriptors (EMFILE, ENFILE), the loop stops accepting for a
     backoff (_ACCEPT_BACKOFF_S) instead of retrying at once, so the
     connections waiting in the listen queue cost no CPU;
@@ -85,6 +88,7 @@ class _Reading(enum.Enum):
 class _Connection:
   """One peer, as the loop sees it between requests."""
   sock: socket.socket
+  peer: str  # the client's address, without its port
   deadline: float
   reading: _Reading = _Reading.GREETING
   busy: bool = False
@@ -123,9 +127,10 @@ class BulkServer:
   """Listens on `host:port` and serves the request path to each connection."""
 
   def __init__(self, path: RequestPath, host: str, port: int, *, idle_timeout_s: float,
-               max_connections: int, threads: int):
-    """`idle_timeout_s`, `max_connections` and `threads` are ServerOptions'
-    idle_timeout_s, max_bulk_connections and max_concurrent_requests."""
+               max_connections: int, threads: int, max_per_peer: int | None = None):
+    """`idle_timeout_s`, `max_connections`, `max_per_peer` and `threads` are
+    ServerOptions' idle_timeout_s, max_bulk_connections,
+    max_bulk_connections_per_peer and max_concurrent_requests."""
     self._listener = sockets.bind_shared(host, port)
     self._listener.listen(1024)
     self._listener.setblocking(False)
@@ -133,6 +138,7 @@ class BulkServer:
     self._path = path
     self._idle_timeout_s = idle_timeout_s
     self._max_connections = max_connections
+    self._max_per_peer = max_per_peer or max_connections
     # 4x the slots: a thread waiting _FOLLOW_ON_WAIT_S for a follow-on
     # request holds no slot, and admitted requests must never queue.
     self._pool = futures.ThreadPoolExecutor(4 * threads, "elevator-bulk")
@@ -140,8 +146,9 @@ class BulkServer:
     self._wake_r, self._wake_w = socket.socketpair()
     self._wake_r.setblocking(False)
     self._returned: queue.SimpleQueue[_Connection] = queue.SimpleQueue()
-    self._lock = threading.Lock()  # guards _conns and _stopping
+    self._lock = threading.Lock()  # guards _conns, _by_peer and _stopping
     self._conns: set[_Connection] = set()
+    self._by_peer: dict[str, set[_Connection]] = {}
     self._stopping = False
     # The loop's alone: whether the listener is polled, else when it is again.
     self._accepting = True
@@ -192,7 +199,7 @@ class BulkServer:
   def _accept(self) -> None:
     while True:
       try:
-        sock, _ = self._listener.accept()
+        sock, address = self._listener.accept()
       except (BlockingIOError, InterruptedError):
         return
       except ConnectionAbortedError:  # reset while queued: the next one
@@ -202,7 +209,7 @@ class BulkServer:
         return
       self._accept_pause_s = 0.0
       try:
-        self._greet(sock)
+        self._greet(sock, address[0])
       except OSError:  # reset before it was greeted
         sock.close()
 
@@ -219,8 +226,8 @@ class BulkServer:
         "bulk port: cannot accept a connection: %s%s; trying again in up to %gs",
         error, hint, last)
 
-  def _greet(self, sock: socket.socket) -> None:
-    if not self._make_room():
+  def _greet(self, sock: socket.socket, peer: str) -> None:
+    if not self._make_room(peer):
       sock.close()
       return
     sock.setblocking(False)
@@ -228,25 +235,41 @@ class BulkServer:
     if not _send_now(sock, framing.MAGIC):
       sock.close()
       return
-    conn = _Connection(sock, deadline=time.monotonic() + HANDSHAKE_TIMEOUT_S)
+    conn = _Connection(sock, peer, deadline=time.monotonic() + HANDSHAKE_TIMEOUT_S)
     self._selector.register(sock, selectors.EVENT_READ, conn)
     with self._lock:
       self._conns.add(conn)
+      self._by_peer.setdefault(peer, set()).add(conn)
 
-  def _make_room(self) -> bool:
-    """Whether a new connection fits, closing the longest-idle one if not."""
+  def _make_room(self, peer: str) -> bool:
+    """Whether a new connection from `peer` fits, closing the longest-idle
+    one of that peer (at max_per_peer) or of all (at max_connections) if not."""
     with self._lock:
-      if len(self._conns) < self._max_connections:
+      mine = self._by_peer.get(peer, set())
+      if len(mine) >= self._max_per_peer:
+        key, idle = "peer", [c for c in mine if not c.busy]
+        what = f"{peer} has {len(mine)} connections open (--max-bulk-connections-per-peer)"
+      elif len(self._conns) >= self._max_connections:
+        key, idle = "full", [c for c in self._conns if not c.busy]
+        what = f"{len(self._conns)} connections open (--max-bulk-connections)"
+      else:
         return True
-      idle = [c for c in self._conns if not c.busy]
     if not idle:
+      self._throttled.warning(key, "bulk port: %s; refusing a new one: all are busy", what)
       return False
-    oldest = min(idle, key=lambda c: c.last_request)
     self._throttled.warning(
-        "full", "bulk port: %d connections open; closing the longest idle one "
-        "to admit a new one (--max-bulk-connections)", self._max_connections)
-    self._close(oldest)
+        key, "bulk port: %s; closing the longest idle one to admit a new one", what)
+    self._close(min(idle, key=lambda c: c.last_request))
     return True
+
+  def _forget(self, conn: _Connection) -> None:
+    """Counts `conn` no more (under self._lock)."""
+    self._conns.discard(conn)
+    mine = self._by_peer.get(conn.peer)
+    if mine is not None:
+      mine.discard(conn)
+      if not mine:
+        del self._by_peer[conn.peer]
 
   def _on_readable(self, conn: _Connection) -> None:
     try:
@@ -341,7 +364,7 @@ class BulkServer:
 
   def _close(self, conn: _Connection) -> None:
     with self._lock:
-      self._conns.discard(conn)
+      self._forget(conn)
     if not conn.busy:
       try:
         self._selector.unregister(conn.sock)
@@ -366,7 +389,7 @@ class BulkServer:
       log.exception("bulk connection closed: serving it failed")
     if not keep:
       with self._lock:
-        self._conns.discard(conn)
+        self._forget(conn)
       _close_socket(conn.sock)
       return
     self._returned.put(conn)

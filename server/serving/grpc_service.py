@@ -168,12 +168,15 @@ class ArrivalInterceptor(grpc.ServerInterceptor):
     inner = handler.stream_stream if streaming else handler.stream_unary
     arrivals = self._arrivals
 
-    def behavior(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
-      return inner(_FirstOnTime(requests, context, arrivals, arrived), context)
+    def behavior(requests: Iterator[Any], context: grpc.ServicerContext, *send: Any) -> Any:
+      return inner(_FirstOnTime(requests, context, arrivals, arrived), context, *send)
     pool = next((p for prefix, p in self._own_pools.items()
                  if handler_call_details.method.startswith(prefix)),
                 getattr(inner, "experimental_thread_pool", None))
     behavior.experimental_thread_pool = pool  # type: ignore[attr-defined]
+    # A non-blocking stream (health's Watch) is handed its send callback.
+    behavior.experimental_non_blocking = getattr(  # type: ignore[attr-defined]
+        inner, "experimental_non_blocking", False)
     kind = (grpc.stream_stream_rpc_method_handler if streaming
             else grpc.stream_unary_rpc_method_handler)
     return kind(behavior, request_deserializer=handler.request_deserializer,

@@ -1,8 +1,8 @@
 """docker-compose.yml as the README runs it: it writes the demo dataset, serves
-it on 127.0.0.1:50051 (bulk: 50052) bit-identical to embedded mode, and comes
-down cleanly. `docker compose` (v2) where installed, else `docker-compose`
+it on 127.0.0.1:50051 (bulk: 50052, health: 50053) bit-identical to embedded
+mode, and comes down cleanly. `docker compose` (v2) where installed, else `docker-compose`
 (v1, what Debian packages). Skipped, with the reason, without a Docker
-engine, a compose command, a local base image, or free ports 50051/50052."""
+engine, a compose command, a local base image, or free ports 50051-50053."""
 
 from __future__ import annotations
 
@@ -52,8 +52,8 @@ def test_compose_up_serves_the_demo_dataset_and_comes_down(tmp_path):
   if base is None:
     pytest.skip(f"none of {', '.join(BASES)} is present: build one with "
                 "deploy/build-base-image.sh")
-  if not (_port_free(50051) and _port_free(50052)):
-    pytest.skip("127.0.0.1:50051 or :50052 is taken; compose publishes those")
+  if not all(map(_port_free, (50051, 50052, 50053))):
+    pytest.skip("one of 127.0.0.1:50051-50053 is taken; compose publishes those")
   # The README's steps, in a copy of the checkout so ./demo-data is the test's.
   work = tmp_path / "checkout"
   shutil.copytree(ROOT, work, ignore=shutil.ignore_patterns(
@@ -65,7 +65,7 @@ def test_compose_up_serves_the_demo_dataset_and_comes_down(tmp_path):
   try:
     assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-3000:]
     deadline = time.monotonic() + 180
-    while _run([*ELEVATOR, "health", "127.0.0.1:50051"]).returncode:
+    while _run([*ELEVATOR, "health", "127.0.0.1:50053"]).returncode:
       assert time.monotonic() < deadline, _run([*compose, *project, "logs"], cwd=work,
                                                env=env).stdout[-3000:]
       time.sleep(1)

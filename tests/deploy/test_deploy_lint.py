@@ -54,7 +54,12 @@ def test_the_manifests_agree_with_the_server_flags_and_each_other():
   parsed = cli.build_parser().parse_args(args)
   ports = {p["name"]: p["containerPort"] for p in container["ports"]}
   assert ports == {"grpc": parsed.port, "bulk": parsed.bulk_port,
-                   "metrics": parsed.metrics_port}
+                   "health": parsed.health_port, "metrics": parsed.metrics_port}
+  # Every probe asks the health port and says how long it may take.
+  probes = [container[k] for k in ("startupProbe", "readinessProbe", "livenessProbe")]
+  for probe in probes:
+    assert probe["grpc"] == {"port": parsed.health_port}, probe
+    assert 1 <= probe["timeoutSeconds"] <= probe["periodSeconds"], probe
   assert pod["metadata"]["annotations"]["prometheus.io/port"] == str(parsed.metrics_port)
   hpa = objects[("HorizontalPodAutoscaler", "grain-elevator")]
   assert hpa["spec"]["scaleTargetRef"]["name"] == deployment["metadata"]["name"]

@@ -67,7 +67,7 @@ def test_the_image_serves_the_embedded_stream_and_stops_cleanly(image, tmp_path)
     os.chmod(path, 0o755 if path.is_dir() else 0o644)
   assert _docker("image", "inspect", "-f", "{{.Config.User}}", image).stdout.strip() == (
       "10001:10001")
-  port, bulk, metrics = _free_port(), _free_port(), _free_port()
+  port, bulk, metrics, health = _free_port(), _free_port(), _free_port(), _free_port()
   name = f"elevator-test-{os.getpid()}"
   # Locked down as deploy/k8s/elevator.yaml runs it: read-only root with a
   # /tmp of its own, no capabilities, no privilege gain, and a CPU limit of
@@ -75,14 +75,14 @@ def test_the_image_serves_the_embedded_stream_and_stops_cleanly(image, tmp_path)
   _docker("run", "-d", "--name", name, "--network", "host", "-v", f"{data}:/data:ro",
           "--read-only", "--tmpfs", "/tmp", "--cap-drop", "ALL",
           "--security-opt", "no-new-privileges", "--cpus", "1",
-          "-e", f"ELEVATOR_HEALTH_TARGET=127.0.0.1:{port}", image,
+          "-e", f"ELEVATOR_HEALTH_TARGET=127.0.0.1:{health}", image,
           "serve", "--config", "/data/elevator.toml", "--host", "127.0.0.1",
           "--port", str(port), "--bulk-port", str(bulk), "--metrics-port", str(metrics),
-          "--workers", "auto")
+          "--health-port", str(health), "--workers", "auto")
   try:
     target = f"127.0.0.1:{port}"
     deadline = time.monotonic() + 180
-    while subprocess.run([*ELEVATOR, "health", target], capture_output=True,
+    while subprocess.run([*ELEVATOR, "health", f"127.0.0.1:{health}"], capture_output=True,
                          timeout=30).returncode:
       assert time.monotonic() < deadline, _docker("logs", name).stderr[-3000:]
       time.sleep(1)

@@ -15,7 +15,8 @@ defend against:
   bulk-idle     2,000 greeted bulk connections that send nothing (past the
                 1,024 cap per worker); reopened when closed
   oversize      connections promising a 2**34-byte request, then junk
-  slowloris     200 connections sending a request header a byte every 2 s
+  slowloris     200 connections sending a request header a byte every 2 s,
+                then holding them
   headers       header-only gRPC calls (headers, never a message) to Describe,
                 GetBatches and health Check, as many as each of 8 connections
                 may carry (the server's stream limit); each one cut is opened
@@ -25,17 +26,23 @@ defend against:
                 last byte; reopened when cut
   idlegrpc      900 idle HTTP/2 connections to the gRPC port (preface and
                 settings, then nothing but acknowledgements), spread over
-                the workers; reopened when closed
+                the workers; reopened when closed (past the cap, the trainer
+                could not connect: tests/server/serving/test_health_port.py
+                shows probes on the health port then)
+  watch         130 connections to the gRPC port, each holding one health
+                Watch sent without a token; reopened when ended or closed
 
-The last three are raw HTTP/2 peers (the `h2` library, the [test] extra),
+The last four are raw HTTP/2 peers (the `h2` library, tools/bench/h2peer.py),
 what no gRPC client library sends on purpose; each says on stderr, when it
 ends, how many calls the server cut, refused (REFUSED_STREAM) and let it hold.
 
 Every run checks each batch against embedded mode (bit for bit) and reports
-steps/s, the health check's latency (a fresh connection every 0.25 s, as a
-kubelet probe makes; an error or an answer other than SERVING counts as a
-failed probe) and the workers' peak RSS. The attackers run on the
-same cores as the server and the trainer, which a remote attacker would not.
+steps/s, the workers' peak RSS and the latency of health checks, each on a
+fresh connection every 0.25 s as a kubelet probe makes (an error or an
+answer other than SERVING counts as a failed probe), side by side: on the
+health port (--health-port, server/serving/health_port.py), where probes
+belong, and on the gRPC port. The attackers run on the same cores as the
+server and the trainer, which a remote attacker would not.
 """
 
 from __future__ import annotations
@@ -52,7 +59,7 @@ import sys
 import tempfile
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import grpc
 import numpy as np
@@ -62,23 +69,22 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.proto import elevator_pb2_grpc as pb_grpc
 from grain_elevator.proto import framing
-
-if TYPE_CHECKING:
-  from grain_elevator.tools.bench.h2peer import H2Peer
+from grain_elevator.tools.bench.h2peer import H2Peer
 
 KINDS = ("grpc-unread", "bulk-unread", "bulk-idle", "oversize", "slowloris",
-         "headers", "halfsent", "idlegrpc")
-H2_KINDS = ("headers", "halfsent", "idlegrpc")
+         "headers", "halfsent", "idlegrpc", "watch")
 # Descriptors each attacker holds at most (its RLIMIT_NOFILE is raised to
 # this plus a reserve).
 NOFILE = {"grpc-unread": 0, "bulk-unread": 64, "bulk-idle": 2000, "oversize": 1,
-          "slowloris": 200, "headers": 8, "halfsent": 20, "idlegrpc": 900}
+          "slowloris": 200, "headers": 8, "halfsent": 20, "idlegrpc": 900, "watch": 130}
 HEADER_CONNECTIONS = 8
 HALFSENT_CONNECTIONS, HALFSENT_CALLS = 20, 20
 IDLE_GRPC_CONNECTIONS = 900
+WATCH_CONNECTIONS = 130
 ELEVATOR = pb.DESCRIPTOR.services_by_name["Elevator"].full_name
 DESCRIBE, GET_BATCHES = f"/{ELEVATOR}/Describe", f"/{ELEVATOR}/GetBatches"
 CHECK = "/grpc.health.v1.Health/Check"
+WATCH = "/grpc.health.v1.Health/Watch"
 ENDLESS = pb.BatchRequest(dataset="generated", global_batch_size=128, shard_count=1,
                           start_step=0, num_steps=10**9)
 
@@ -190,23 +196,13 @@ def _slowloris(host: str, port: int, seconds: float) -> None:
       except OSError:
         pass
     time.sleep(2)
+  while time.monotonic() < deadline:  # then hold them, the payload never sent
+    time.sleep(1)
 
 
-# Raw HTTP/2 peers (headers, halfsent, idlegrpc) ------------------------------
+# Raw HTTP/2 peers (headers, halfsent, idlegrpc, watch) -----------------------
 
 _HELD_AFTER_S = 0.5  # a call open this long was accepted, not refused
-
-
-def _h2peer() -> type[H2Peer]:
-  """The raw HTTP/2 peer (h2peer.py), imported only by the attackers that
-  need it: it needs the `h2` package."""
-  try:
-    # pylint: disable-next=g-import-not-at-top
-    from grain_elevator.tools.bench.h2peer import H2Peer as peer
-  except ImportError as e:
-    raise SystemExit(f"the {', '.join(H2_KINDS)} attackers need the `h2` package: "
-                     "pip install 'grain-elevator[test]' (or h2>=4.1)") from e
-  return peer
 
 
 def _h2_calls(host: str, port: int, seconds: float, kind: str, *, connections: int,
@@ -219,7 +215,6 @@ def _h2_calls(host: str, port: int, seconds: float, kind: str, *, connections: i
   (gRPC counts a call it cut against the stream limit until the worker has
   released it, refusing new ones meanwhile: its overload protection, on by
   default. "Held" counts the calls open long enough to have been accepted.)"""
-  peer = _h2peer()
   method = itertools.cycle(methods)
   held: list[H2Peer] = []
   gone: list[H2Peer] = []
@@ -233,7 +228,7 @@ def _h2_calls(host: str, port: int, seconds: float, kind: str, *, connections: i
       held = alive
       while len(held) < connections:
         try:
-          held.append(peer(host, port))
+          held.append(H2Peer(host, port))
         except OSError:
           break
       for p in held:
@@ -297,25 +292,53 @@ def hostile(kind: str, target: str, bulk_port: int, seconds: float) -> None:
   elif kind == "idlegrpc":
     _h2_calls(host, int(port), seconds, kind, connections=IDLE_GRPC_CONNECTIONS, calls=0,
               methods=(), period_s=2.0)
+  elif kind == "watch":  # each Watch's request: an empty HealthCheckRequest
+    _h2_calls(host, int(port), seconds, kind, connections=WATCH_CONNECTIONS, calls=1,
+              methods=(WATCH,), declared_bytes=0)
 
 
 # The trainer's side ---------------------------------------------------------
 
 def _probe_health(target: str, stop: threading.Event,
                   out: list[tuple[float, bool]]) -> None:
-  """(latency, SERVING?) of a Check every 0.25 s; an error's latency is inf."""
+  """(latency, SERVING?) of a Check every 0.25 s at `target`, each on a
+  connection of its own; an error's latency is inf. The first, which pays
+  for this process's gRPC start-up (a kubelet's is long running), is not
+  counted."""
+  warm_up: list[tuple[float, bool]] = []
+  _probe_once(target, warm_up)
   while not stop.is_set():
-    with grpc.insecure_channel(target,
-                               options=[("grpc.use_local_subchannel_pool", 1)]) as ch:
-      start = time.monotonic()
-      try:
-        reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(),
-                                                     timeout=10)
-        out.append((time.monotonic() - start,
-                    reply.status == health_pb2.HealthCheckResponse.SERVING))
-      except grpc.RpcError:
-        out.append((float("inf"), False))
+    _probe_once(target, out)
     stop.wait(0.25)
+
+
+def _probe_once(target: str, out: list[tuple[float, bool]]) -> None:
+  with grpc.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)]) as ch:
+    start = time.monotonic()
+    try:
+      reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(),
+                                                   timeout=10)
+      out.append((time.monotonic() - start,
+                  reply.status == health_pb2.HealthCheckResponse.SERVING))
+    except grpc.RpcError:
+      out.append((float("inf"), False))
+
+
+def probe(targets: dict[str, str]) -> None:
+  """Probes each of `targets` (name: address) from a thread of its own until
+  SIGTERM, then prints {name: [[latency, SERVING?], ...]} as JSON. A process
+  apart from the trainer's, whose GIL would delay the probes it times."""
+  stop = threading.Event()
+  signal.signal(signal.SIGTERM, lambda *_: stop.set())
+  got: dict[str, list[tuple[float, bool]]] = {name: [] for name in targets}
+  threads = [threading.Thread(target=_probe_health, args=(target, stop, got[name]))
+             for name, target in targets.items()]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+  print(json.dumps({name: [[s if np.isfinite(s) else None, ok] for s, ok in out]
+                    for name, out in got.items()}), flush=True)
 
 
 def _sample_rss(server: psutil.Process, stop: threading.Event, out: list[float]) -> None:
@@ -357,17 +380,20 @@ def _phase(name: str, server, config: str, steps: int, kinds: list[str]) -> dict
   try:
     time.sleep(10 if kinds else 0)  # let them take every slot and socket
     stop = threading.Event()
-    health: list[tuple[float, bool]] = []
     rss: list[float] = []
-    threads = [threading.Thread(target=_probe_health, args=(server.target, stop, health)),
-               threading.Thread(target=_sample_rss,
-                                args=(psutil.Process(server.proc.pid), stop, rss))]
-    for t in threads:
-      t.start()
+    sampler = threading.Thread(target=_sample_rss,
+                               args=(psutil.Process(server.proc.pid), stop, rss))
+    sampler.start()
+    prober = subprocess.Popen(
+        [sys.executable, "-m", "grain_elevator.tools.bench.attack", "--probe",
+         "--target", server.target, "--health-target", server.health_target],
+        stdout=subprocess.PIPE, text=True)
     rate = _read(server.target, config, steps)
+    prober.terminate()
+    probes = {port: [(float("inf") if s is None else s, ok) for s, ok in got]
+              for port, got in json.loads(prober.communicate(timeout=60)[0]).items()}
     stop.set()
-    for t in threads:
-      t.join()
+    sampler.join()
     gone = {kind: p.returncode for kind, p in zip(kinds, hostiles) if p.poll() is not None}
     if gone:  # the phase ran without them
       raise RuntimeError(f"attackers ended before their phase did (exit status): {gone}")
@@ -380,13 +406,16 @@ def _phase(name: str, server, config: str, steps: int, kinds: list[str]) -> dict
       except subprocess.TimeoutExpired:
         p.kill()
         p.wait()
-  h = np.asarray([s for s, _ in health])
-  not_serving = sum(1 for s, ok in health if not ok and not np.isinf(s))
-  return {"phase": name, "steps_per_s": rate, "health_p50_ms": float(np.median(h) * 1e3),
-          "health_max_ms": float(h.max() * 1e3), "health_probes": len(h),
-          # an error or an answer other than SERVING, as a kubelet counts it
-          "health_failed": int(np.isinf(h).sum()) + not_serving,
-          "health_not_serving": not_serving, "rss_max_mb": max(rss)}
+  row: dict[str, Any] = {"phase": name, "steps_per_s": rate, "rss_max_mb": max(rss)}
+  for port, health in probes.items():
+    h = np.asarray([s for s, _ in health])
+    not_serving = sum(1 for s, ok in health if not ok and not np.isinf(s))
+    row[port] = {"p50_ms": float(np.median(h) * 1e3),
+                 "p99_ms": float(np.percentile(h, 99) * 1e3),
+                 "max_ms": float(h.max() * 1e3), "probes": len(h),
+                 # an error or an answer other than SERVING, as a kubelet counts it
+                 "failed": int(np.isinf(h).sum()) + not_serving, "not_serving": not_serving}
+  return row
 
 
 def main() -> int:
@@ -394,7 +423,9 @@ def main() -> int:
   parser.add_argument("--steps", type=int, default=3000)
   parser.add_argument("--workers", type=int, default=2)
   parser.add_argument("--hostile", choices=KINDS, help=argparse.SUPPRESS)
+  parser.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
   parser.add_argument("--target", help=argparse.SUPPRESS)
+  parser.add_argument("--health-target", help=argparse.SUPPRESS)
   parser.add_argument("--bulk-port", type=int, help=argparse.SUPPRESS)
   parser.add_argument("--seconds", type=float, default=600, help=argparse.SUPPRESS)
   parser.add_argument("--kinds", default=",".join(KINDS),
@@ -404,14 +435,12 @@ def main() -> int:
   if args.hostile:
     hostile(args.hostile, args.target, args.bulk_port, args.seconds)
     return 0
+  if args.probe:
+    probe({"health_port": args.health_target, "grpc_port": args.target})
+    return 0
   kinds = args.kinds.split(",")
   if not set(kinds) <= set(KINDS):
     parser.error(f"--kinds: unknown {sorted(set(kinds) - set(KINDS))}; choose from {KINDS}")
-  if set(kinds) & set(H2_KINDS):
-    try:
-      _h2peer()
-    except SystemExit as e:
-      parser.error(str(e))
   from grain_elevator.tools import demo  # pylint: disable=g-import-not-at-top
   from grain_elevator.tools.launcher import LocalServer  # pylint: disable=g-import-not-at-top
   with tempfile.TemporaryDirectory() as root:
@@ -424,13 +453,17 @@ def main() -> int:
         rows.append(_phase("all at once", server, config, args.steps, kinds))
       restarts = server.stderr().count("restarting it")
   base = rows[0]["steps_per_s"]
-  print(f"\n{'attack':<14}{'steps/s':>9}{'x alone':>9}{'health p50':>12}{'health max':>12}"
-        f"{'probes (failed)':>17}{'worker RSS max':>16}")
+  print(f"\n{'':<32}{'health port':^30}{'gRPC port':^30}")
+  probe_columns = f"{'p50':>8}{'p99':>8}{'max':>8}{'(failed)':>9}"
+  print(f"{'attack':<14}{'steps/s':>9}{'x alone':>9}{probe_columns:>30}{probe_columns:>30}"
+        f"{'worker RSS max':>16}")
   for r in rows:
+    probed = "".join(
+        f"{p['p50_ms']:>6.1f}ms{p['p99_ms']:>6.1f}ms{p['max_ms']:>6.1f}ms"
+        f"{p['probes']:>4} ({p['failed']})".rjust(30)
+        for p in (r["health_port"], r["grpc_port"]))
     print(f"{r['phase']:<14}{r['steps_per_s']:>9.1f}{r['steps_per_s'] / base:>9.2f}"
-          f"{r['health_p50_ms']:>10.1f}ms{r['health_max_ms']:>10.1f}ms"
-          f"{r['health_probes']:>11} ({r['health_failed']})"
-          f"{r['rss_max_mb']:>13.0f} MB")
+          f"{probed}{r['rss_max_mb']:>13.0f} MB")
   print(f"every batch matched embedded mode; worker restarts: {restarts}; "
         f"attackers: {', '.join(kinds)}")
   if args.json:

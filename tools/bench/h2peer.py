@@ -2,10 +2,10 @@
 sends on purpose (headers without their message, half a message, idle
 connections), built with the `h2` protocol library over a plain socket.
 
-The hostile-client tests (tests/server/serving/test_grpc_hardening.py, tests/server/serving/test_load.py)
-drive it with blocking reads (`read(timeout_s)`); the attack bench
-(attack.py) holds hundreds at once and polls them (`alive()`). `h2` comes
-with the [test] extra, so only they import this module.
+The hostile-client tests (tests/server/serving/test_grpc_hardening.py, tests/server/serving/test_load.py,
+tests/server/serving/test_health_port.py) drive it with blocking reads
+(`read(timeout_s)`); the attack bench (attack.py) holds hundreds at once and
+polls them (`alive()`). `h2` is a dependency of the server (its health port).
 """
 
 from __future__ import annotations
@@ -27,8 +27,13 @@ class H2Peer:
   non-blocking socket. It acknowledges settings, pings and data, as any
   client does, and sends nothing else unless told."""
 
-  def __init__(self, host: str, port: int, *, timeout_s: float = 10.0):
-    self.sock = socket.create_connection((host, port), timeout=timeout_s)
+  def __init__(self, host: str, port: int, *, timeout_s: float = 10.0,
+               source: str | None = None):
+    """`source`: the local address to connect from (127.0.0.2 is another
+    peer address than 127.0.0.1 on the same loopback)."""
+    self.sock = socket.create_connection(
+        (host, port), timeout=timeout_s,
+        source_address=(source, 0) if source is not None else None)
     self.sock.setblocking(False)
     self.conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
     self.conn.initiate_connection()

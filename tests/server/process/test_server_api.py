@@ -77,4 +77,5 @@ def test_the_ready_line_names_what_serves(config_path):
   with Server(config_path, ServerOptions(port=0, workers=1)) as server:
     line = supervisor.ready_line(server)
     assert line.startswith("elevator: serving [aug2, eval, forever, plain, raw, seed3, seed3fast]")
-    assert supervisor.parse_ready_line(line) == ("127.0.0.1", server.port, server.bulk_port)
+    assert supervisor.parse_ready_line(line) == (
+        "127.0.0.1", server.port, server.bulk_port, server.health_port)

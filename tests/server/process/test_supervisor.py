@@ -200,6 +200,7 @@ def test_a_crash_loop_backs_off_is_logged_and_fails_health(one_dataset):
     assert f"crash loop: died {loop - 1} " not in server.stderr()  # not before
     for service in ("", grpc_service.SERVICE_NAME):
       assert _wait_for(lambda: _health(server.target, service) == NOT_SERVING, 5)
+      assert _health(server.health_target, service) == NOT_SERVING  # the health port too
     # Both workers, the restarted one too: once it listens, probes (the kernel
     # picks a worker for each) all say NOT_SERVING.
     assert _wait_for(lambda: _listens(victim, server.port), 30), server.stderr()

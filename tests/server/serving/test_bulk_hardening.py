@@ -36,8 +36,11 @@ def _server(config_path: str, *args: str) -> Iterator[tuple[LocalServer, psutil.
     yield server, psutil.Process(pid)
 
 
-def _connect(server: LocalServer, *, greet: bool = True) -> socket.socket:
-  s = socket.create_connection((server.host, server.bulk_port), timeout=10)
+def _connect(server: LocalServer, *, greet: bool = True,
+             source: str | None = None) -> socket.socket:
+  """A bulk connection (from address `source`: 127.0.0.2 is another peer)."""
+  s = socket.create_connection((server.host, server.bulk_port), timeout=10,
+                               source_address=(source, 0) if source else None)
   if greet:
     framing.exchange_magic(s)
     framing.recv_frame(s, (framing.HELLO,), 1 << 20)
@@ -106,7 +109,8 @@ def test_throttled_logs_once_a_period_per_key_and_counts_the_rest(caplog):
 def test_follow_on_requests_on_descriptors_past_1023(config_path):
   """select() refuses descriptors past 1023: a worker with many sockets
   must still serve a connection's follow-on requests, and close it after."""
-  with _server(config_path, "--max-bulk-connections", "4096") as (server, worker):
+  with _server(config_path, "--max-bulk-connections", "4096",
+               "--max-bulk-connections-per-peer", "4096") as (server, worker):
     idle = [_connect(server) for _ in range(1100)]
     try:
       s = _connect(server)
@@ -239,3 +243,41 @@ def test_past_the_cap_the_idle_make_room_and_busy_ones_do_not(config_path):
       s.settimeout(10)
       _send_request(s, ONE_STEP)
       assert [kind for kind, _ in _answer(s, 1)] == [framing.BATCH]
+
+
+def test_one_address_cannot_take_the_cap(config_path):
+  """Past --max-bulk-connections-per-peer, an address's own longest-idle
+  connection makes room for its newcomer; when all of them run a request,
+  the newcomer is closed. Other addresses are not touched either way. (On
+  791bbd7 the 3 x 4 connections of one address took the whole cap of 8.)"""
+  per_peer = 4
+  with _server(config_path, "--max-bulk-connections", "8",
+               "--max-bulk-connections-per-peer", str(per_peer)) as (server, _):
+    other = [_connect(server) for _ in range(2)]  # 127.0.0.1
+    flood = [_connect(server, source="127.0.0.2") for _ in range(3 * per_peer)]
+    assert [_hung_up(s) for s in flood] == [True] * (2 * per_peer) + [False] * per_peer
+    assert [_hung_up(s) for s in other] == [False] * 2
+    for s in flood:
+      s.close()
+    assert _eventually(lambda: "--max-bulk-connections-per-peer" in server.stderr())
+
+    busy = []
+    for _ in range(per_peer):  # endless streams nobody reads
+      s = _connect(server, source="127.0.0.2")
+      s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+      _send_request(s, ENDLESS)
+      busy.append(s)
+    try:
+      for s in busy:  # each runs its request
+        framing.recv_frame(s, (framing.BATCH,), 1 << 26)
+      with socket.create_connection((server.host, server.bulk_port), timeout=10,
+                                    source_address=("127.0.0.2", 0)) as newcomer:
+        assert newcomer.recv(len(framing.MAGIC)) == b""  # closed, not greeted
+    finally:
+      for s in busy:
+        s.close()
+    for s in other:  # served all along
+      with s:
+        s.settimeout(10)
+        _send_request(s, ONE_STEP)
+        assert [kind for kind, _ in _answer(s, 1)] == [framing.BATCH]

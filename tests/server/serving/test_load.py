@@ -60,7 +60,9 @@ def test_a_large_job_on_one_worker(config_path):
   opts = ServerOptions()
   grpc_idle = min(CONNECTIONS // 2, opts.max_grpc_connections - 64)
   bulk_idle = CONNECTIONS - grpc_idle
-  with LocalServer(config_path, workers=1) as server:
+  # 127.0.0.1 stands for the job's many hosts: no limit per address.
+  with LocalServer(config_path, workers=1, extra_args=(
+      "--max-bulk-connections-per-peer", str(opts.max_bulk_connections))) as server:
     (worker,) = worker_pids(server)
     proc = psutil.Process(worker)
     time.sleep(1.0)
