@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pathlib
 import socket
-from typing import Any, Iterable
+import time
+from typing import Any, Callable, Iterable
 
 import numpy as np
 
@@ -61,6 +62,45 @@ def worker_pids(server) -> list[int]:
     except psutil.NoSuchProcess:
       pass
   return out
+
+
+def wait_for(condition: Callable[[], Any], what: str, timeout_s: float = 60.0,
+             every_s: float = 0.05) -> None:
+  """Polls `condition` until it holds. The bound only ends a hang: it is far
+  past what a loaded 2-core machine takes, and failing names `what`."""
+  deadline = time.monotonic() + timeout_s
+  while not condition():
+    assert time.monotonic() < deadline, f"timed out after {timeout_s:g}s waiting for {what}"
+    time.sleep(every_s)
+
+
+def cpu_s(proc) -> float:
+  """User + system CPU seconds of a psutil.Process."""
+  return sum(proc.cpu_times()[:2])
+
+
+def busy_cpu_rate(proc, cpu: float = 0.5, timeout_s: float = 60.0) -> float:
+  """CPU seconds per second `proc` runs at while it works: measured over
+  the time it takes to use `cpu` seconds, however long a loaded machine
+  makes that."""
+  start, began = cpu_s(proc), time.monotonic()
+  wait_for(lambda: cpu_s(proc) - start >= cpu, f"pid {proc.pid} to use {cpu} CPU-s",
+           timeout_s)
+  return (cpu_s(proc) - start) / (time.monotonic() - began)
+
+
+def cpu_rate_over(proc, seconds: float) -> float:
+  """CPU seconds per second `proc` ran at over the next `seconds`."""
+  start, began = cpu_s(proc), time.monotonic()
+  time.sleep(seconds)
+  return (cpu_s(proc) - start) / (time.monotonic() - began)
+
+
+def wait_for_log(server, text: str, timeout_s: float = 60.0) -> str:
+  """A LocalServer's log once it holds `text` (its reader thread reads the
+  server's stderr a moment after the server writes it)."""
+  wait_for(lambda: text in server.stderr(), f"the server to log {text!r}", timeout_s)
+  return server.stderr()
 
 
 def proto_batch(step: int, leaves: list[np.ndarray]) -> pb.Batch:

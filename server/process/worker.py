@@ -64,6 +64,8 @@ class Servers:
     """Health NOT_SERVING, new requests refused, those in flight get `grace_s`."""
     self.health.stop()
     self.path.admission.close()
+    logging.getLogger("grain_elevator.server").info(
+        "stopping: new requests are refused, those in flight get %gs", grace_s)
     stopped = self.grpc.stop(grace_s)
     if self.bulk:
       self.bulk.stop(grace_s)

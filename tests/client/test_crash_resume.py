@@ -5,9 +5,11 @@ restart, equal an uninterrupted run's."""
 from __future__ import annotations
 
 import pathlib
+import queue
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -30,19 +32,37 @@ def _log_steps(log: pathlib.Path) -> list[tuple[int, list[int]]]:
   return rows
 
 
+def _wait_for_line(proc: subprocess.Popen, line: str, timeout_s: float) -> str:
+  """What `proc` printed up to `line` (it must print it within `timeout_s`);
+  a thread reads its output, so a line waiting in a buffer is never missed."""
+  lines: queue.SimpleQueue[str] = queue.SimpleQueue()
+  threading.Thread(target=lambda: [lines.put(l) for l in proc.stdout] + [lines.put("")],
+                   daemon=True).start()
+  out: list[str] = []
+  deadline = time.monotonic() + timeout_s
+  while not out or out[-1].strip() != line:
+    try:
+      got = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+    except queue.Empty:
+      pytest.fail(f"no {line!r} in {timeout_s:g}s:\n{''.join(out)}")
+    assert got, f"exited before {line!r}:\n{''.join(out)}"
+    out.append(got)
+  return "".join(out)
+
+
 def test_sigkill_between_checkpoints_then_resume(server, oracle, tmp_path):
   ckpt, log1, log2 = tmp_path / "ckpt", tmp_path / "run1.log", tmp_path / "run2.log"
   cmd = [sys.executable, str(SCRIPT), "--target", server.target,
          "--global-batch-size", str(G), "--checkpoint-dir", str(ckpt),
          "--every", str(EVERY)]
 
-  run1 = subprocess.Popen(cmd + ["--log", str(log1), "--step-sleep", "0.2"],
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-  deadline = time.monotonic() + 180
-  while len(_log_steps(log1)) < 23:  # past the checkpoint at 20, before 25
-    assert run1.poll() is None, run1.stdout.read()
-    assert time.monotonic() < deadline, "training made no progress"
-    time.sleep(0.02)
+  # It waits at step 23, past the checkpoint at 20 and before 25, for the
+  # kill: between checkpoints however fast or slow it trains.
+  run1 = subprocess.Popen(cmd + ["--log", str(log1), "--hold-at", "23"],
+                          stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)
+  out = _wait_for_line(run1, "AT 23", 180)
+  assert len(_log_steps(log1)) == 23, out
   run1.send_signal(signal.SIGKILL)
   run1.wait()
   consumed1 = _log_steps(log1)

@@ -1349,7 +1349,7 @@ class FakeServer:
   def _play(self, script: Script) -> None:
     conn, _ = self.listener.accept()
     with conn:
-      conn.settimeout(3)
+      conn.settimeout(8)  # waits on the client: as long as it may take with a true stream
       try:
         conn.sendall(script.greeting)
         got = bytearray()
@@ -1494,8 +1494,9 @@ class ClientTarget:
         conn = BulkConnection("fuzz", "127.0.0.1", self.fake.port, connect_timeout_s=2,
                               auth_token=TOKEN)
         try:
-          # Mutants that stall cost their timeout; true streams get time to spare.
-          for item in conn.stream(stream.request, timeout_s=2 if unmutated else 0.3,
+          # Mutants that stall cost their timeout; true streams get time to
+          # spare on a loaded machine (under --timeout, which would be a hang).
+          for item in conn.stream(stream.request, timeout_s=8 if unmutated else 0.3,
                                   token=transport.CancelToken(),
                                   max_frame_bytes=stream.limit, expect=stream.expect):
             got.append(item)
@@ -1522,9 +1523,9 @@ class ClientTarget:
         problems.append(f"step {step} yielded as step {seed.step}")
       problems += check_leaves(leaves, stream.expect, seed.values if unmutated else None)
     try:
-      self.fake.done.get(timeout=10)
+      self.fake.done.get(timeout=30)
     except queue.Empty as e:
-      raise HarnessError("the fake server did not finish its script in 10 s") from e
+      raise HarnessError("the fake server did not finish its script in 30 s") from e
     return problems
 
 

@@ -1,7 +1,9 @@
 """A small real training job: device-fed batches, a jitted step, and an orbax
 checkpoint of params + data iterator every `--every` steps. Restarted after a
 crash, it resumes from the latest checkpoint. Each consumed step's record ids
-are appended to `--log`. Run by tests/client/test_crash_resume.py."""
+are appended to `--log`. With `--hold-at N` it prints "AT N" once N steps are
+done and waits for a line on stdin (a test kills it there). Run by
+tests/client/test_crash_resume.py."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ def main() -> int:
   p.add_argument("--every", type=int, default=5)
   p.add_argument("--log", required=True)
   p.add_argument("--step-sleep", type=float, default=0.0)
+  p.add_argument("--hold-at", type=int, default=-1)
   args = p.parse_args()
 
   import grain
@@ -68,6 +71,9 @@ def main() -> int:
       log.write(f"{step} {ids}\n")
       log.flush()
       step += 1
+      if step == args.hold_at:
+        print(f"AT {step}", flush=True)
+        sys.stdin.readline()
       if step % args.every == 0:
         manager.save(step, args=ocp.args.Composite(
             params=ocp.args.StandardSave(params),

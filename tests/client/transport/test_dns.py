@@ -30,7 +30,9 @@ pytestmark = pytest.mark.netns
 SCRIPT = SCRIPTS / "paced_stream_check.py"
 OLD_IP, NEW_IP, CLIENT_IP = "192.0.2.1", "192.0.2.3", "192.0.2.2"
 NAME = "elevator-svc"
-BUDGET_S = 85.0
+# Bounds on a hang, not on speed: a run takes ~30-70 s on a loaded 2-core
+# machine (servers and a trainer start, a replacement server starts mid-run).
+BUDGET_S = 240.0
 
 
 def _sh(*cmd: str) -> None:
@@ -131,7 +133,7 @@ def _served(out: str) -> dict[str, int]:
   return {k: int(v) for k, v in (kv.split("=") for kv in line.split()[1:])}
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(BUDGET_S + 150)
 def test_bulk_trainer_follows_the_name_when_its_pod_is_replaced(hosts, config_path):
   srv, cli, hosts_file = hosts
   in_srv = ("ip", "netns", "exec", srv)
@@ -157,7 +159,7 @@ def test_bulk_trainer_follows_the_name_when_its_pod_is_replaced(hosts, config_pa
   assert set(_served(out)) == {NEW_IP}, out  # the old pod's connections were retired
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(BUDGET_S + 150)
 def test_a_pod_added_behind_the_name_gets_connections(hosts, config_path):
   """No failure prompts a reconnect here: the periodic refresh finds it."""
   srv, cli, hosts_file = hosts

@@ -9,7 +9,7 @@ import contextlib
 import logging
 import threading
 import time
-from typing import Iterator
+from typing import Callable, Iterator
 
 import grpc
 
@@ -28,22 +28,30 @@ FULL = "is full (RESOURCE_EXHAUSTED"
 
 
 @contextlib.contextmanager
-def _every_slot_held(server: LocalServer, for_s: float = 1e9) -> Iterator[None]:
+def _every_slot_held(server: LocalServer,
+                     count: Callable[[], int] | None = None) -> Iterator[None]:
   """A hostile client keeps the one request slot of `server` (started with
-  --max-concurrent-requests 1) taken for `for_s`: an endless stream it does
-  not read, renewed before admission would hand the slot to a newcomer."""
+  --max-concurrent-requests 1) taken until the block ends, or with `count`,
+  until count() has grown past what it was when the hold began: an endless
+  stream it does not read, renewed before admission would hand the slot to
+  a newcomer."""
   stop, held = threading.Event(), threading.Event()
+  since: list[int] = []
+
+  def done() -> bool:
+    return count is not None and bool(since) and count() > since[0]
 
   def hold() -> None:
-    until = time.monotonic() + for_s
     with grpc.insecure_channel(server.target,
                                options=[("grpc.use_local_subchannel_pool", 1)]) as channel:
       get_batches = pb_grpc.ElevatorStub(channel).GetBatches
-      while not stop.is_set() and time.monotonic() < until:
+      while not stop.is_set() and not done():
         call = get_batches(ENDLESS, timeout=30)
         try:
           next(call)  # admitted: it holds the slot
-          held.set()
+          if not held.is_set():
+            since.append(count() if count is not None else 0)
+            held.set()
           stop.wait(HOLD_S)
         except grpc.RpcError:
           time.sleep(0.005)  # refused: the slot is not free yet
@@ -95,8 +103,10 @@ def test_the_only_replica_full_over_bulk_is_retried_over_grpc(config_path, caplo
       it = iter(remote)
       got = [next(it) for _ in range(20)]
       assert it._backend.uses_bulk  # pylint: disable=protected-access
-      with _every_slot_held(full, for_s=3.0):
-        got += list(it)  # the hold ends while the client retries, within its timeout
+      # Held until the client, refused over bulk, has moved a request to gRPC
+      # (and is refused there too), then let go: it gets in, within its timeout.
+      with _every_slot_held(full, count=lambda: it.stats().fallbacks):
+        got += list(it)
       assert assert_streams_equal(got, local) == 250
       stats = it.stats()  # what the trainer's author sees of it
       assert stats.retries >= 1 and stats.fallbacks >= 1, stats

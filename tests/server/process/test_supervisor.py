@@ -3,6 +3,7 @@ its supervisor, however soon after a restart that supervisor dies."""
 
 from __future__ import annotations
 
+import datetime
 import multiprocessing as mp
 import os
 import pathlib
@@ -73,9 +74,9 @@ def test_workers_see_the_crash_loop_flag_change():
   flag.watch(seen.append, stop)
   assert seen == []  # not looping: nothing to change from SERVING
   flag.set(2)
-  assert _wait_for(lambda: seen == [True], 5)
+  assert _wait_for(lambda: seen == [True], 60), seen
   flag.set(0)
-  assert _wait_for(lambda: seen == [True, False], 5)
+  assert _wait_for(lambda: seen == [True, False], 60), seen
   stop.set()
   flag.set(1)
   later = threading.Event()
@@ -127,6 +128,13 @@ def _restarted(server: LocalServer, known: set[int], timeout: float = 60.0) -> i
   return found[0]
 
 
+def _logged_at(log: str, text: str) -> float:
+  """When the first log line holding `text` was written (its timestamp)."""
+  (line,) = [l for l in log.splitlines() if text in l][:1]
+  stamp = datetime.datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f")
+  return stamp.timestamp()
+
+
 def _listening(port: int) -> bool:
   try:
     with socket.create_connection(("127.0.0.1", port), timeout=2):
@@ -148,7 +156,7 @@ def _health(target: str, service: str = "") -> int:
   # connection, so whichever worker the kernel picks now answers.
   with grpc.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)]) as ch:
     return health_pb2_grpc.HealthStub(ch).Check(
-        health_pb2.HealthCheckRequest(service=service), timeout=10).status
+        health_pb2.HealthCheckRequest(service=service), timeout=30).status
 
 
 @pytest.mark.parametrize("after_s", [0.0, 0.05, 0.1, 0.2, 0.4, 0.8])
@@ -165,7 +173,7 @@ def test_a_supervisor_killed_just_after_a_restart_leaves_no_worker(one_dataset, 
     family = [p.pid for p in psutil.Process(server.proc.pid).children(recursive=True)]
     server.proc.kill()
     server.proc.wait(10)
-    assert _wait_for(lambda: not any(map(_alive, family)), 15), (
+    assert _wait_for(lambda: not any(map(_alive, family)), 60), (
         f"left running: {[p for p in family if _alive(p)]}\n{server.stderr()}")
     assert not _listening(server.port)
   finally:
@@ -189,27 +197,36 @@ def test_a_crash_loop_backs_off_is_logged_and_fails_health(one_dataset):
       killed = time.monotonic()
       victim = _restarted(server, {victim, other})
       gaps.append(time.monotonic() - killed)
-    # Announced and measured delays, kill k -> restart k: 0.5, 1, 2, 4 s.
-    announced = [float(s) for s in re.findall(r"restarting it in ([\d.]+)s", server.stderr())]
+    # Announced and measured delays, kill k -> restart k: 0.5, 1, 2, 4 s. Each
+    # restart waited at least its delay; how much longer is the machine's
+    # speed (spawning a process under load), so gaps are not compared.
+    restarting = r"restarting it in ([\d.]+)s"
+    assert _wait_for(lambda: len(re.findall(restarting, server.stderr())) == loop, 60), (
+        server.stderr())
+    announced = [float(s) for s in re.findall(restarting, server.stderr())]
     assert announced == [MIN * 2**k for k in range(loop)], server.stderr()
     assert all(g >= a for g, a in zip(gaps, announced)), (gaps, announced)
-    assert gaps == sorted(gaps), gaps
     error = (rf" ERROR worker \d \(pid \d+\) killed by signal SIGKILL; restarting it in "
              rf"{MIN * 2**(loop - 1):.1f}s; crash loop: died {loop} times in a row")
     assert re.search(error, server.stderr()), server.stderr()
     assert f"crash loop: died {loop - 1} " not in server.stderr()  # not before
     for service in ("", grpc_service.SERVICE_NAME):
-      assert _wait_for(lambda: _health(server.target, service) == NOT_SERVING, 5)
+      assert _wait_for(lambda: _health(server.target, service) == NOT_SERVING, 60)
       assert _health(server.health_target, service) == NOT_SERVING  # the health port too
     # Both workers, the restarted one too: once it listens, probes (the kernel
     # picks a worker for each) all say NOT_SERVING.
-    assert _wait_for(lambda: _listens(victim, server.port), 30), server.stderr()
+    assert _wait_for(lambda: _listens(victim, server.port), 120), server.stderr()
     assert _wait_for(
-        lambda: [_health(server.target) for _ in range(8)] == [NOT_SERVING] * 8, 5)
+        lambda: [_health(server.target) for _ in range(8)] == [NOT_SERVING] * 8, 60)
 
+    next_delay = MIN * 2**loop
     os.kill(victim, signal.SIGKILL)  # the next restart waits 8 s
-    assert _wait_for(lambda: f"restarting it in {MIN * 2**loop:.1f}s" in server.stderr(), 10)
-    stopping = time.monotonic()
+    restarting = f"restarting it in {next_delay:.1f}s"
+    assert _wait_for(lambda: restarting in server.stderr(), 60)
     server.proc.send_signal(signal.SIGTERM)
-    assert server.proc.wait(30) == 0, server.stderr()
-    assert time.monotonic() - stopping < 3.0, server.stderr()
+    assert server.proc.wait(60) == 0, server.stderr()
+    # Stopped mid-backoff: the other worker was told to stop before the restart
+    # was due, by the log's own clock (how long the processes then take to
+    # exit is the machine's speed, seconds on a loaded one).
+    log = server.stderr()
+    assert _logged_at(log, restarting) + next_delay > _logged_at(log, "stopping: "), log

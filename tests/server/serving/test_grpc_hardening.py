@@ -6,13 +6,13 @@ these limits); a well-behaved client still reads the exact stream."""
 from __future__ import annotations
 
 import contextlib
+import select
 import threading
 import time
 from concurrent import futures
-from typing import Iterator
+from typing import Callable, Iterator
 
 import grpc
-import h2.settings
 import psutil
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -21,10 +21,11 @@ from grain_elevator.client import RemoteDataset, Security, TransportOptions, des
 from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.proto import elevator_pb2_grpc as pb_grpc
 from grain_elevator.proto.limits import MAX_REQUEST_BYTES
-from grain_elevator.server.serving.grpc_service import REQUEST_ARRIVAL_TIMEOUT_S, SERVICE_NAME
+from grain_elevator.server import ServerOptions
+from grain_elevator.server.serving.grpc_service import SERVICE_NAME
 from grain_elevator.tools.bench.h2peer import H2Peer
 from grain_elevator.tools.launcher import LocalServer
-from helpers import assert_streams_equal, worker_pids
+from helpers import assert_streams_equal, wait_for, wait_for_log, worker_pids
 
 DESCRIBE = f"/{SERVICE_NAME}/Describe"
 GET_BATCHES = f"/{SERVICE_NAME}/GetBatches"
@@ -38,7 +39,7 @@ def _exact(server, config_path, kind: str = "grpc", **security) -> None:
       assert assert_streams_equal(ds, local) == 15
 
 
-def _health(server, timeout_s: float = 5.0) -> int:
+def _health(server, timeout_s: float = 20.0) -> int:
   with grpc.insecure_channel(server.target,
                              options=[("grpc.use_local_subchannel_pool", 1)]) as channel:
     return health_pb2_grpc.HealthStub(channel).Check(
@@ -55,14 +56,30 @@ def _peers(server, n: int) -> Iterator[list[H2Peer]]:
       p.close()
 
 
-def _wait_for_ends(peers: list[H2Peer], ids: list[list[int]], timeout_s: float) -> None:
-  """Reads until every call in `ids` (per peer) has ended, or `timeout_s`."""
+def _settled(peer: H2Peer) -> bool:
+  """Reads what came; whether the server's SETTINGS (its limits) did."""
+  peer.read(0)
+  return peer.settled
+
+
+def _wait_for_ends(peers: list[H2Peer], ids: list[list[int]], timeout_s: float = 60,
+                   each: Callable[[], None] = lambda: None) -> None:
+  """Reads until every call in `ids` (per peer) has ended, or `timeout_s` (a
+  bound on a hang: how each call ends is what the tests check); `each` runs
+  after every read."""
   deadline = time.monotonic() + timeout_s
   while time.monotonic() < deadline:
     if all(set(i) <= set(p.statuses()) for p, i in zip(peers, ids)):
       return
+    # Every peer's socket at once, so no peer waits behind the others'
+    # waits: each answers the server (window updates, pings) promptly.
+    poller = select.poll()
     for p in peers:
-      p.read(0.05)
+      poller.register(p.sock, select.POLLIN)
+    poller.poll(50)
+    for p in peers:
+      p.read(0)
+    each()
 
 
 def test_calls_whose_request_never_comes_are_cut_and_starve_nobody(config_path):
@@ -71,12 +88,12 @@ def test_calls_whose_request_never_comes_are_cut_and_starve_nobody(config_path):
   # everyone until they left).
   with LocalServer(config_path, workers=1) as server, _peers(server, 4) as peers:
     ids = [[p.open_call(m) for m in (DESCRIBE, GET_BATCHES, CHECK) * 5] for p in peers]
-    start = time.monotonic()
+    # Answered while the peers still hold their calls (they never send the
+    # message, nor leave): only the arrival timeout can have freed threads.
     (info,) = describe(server.target, "plain")
     assert info.name == "plain"
-    assert time.monotonic() - start < 4 * REQUEST_ARRIVAL_TIMEOUT_S
     _exact(server, config_path)
-    _wait_for_ends(peers, ids, 10 * REQUEST_ARRIVAL_TIMEOUT_S)
+    _wait_for_ends(peers, ids)
     for p, i in zip(peers, ids):
       ended = p.statuses()
       assert set(i) <= set(ended), f"calls never ended: {set(i) - set(ended)}"
@@ -84,7 +101,7 @@ def test_calls_whose_request_never_comes_are_cut_and_starve_nobody(config_path):
       # while MAX_WAITING_PER_PEER of its peer's wait (server/serving/health.py).
       assert all(ended[k] in ("1", "RST 8") or (ended[k] == "8" and n % 3 == 2)
                  for n, k in enumerate(i)), ended
-    assert "did not arrive within" in server.stderr()
+    wait_for_log(server, "did not arrive within")
     assert "Traceback" not in server.stderr()  # cut calls end quietly, health's too
     assert _health(server) == health_pb2.HealthCheckResponse.SERVING
 
@@ -104,7 +121,8 @@ def test_a_missing_or_wrong_token_is_refused_before_the_message(config_path, tok
        _peers(server, 1) as (peer,):
     ids = [peer.open_call(DESCRIBE), peer.open_call(GET_BATCHES, token="wrong"),
            peer.open_call(GET_BATCHES, declared_bytes=1 << 20, send_bytes=1000)]
-    _wait_for_ends([peer], [ids], REQUEST_ARRIVAL_TIMEOUT_S / 2)
+    _wait_for_ends([peer], [ids])
+    # Refused, not cut by the arrival timeout (that would be CANCELLED, "1").
     assert [peer.statuses().get(i) for i in ids] == ["16"] * 3  # UNAUTHENTICATED
     _exact(server, config_path, auth_token="s3cret")
 
@@ -119,19 +137,35 @@ def test_half_sent_messages_cost_at_most_the_request_limit(config_path, declared
   # each held ~0.7 MB, and 2,000 took a worker from 208 MB to 2.26 GB.
   with LocalServer(config_path, workers=1) as server, _peers(server, 20) as peers:
     (worker,) = worker_pids(server)
+    # The server's SETTINGS and windows first; then each call's prefix goes
+    # out with its headers, as a client sends them: the length is seen well
+    # within the arrival timeout however slowly this test loops.
+    wait_for(lambda: all([_settled(p) for p in peers]),
+             "the server's SETTINGS on every connection")
     before = psutil.Process(worker).memory_info().rss
-    ids = [[p.open_call(DESCRIBE, declared_bytes=declared, send_bytes=declared - 1)
-            for _ in range(20)] for p in peers]
+    ids = []
+    for p in peers:
+      ids.append([p.open_call(DESCRIBE, declared_bytes=declared, send_bytes=declared - 1)
+                  for _ in range(20)])
+      p.read(0)
     peak = 0
-    for _ in range(10):
-      for p in peers:
-        p.read(0.02)
+
+    def sample() -> None:  # for as long as the calls hold what they sent
+      nonlocal peak
       peak = max(peak, psutil.Process(worker).memory_info().rss - before)
+    _wait_for_ends(peers, ids, each=sample)
     calls = sum(map(len, ids))
     assert peak < 2 * calls * MAX_REQUEST_BYTES, f"{peak >> 20} MiB for {calls} calls"
-    _wait_for_ends(peers, ids, 10 * REQUEST_ARRIVAL_TIMEOUT_S)
-    for p, i in zip(peers, ids):
-      assert [p.statuses().get(k) for k in i] == [ends_with] * len(i)
+    ended = [p.statuses().get(k) for p, i in zip(peers, ids) for k in i]
+    if ends_with == "1":
+      assert ended == ["1"] * calls, ended
+    else:
+      # Refused by the length prefix as a thread takes the call up. One that
+      # waited for a thread past the arrival deadline (400 calls, 20 threads,
+      # a loaded machine) races the arrival watchdog, which may cut it first:
+      # CANCELLED. Those that found a thread free are all refused.
+      assert set(ended) <= {"8", "1"}, ended
+      assert ended.count("8") >= ServerOptions().grpc_threads, ended
     _exact(server, config_path)
 
 
@@ -139,28 +173,32 @@ def test_streams_per_connection_and_connections_per_worker_are_capped(config_pat
   with LocalServer(config_path, workers=1, extra_args=(
       "--max-grpc-connections", "40", "--max-streams-per-connection", "8")) as server:
     with _peers(server, 1) as (peer,):
-      deadline = time.monotonic() + 5
-      while (h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS not in
-             peer.conn.remote_settings and time.monotonic() < deadline):
-        peer.read(0.1)
+      wait_for(lambda: _settled(peer), "the server's SETTINGS")
       assert peer.conn.remote_settings.max_concurrent_streams == 8
     (worker,) = worker_pids(server)
+
+    def established() -> list:
+      return [c for c in psutil.Process(worker).net_connections("tcp")
+              if c.laddr.port == server.port and c.status == psutil.CONN_ESTABLISHED]
+
     held = []
     for _ in range(80):
       held.append(H2Peer(server.host, server.port))
-    time.sleep(1.0)
-    for p in held:
+
+    def answered(p: H2Peer) -> bool:  # served (its SETTINGS came) or closed at once
       try:
         p.read(0.01)
       except (ConnectionResetError, OSError):
         pass
-    open_now = [c for c in psutil.Process(worker).net_connections("tcp")
-                if c.laddr.port == server.port and c.status == psutil.CONN_ESTABLISHED]
-    assert len(open_now) <= 40 + 2, len(open_now)
+      return p.settled or p.closed
+    wait_for(lambda: all(map(answered, held)), "the server to take or close every connection")
+    assert len(established()) <= 40 + 2, len(established())
     for p in held:
       p.close()
     # Probes ride on connections too: with the cap full they were refused
-    # like any newcomer (docs: deploy health probes accordingly).
+    # like any newcomer (docs: deploy health probes accordingly). Once the
+    # worker has let go of the held ones, a probe gets in.
+    wait_for(lambda: not established(), "the worker to close the connections left")
     assert _health(server) == health_pb2.HealthCheckResponse.SERVING
     _exact(server, config_path)
 
@@ -210,22 +248,19 @@ def test_health_says_not_serving_while_no_request_thread_is_free():
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
       stub = health_pb2_grpc.HealthStub(channel)
 
-      def status_within(want: int, timeout_s: float) -> bool:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-          if stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status == want:
-            return True
-          time.sleep(0.1)
-        return False
+      def status_becomes(want: int) -> None:
+        # Each state lasts until the test changes it: the bound only ends a hang.
+        wait_for(lambda: stub.Check(health_pb2.HealthCheckRequest(), timeout=30).status
+                 == want, f"health status {want}", every_s=0.1)
 
-      assert status_within(health_lib.SERVING, 5)
+      status_becomes(health_lib.SERVING)
       assert board.reasons() == []
       for _ in range(2):
         threads.submit(release.wait)
-      assert status_within(health_lib.NOT_SERVING, 4 * health_lib.PROBE_TIMEOUT_S)
+      status_becomes(health_lib.NOT_SERVING)
       assert board.reasons() == ["worker 0 has no free request thread"]
       release.set()
-      assert status_within(health_lib.SERVING, 4 * health_lib.PROBE_TIMEOUT_S)
+      status_becomes(health_lib.SERVING)
       assert board.reasons() == []
   finally:
     release.set()
