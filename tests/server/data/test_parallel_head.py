@@ -76,7 +76,8 @@ def _pid_of(server: LocalServer, address: str) -> int:
 def _metrics(server: LocalServer) -> str:
   """HOST:PORT of the supervisor's /metrics (the one port it listens on)."""
   ports = {c.laddr.port for c in psutil.Process(server.proc.pid).net_connections("tcp")
-           if c.status == psutil.CONN_LISTEN} - {server.port, server.bulk_port}
+           if c.status == psutil.CONN_LISTEN} - {server.port, server.bulk_port,
+                                                    server.health_port}
   (port,) = ports
   return f"127.0.0.1:{port}"
 

@@ -95,16 +95,27 @@ def _ask(target: str, step: int, structure: Any) -> tuple[int, Any]:
   """On a new connection (so any worker): (the worker's index, the step's
   batch or the grpc.RpcError it got)."""
   options = [("grpc.use_local_subchannel_pool", 1)]
-  with grpc.insecure_channel(target, options=options) as channel:
-    stub = pb_grpc.ElevatorStub(channel)
-    worker = stub.Describe(pb.DescribeRequest(dataset="plain"), timeout=30).server.worker_index
-    request = pb.BatchRequest(dataset="plain", global_batch_size=G, shard_index=0,
-                              shard_count=1, start_step=step, num_steps=1)
-    try:
-      (batch,) = stub.GetBatches(request, timeout=30)
-    except grpc.RpcError as e:
-      return worker, e
-    return worker, wire.decode_batch(batch.SerializeToString(), structure)[1]
+  for attempt in itertools.count():
+    with grpc.insecure_channel(target, options=options) as channel:
+      stub = pb_grpc.ElevatorStub(channel)
+      try:
+        worker = stub.Describe(pb.DescribeRequest(dataset="plain"),
+                               timeout=30).server.worker_index
+      except grpc.RpcError as e:
+        # On a loaded machine a fresh connection is now and then reset before
+        # its first answer ("Stream removed", seen at 791bbd7 too; 1,500 new
+        # connections in a row were not). Clients retry UNAVAILABLE; so does this.
+        if e.code() != grpc.StatusCode.UNAVAILABLE or attempt == 4:
+          raise
+        continue
+      request = pb.BatchRequest(dataset="plain", global_batch_size=G, shard_index=0,
+                                shard_count=1, start_step=step, num_steps=1)
+      try:
+        (batch,) = stub.GetBatches(request, timeout=30)
+      except grpc.RpcError as e:
+        return worker, e
+      return worker, wire.decode_batch(batch.SerializeToString(), structure)[1]
+  raise AssertionError("not reached")
 
 
 def _refused(answer: Any, shard: str) -> bool:
