@@ -25,6 +25,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from typing import Any
 
 # Where a server must answer within, once started (moto imports for ~3 s on
 # a loaded 2-core machine).
@@ -68,14 +69,15 @@ def _request(method: str, url: str, data: bytes | None = None,
 class _Subprocess:
   """A server subprocess with its log in a temporary folder."""
 
-  def __init__(self, argv: list[str], probe_path: str):
+  def __init__(self, argv: list[str], probe_path: str, env: dict[str, str] | None = None):
     self.port = free_port()
     self._dir = tempfile.mkdtemp(prefix="elevator-storage-")
     self._log_path = os.path.join(self._dir, "server.log")
     argv = [a.replace("{port}", str(self.port)) for a in argv]
     self._log = open(self._log_path, "wb")
     self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT,
-                                 stdin=subprocess.DEVNULL, cwd=self._dir)
+                                 stdin=subprocess.DEVNULL, cwd=self._dir,
+                                 env={**os.environ, **env} if env else None)
     _wait_http(self.url + probe_path, self.proc, self._log_path)
 
   @property
@@ -101,29 +103,36 @@ class _Subprocess:
 
 
 class S3Server(_Subprocess):
-  """moto's S3 server. Any access key pair is accepted; buckets are
-  created with `create_bucket`."""
+  """moto's S3 server. Any access key pair is accepted, unless `checks_keys`:
+  then every request must be signed by a key moto's IAM knows, and none is
+  (what a wrong key meets). Buckets are created with `create_bucket`."""
 
   ACCESS_KEY = "elevator-test-key"
   SECRET_KEY = "elevator-test-secret-0123456789"
 
-  def __init__(self):
+  def __init__(self, checks_keys: bool = False):
     try:
       import moto.server  # pylint: disable=g-import-not-at-top,unused-import
     except ImportError as e:
       raise ServerUnavailable(f"moto[server] is not installed: {e}") from e
     super().__init__([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", "{port}"],
-                     "/moto-api/")
+                     "/moto-api/", env={"INITIAL_NO_AUTH_ACTION_COUNT": "0"} if checks_keys
+                     else None)
+
+  def _client(self) -> Any:
+    """boto3 (moto's own dependency): moto refuses an unsigned overwrite."""
+    import boto3  # pylint: disable=g-import-not-at-top
+    return boto3.client("s3", endpoint_url=self.url, aws_access_key_id=self.ACCESS_KEY,
+                        aws_secret_access_key=self.SECRET_KEY, region_name="us-east-1")
 
   def create_bucket(self, bucket: str) -> None:
-    _request("PUT", f"{self.url}/{bucket}")
+    self._client().create_bucket(Bucket=bucket)
 
   def put(self, bucket: str, key: str, data: bytes) -> None:
-    _request("PUT", f"{self.url}/{bucket}/{urllib.parse.quote(key)}", data,
-             {"Content-Type": "application/octet-stream"})
+    self._client().put_object(Bucket=bucket, Key=key, Body=data)
 
   def delete(self, bucket: str, key: str) -> None:
-    _request("DELETE", f"{self.url}/{bucket}/{urllib.parse.quote(key)}")
+    self._client().delete_object(Bucket=bucket, Key=key)
 
   def env(self, endpoint: str | None = None) -> dict[str, str]:
     """The standard AWS variables a client needs for this server (or for a

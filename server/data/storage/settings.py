@@ -124,16 +124,23 @@ def build_store(scheme: str, bucket: str, settings: StorageSettings) -> Any:
   raise ValueError(f"unknown scheme {scheme!r}")
 
 
+# The environment a store is built from: a store is made again when it changes
+# (embedded mode in a process whose environment a test or notebook changed).
+_ENV = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_REGION", "AWS_DEFAULT_REGION",
+        "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE",
+        "STORAGE_EMULATOR_HOST", "GOOGLE_APPLICATION_CREDENTIALS", "AZURE_STORAGE_ACCOUNT_NAME")
+
+
 class Stores:
-  """One store per (scheme, bucket, settings) in this process: each keeps
-  its connection pool. Thread-safe (guarded by `_lock`)."""
+  """One store per (scheme, bucket, settings, environment) in this process:
+  each keeps its connection pool. Thread-safe (guarded by `_lock`)."""
 
   def __init__(self):
-    self._stores: dict[tuple[str, str, StorageSettings], Any] = {}
+    self._stores: dict[tuple[Any, ...], Any] = {}
     self._lock = threading.Lock()
 
   def get(self, scheme: str, bucket: str, settings: StorageSettings) -> Any:
-    key = (scheme, bucket, settings)
+    key = (scheme, bucket, settings, hash(tuple(os.environ.get(n) for n in _ENV)))
     with self._lock:
       store = self._stores.get(key)
       if store is None:
