@@ -237,7 +237,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     query = urllib.parse.parse_qs(url.query)
     if url.path.startswith(("/storage/", "/upload/", "/download/")) or not parts[0]:
       return self._forward_raw(self.command, self.path, body, headers)  # JSON API as is
-    bucket = parts[0]
+    bucket = urllib.parse.unquote(parts[0])
     key = urllib.parse.unquote(parts[1]) if len(parts) > 1 else ""
     if self.command == "GET" and not key:
       return self._gcs_list(bucket, query)

@@ -8,6 +8,7 @@ credentials and a missing bucket stop the start with a precise message."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pathlib
 import subprocess
@@ -18,9 +19,10 @@ import pytest
 
 from grain_elevator.client import ConfigError, RemoteDataset, StreamMismatchError
 from grain_elevator.pipelines import examples
-from grain_elevator.proto.errors import ServiceUnavailableError
+from grain_elevator.proto.errors import DataLossError, ServiceUnavailableError
 from grain_elevator.server.data import config as config_lib
 from grain_elevator.server.data import dataset as dataset_lib
+from grain_elevator.server.data.shards.identity import IDENTITY_TAIL_BYTES
 from grain_elevator.tools.bench import storage_servers
 from grain_elevator.tools.launcher import ELEVATOR, LocalServer
 from helpers import assert_trees_equal
@@ -292,3 +294,49 @@ def test_a_wrong_key_stops_the_start_without_showing_it(s3_checking_keys, shards
   assert "HTTP 403" in result.stderr
   assert secret not in result.stderr + result.stdout
   assert s3_checking_keys.ACCESS_KEY not in result.stderr + result.stdout
+
+
+def test_one_record_costs_one_ranged_read_of_its_chunk(bucket, bucket_env, uploaded, shards):
+  from grain_elevator.server.data.object_source import ObjectRecordSource  # pylint: disable=g-import-not-at-top
+  urls = [bucket.url(f"data/train-0000{s}-of-00003.array_record") for s in range(3)]
+  source = ObjectRecordSource(urls)
+  reader = source._readers[0]  # pylint: disable=protected-access
+  begin, end = reader.extent(0)
+  assert end < reader._obj.size - IDENTITY_TAIL_BYTES  # pylint: disable=protected-access
+  local = dataset_lib.BatchedArrayRecordSource(
+      sorted(str(p) for p in (shards / "shards").glob("*.array_record")))
+  before = dataclasses.replace(bucket.proxy.stats)
+  assert source[0] == local[0]
+  after = bucket.proxy.stats
+  assert after.ranged_gets - before.ranged_gets == 1
+  assert after.body_bytes - before.body_bytes == end - begin
+
+
+def test_a_corrupt_object_is_data_loss_naming_it_and_the_byte(bucket, bucket_env, shards):
+  from grain_elevator.server.data.object_source import ObjectRecordSource  # pylint: disable=g-import-not-at-top
+  data = bytearray((shards / "shards" / "train-00000-of-00003.array_record").read_bytes())
+  data[5000] ^= 0xFF  # inside an early chunk, far from the tail the identity hashes
+  bucket.put("corrupt/train-00000-of-00003.array_record", bytes(data))
+  url = bucket.url("corrupt/train-00000-of-00003.array_record")
+  source = ObjectRecordSource([url])
+  with pytest.raises(DataLossError, match=rf"shard {url} is corrupt: {url}: chunk at byte \d+: "
+                     "(data|header) hash mismatch"):
+    source.read_raw(list(range(80)))
+
+
+def test_a_local_copy_with_other_names_and_times_fingerprints_the_same(shards, local_config,
+                                                                      tmp_path):
+  """The fingerprint is the bytes in order: a copy under other names (in the
+  same order), with other mtimes, resumes the same cursors."""
+  copy = tmp_path / "copy"
+  copy.mkdir()
+  for i, f in enumerate(sorted((shards / "shards").glob("*.array_record"))):
+    target = copy / f"train-0000{i}-copied.array_record"
+    target.write_bytes(f.read_bytes())
+    os.utime(target, (1_000_000_000 + i, 1_000_000_000 + i))
+  path = _write_config(tmp_path, "copy.toml", str(copy))
+
+  def fingerprint(p: str) -> str:
+    return dataset_lib.Datasets(config_lib.load_config(p), open_now=False).get(
+        "img").info.config_fingerprint
+  assert fingerprint(path) == fingerprint(local_config)
