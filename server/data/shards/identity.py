@@ -28,7 +28,7 @@ import hashlib
 import os
 from typing import Iterable
 
-from grain_elevator.proto.errors import ConfigError, ShardChangedError
+from grain_elevator.proto.errors import ConfigError, ElevatorError, ShardChangedError
 from grain_elevator.server.data.config import ServerConfig
 from grain_elevator.server.data.shards import option_files
 from grain_elevator.server.data.shards import reader as shard_reader
@@ -120,6 +120,11 @@ def _identity_of_object(dataset: str, url: str, settings: StorageSettings) -> Ob
     return object_identity(url, settings)
   except ConfigError:
     raise
+  except ShardChangedError as e:  # replaced between its HEAD and its tail's read
+    raise ConfigError(f"dataset {dataset!r}: shard {url} changed while its identity was "
+                      "read: is it still being written?") from e
+  except ElevatorError as e:  # the tail's read: past the retry budget, access lost
+    raise ConfigError(f"dataset {dataset!r}: cannot read {url}: {e}") from e
   except Exception as e:  # pylint: disable=broad-except
     raise objects_lib.start_error(dataset, url, e, "read") from e
 
