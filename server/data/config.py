@@ -16,7 +16,8 @@ drop_remainder = true                    # false: evaluation mode, every record
                                          # once, the last batch padded + "_mask"
 [datasets.NAME.options]                  # keyword arguments for `pipeline`
 [datasets.NAME.storage]                  # optional, for bucket paths: endpoint, region,
-                                         # anonymous, retry_s (server/data/storage/settings.py)
+                                         # anonymous, retry_s, request_timeout_s
+                                         # (server/data/storage/settings.py)
 ```
 
 A dataset may instead mix other registered datasets (server/data/mixture.py):

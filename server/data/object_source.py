@@ -105,15 +105,14 @@ class ObjectRecordSource:
     out = []
     for shard, (positions, _) in self._split(indices).items():
       reader = self._readers[shard]
-      out += [(reader._obj, a, b) for a, b in reader.plan(positions)]  # pylint: disable=protected-access
+      out += [(reader.obj, a, b) for a, b in reader.plan(positions)]
     return out
 
   def read_raw(self, indices: Sequence[int]) -> Sequence[bytes]:
     """The records' bytes as stored; their ranges fetched concurrently."""
     groups = self._split(indices)
     plans = {s: self._readers[s].plan(positions) for s, (positions, _) in groups.items()}
-    ranges = [(self._readers[s]._obj, a, b)  # pylint: disable=protected-access
-              for s, plan in plans.items() for a, b in plan]
+    ranges = [(self._readers[s].obj, a, b) for s, plan in plans.items() for a, b in plan]
     data = iter(objects_lib.objects().fetch(ranges))
     out: list[bytes] = [b""] * len(indices)
     for shard, (positions, where) in groups.items():

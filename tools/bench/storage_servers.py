@@ -47,7 +47,8 @@ def _wait_http(url: str, proc: subprocess.Popen, log_path: str) -> None:
   while time.monotonic() < deadline:
     if proc.poll() is not None:
       with open(log_path, errors="replace") as f:
-        raise ServerUnavailable(f"{proc.args[:3]} exited with {proc.returncode}: {f.read()[-2000:]}")
+        raise ServerUnavailable(
+            f"{proc.args[:3]} exited with {proc.returncode}: {f.read()[-2000:]}")
     try:
       urllib.request.urlopen(url, timeout=2).close()
       return

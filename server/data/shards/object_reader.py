@@ -77,6 +77,11 @@ class ObjectShardReader(ShardReader):
     self._local = threading.local()
     self._open(obj.size)
 
+  @property
+  def obj(self) -> objects_lib.ObjectRef:
+    """The object, as recorded: what every read of it is pinned to."""
+    return self._obj
+
   def __getstate__(self):
     state = dict(self.__dict__)
     del state["_local"]

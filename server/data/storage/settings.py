@@ -7,6 +7,7 @@ endpoint = "http://minio:9000"  # S3: else AWS_ENDPOINT_URL; GCS: else STORAGE_E
 region = "eu-west-1"            # S3: else AWS_REGION / AWS_DEFAULT_REGION
 anonymous = true                # unsigned requests (public buckets)
 retry_s = 60                    # how long a read may retry (DEFAULT_RETRY_S)
+request_timeout_s = 20          # one request's limit: a stall past it is retried
 ```
 
 Credentials never come from this file: S3 reads AWS_ACCESS_KEY_ID,
@@ -41,7 +42,8 @@ CONNECT_TIMEOUT_S = 5.0
 # object_store's jitter.
 _BACKOFF = {"init_backoff": datetime.timedelta(milliseconds=100),
             "max_backoff": datetime.timedelta(seconds=2), "base": 2}
-_KEYS = {"endpoint": str, "region": str, "anonymous": bool, "retry_s": (int, float)}
+_KEYS = {"endpoint": str, "region": str, "anonymous": bool, "retry_s": (int, float),
+         "request_timeout_s": (int, float)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +54,7 @@ class StorageSettings:
   region: str | None = None
   anonymous: bool = False
   retry_s: float = DEFAULT_RETRY_S
+  request_timeout_s: float = REQUEST_TIMEOUT_S
 
 
 def parse(dataset: str, table: Any) -> StorageSettings:
@@ -71,13 +74,19 @@ def parse(dataset: str, table: Any) -> StorageSettings:
   if not 0 < retry_s <= 600:
     raise ConfigError(f"dataset {dataset!r}: storage key 'retry_s' must be in (0, 600], "
                       f"got {retry_s}")
+  timeout_s = float(table.get("request_timeout_s", min(REQUEST_TIMEOUT_S, retry_s)))
+  if not 0 < timeout_s <= retry_s:
+    raise ConfigError(f"dataset {dataset!r}: storage key 'request_timeout_s' must be in "
+                      f"(0, retry_s = {retry_s:g}], got {timeout_s:g}")
   return StorageSettings(endpoint=table.get("endpoint"), region=table.get("region"),
-                         anonymous=table.get("anonymous", False), retry_s=retry_s)
+                         anonymous=table.get("anonymous", False), retry_s=retry_s,
+                         request_timeout_s=timeout_s)
 
 
-def _client_options(endpoint: str | None) -> dict[str, Any]:
-  return {"timeout": datetime.timedelta(seconds=REQUEST_TIMEOUT_S),
-          "connect_timeout": datetime.timedelta(seconds=CONNECT_TIMEOUT_S),
+def _client_options(endpoint: str | None, settings: StorageSettings) -> dict[str, Any]:
+  return {"timeout": datetime.timedelta(seconds=settings.request_timeout_s),
+          "connect_timeout": datetime.timedelta(
+              seconds=min(CONNECT_TIMEOUT_S, settings.request_timeout_s)),
           "allow_http": bool(endpoint and endpoint.startswith("http://"))}
 
 
@@ -102,8 +111,8 @@ def build_store(scheme: str, bucket: str, settings: StorageSettings) -> Any:
       config["region"] = region
     if settings.anonymous:
       config["skip_signature"] = True
-    return obstore_store.S3Store(bucket, config=config, client_options=_client_options(endpoint),
-                                 retry_config=retry)
+    return obstore_store.S3Store(bucket, config=config, retry_config=retry,
+                                 client_options=_client_options(endpoint, settings))
   if scheme == "gs":
     endpoint = settings.endpoint
     emulator = os.environ.get("STORAGE_EMULATOR_HOST")
@@ -112,14 +121,14 @@ def build_store(scheme: str, bucket: str, settings: StorageSettings) -> Any:
     config = {"base_url": endpoint} if endpoint else {}
     if settings.anonymous or (emulator and not settings.endpoint):
       config["skip_signature"] = True
-    return obstore_store.GCSStore(bucket, config=config, client_options=_client_options(endpoint),
-                                  retry_config=retry)
+    return obstore_store.GCSStore(bucket, config=config, retry_config=retry,
+                                  client_options=_client_options(endpoint, settings))
   if scheme == "az":
     config = {"endpoint": settings.endpoint} if settings.endpoint else {}
     if settings.anonymous:
       config["skip_signature"] = True
     return obstore_store.AzureStore(bucket, config=config,
-                                    client_options=_client_options(settings.endpoint),
+                                    client_options=_client_options(settings.endpoint, settings),
                                     retry_config=retry)
   raise ValueError(f"unknown scheme {scheme!r}")
 

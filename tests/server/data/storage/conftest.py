@@ -72,6 +72,7 @@ def _no_faults_left(request) -> Iterator[None]:
   b = request.getfixturevalue("bucket")
   b.proxy.clear()
   b.proxy.latency_s = 0.0
+  b.proxy.stall_s = 5.0
   b.proxy.faults_only_for = None
   yield
   b.proxy.clear()

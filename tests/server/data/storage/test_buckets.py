@@ -22,6 +22,7 @@ from grain_elevator.pipelines import examples
 from grain_elevator.proto.errors import DataLossError, ServiceUnavailableError
 from grain_elevator.server.data import config as config_lib
 from grain_elevator.server.data import dataset as dataset_lib
+from grain_elevator.server.data.object_source import ObjectRecordSource
 from grain_elevator.server.data.shards.identity import IDENTITY_TAIL_BYTES
 from grain_elevator.tools.bench import storage_servers
 from grain_elevator.tools.launcher import ELEVATOR, LocalServer
@@ -132,22 +133,16 @@ def _steps(ds: RemoteDataset, n: int, first: int = 0) -> list[Any]:
     return [next(it) for _ in range(n)]
 
 
-def _stream_steps(ds: RemoteDataset, n: int) -> list[Any]:
-  with ds:
-    it = iter(ds)
-    return [next(it) for _ in range(n)]
-
-
 @pytest.mark.parametrize("name", ["img", "mix", "few"])
 @pytest.mark.parametrize("n", [1, 2])
 def test_a_bucket_serves_the_stream_of_its_local_copy(bucket, bucket_server, bucket_env,
                                                       uploaded, local_config, name, n):
   for h in range(n):
-    want = _stream_steps(RemoteDataset.embedded(local_config, name, G, shard_index=h,
+    want = _steps(RemoteDataset.embedded(local_config, name, G, shard_index=h,
                                                 shard_count=n), STEPS)
     for ds in (RemoteDataset(bucket_server.target, name, G, shard_index=h, shard_count=n),
                RemoteDataset.embedded(uploaded["data"], name, G, shard_index=h, shard_count=n)):
-      got = _stream_steps(ds, STEPS)
+      got = _steps(ds, STEPS)
       for step, (a, b) in enumerate(zip(got, want)):
         assert_trees_equal(a, b, f"{bucket.kind} {ds.targets[0][:8]} host {h}/{n} step {step}")
   assert bucket.proxy.stats.ranged_gets > 0
@@ -297,12 +292,11 @@ def test_a_wrong_key_stops_the_start_without_showing_it(s3_checking_keys, shards
 
 
 def test_one_record_costs_one_ranged_read_of_its_chunk(bucket, bucket_env, uploaded, shards):
-  from grain_elevator.server.data.object_source import ObjectRecordSource  # pylint: disable=g-import-not-at-top
   urls = [bucket.url(f"data/train-0000{s}-of-00003.array_record") for s in range(3)]
   source = ObjectRecordSource(urls)
   reader = source._readers[0]  # pylint: disable=protected-access
   begin, end = reader.extent(0)
-  assert end < reader._obj.size - IDENTITY_TAIL_BYTES  # pylint: disable=protected-access
+  assert end < reader.obj.size - IDENTITY_TAIL_BYTES
   local = dataset_lib.BatchedArrayRecordSource(
       sorted(str(p) for p in (shards / "shards").glob("*.array_record")))
   before = dataclasses.replace(bucket.proxy.stats)
@@ -313,7 +307,6 @@ def test_one_record_costs_one_ranged_read_of_its_chunk(bucket, bucket_env, uploa
 
 
 def test_a_corrupt_object_is_data_loss_naming_it_and_the_byte(bucket, bucket_env, shards):
-  from grain_elevator.server.data.object_source import ObjectRecordSource  # pylint: disable=g-import-not-at-top
   data = bytearray((shards / "shards" / "train-00000-of-00003.array_record").read_bytes())
   data[5000] ^= 0xFF  # inside an early chunk, far from the tail the identity hashes
   bucket.put("corrupt/train-00000-of-00003.array_record", bytes(data))
@@ -340,3 +333,22 @@ def test_a_local_copy_with_other_names_and_times_fingerprints_the_same(shards, l
     return dataset_lib.Datasets(config_lib.load_config(p), open_now=False).get(
         "img").info.config_fingerprint
   assert fingerprint(path) == fingerprint(local_config)
+
+
+def test_a_stalled_read_is_cut_at_the_request_timeout_and_retried(bucket, bucket_env, uploaded,
+                                                                  shards, local_config):
+  """Two reads get no answer at all; each is cut after request_timeout_s and
+  retried, within a retry_s that one wait of the default (retry_s itself,
+  here) would use up."""
+  path = _write_config(shards, f"{bucket.kind}-stall.toml", bucket.url("data"),
+                       storage="[datasets.img.storage]\n    retry_s = 10\n"
+                               "    request_timeout_s = 1")
+  img = dataset_lib.Datasets(config_lib.load_config(path), open_now=False).get("img")
+  bucket.proxy.stall_s = 600.0  # no answer, ever
+  bucket.proxy.faults_only_for = lambda method, path: method == "GET"
+  bucket.proxy.inject("stall", "stall")
+  got = img.host_batch_leaves(9, G, 0, 1)
+  assert bucket.proxy.pending_faults() == 0
+  want = dataset_lib.Datasets(config_lib.load_config(local_config), open_now=False).get("img")
+  for a, b in zip(got, want.host_batch_leaves(9, G, 0, 1)):
+    assert a.tobytes() == b.tobytes()

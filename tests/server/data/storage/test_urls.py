@@ -40,6 +40,8 @@ def test_urls_are_told_from_paths():
     ({"retry_s": 0}, r"storage key 'retry_s' must be in \(0, 600\], got 0.0"),
     ({"retry_s": True}, "storage key 'retry_s' has the wrong type: bool"),
     ([], r"\[datasets.d.storage\] must be a table"),
+    ({"retry_s": 5, "request_timeout_s": 6},
+     r"storage key 'request_timeout_s' must be in \(0, retry_s = 5\], got 6"),
 ])
 def test_the_storage_table_refuses_what_it_does_not_know(table, message):
   with pytest.raises(ConfigError, match=f"dataset 'd': {message}"):
@@ -49,5 +51,5 @@ def test_the_storage_table_refuses_what_it_does_not_know(table, message):
 def test_the_storage_table_keeps_what_it_is_given():
   got = settings.parse("d", {"endpoint": "http://h:9000", "region": "r", "anonymous": True,
                              "retry_s": 5})
-  assert got == settings.StorageSettings("http://h:9000", "r", True, 5.0)
+  assert got == settings.StorageSettings("http://h:9000", "r", True, 5.0, 5.0)
   assert settings.parse("d", {}).retry_s == settings.DEFAULT_RETRY_S
