@@ -3,8 +3,9 @@ whole object for one record.
 
 The reader is reader.py's, with the bytes coming from ranged reads instead
 of pread: at open, the object's tail (postscript and, usually, the whole
-footer: the chunk index) in one read, kept for as long as the reader lives;
-for a batch, `plan` names the extents of the chunks its records need,
+footer: the chunk index) in one read, parsed into the index the reader
+keeps (about 40 bytes a chunk, as for a file; the tail's bytes are let
+go); for a batch, `plan` names the extents of the chunks its records need,
 neighbours coalesced (chunks that touch or lie within COALESCE_GAP_BYTES are
 one read), the caller fetches them, with every other shard's, concurrently
 (storage/objects.py), and `read` decodes the records from them. The same
@@ -67,15 +68,15 @@ class ObjectShardReader(ShardReader):
 
   def __init__(self, obj: objects_lib.ObjectRef, tail: Fetched):
     """`tail`: the object's last bytes, read pinned to `obj` (identity.py
-    recorded their hash)."""
+    recorded their hash), from which the footer is read; not kept."""
     if chunks.riegeli is None:
       raise UnsupportedShard("grain_elevator.server.data.shards._riegeli was not built")
     self.path = obj.url
     self._fd = -1
     self._obj = obj
-    self._tail = tail
     self._local = threading.local()
-    self._open(obj.size)
+    with self._using(tail):  # the footer's reads come from it
+      self._open(obj.size)
 
   @property
   def obj(self) -> objects_lib.ObjectRef:
@@ -101,11 +102,10 @@ class ObjectShardReader(ShardReader):
       self._local.fetched = before
 
   def _bytes(self, begin: int, end: int) -> memoryview | bytes:
-    for source in (getattr(self._local, "fetched", None), self._tail):
-      if source is not None:
-        got = source.get(begin, end)
-        if got is not None:
-          return got
+    fetched = getattr(self._local, "fetched", None)
+    got = fetched.get(begin, end) if fetched is not None else None
+    if got is not None:
+      return got
     (data,) = objects_lib.objects().fetch([(self._obj, begin, end)])
     return data
 
@@ -121,13 +121,11 @@ class ObjectShardReader(ShardReader):
 
   def plan(self, indices: Sequence[int]) -> list[tuple[int, int]]:
     """The byte ranges the records at `indices` need: their chunks'
-    extents, sorted, neighbours coalesced; none of them in the tail."""
+    extents, sorted, neighbours coalesced."""
     self._check_indices(indices)
     out: list[list[int]] = []
     for c in sorted(set(self.chunks_of(indices).tolist())):
       begin, end = self.extent(c)
-      if self._tail.get(begin, end) is not None:
-        continue
       if out and begin - out[-1][1] <= COALESCE_GAP_BYTES and end - out[-1][0] <= MAX_RANGE_BYTES:
         out[-1][1] = end
       else:
