@@ -219,7 +219,13 @@ class _Handler(http.server.BaseHTTPRequestHandler):
       status, out_headers, data = self._forward_raw(self.command, self.path, body, headers)
     self._send(status, out_headers, data, truncate=fault == "truncate")
 
-  do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = do_PATCH = _handle
+  def _handle_quietly(self) -> None:
+    try:
+      self._handle()
+    except (BrokenPipeError, ConnectionResetError):  # the client gave up (its timeout)
+      self.close_connection = True
+
+  do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = do_PATCH = _handle_quietly
 
   # -- GCS's XML API from the emulator's JSON API ----------------------------
 
