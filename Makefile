@@ -23,6 +23,9 @@ $(PY):
 # `make test TORCH=` skips it (tests/client/test_torch.py then skips).
 TORCH ?= 'torch==2.13.0' 'torchdata>=0.11'
 
+# The [test] extra brings moto's S3 server and gcp-storage-emulator, which the
+# bucket tests (tests/server/data/storage/) start on 127.0.0.1 themselves.
+#
 # Bytecode is compiled after the install on every core (pip compiles file by
 # file: ~45 s of a fresh install here, ~25 s this way); a third-party file that
 # does not compile (Python 2 test data) is skipped, as pip skips it.

@@ -2,7 +2,9 @@
 
 ```toml
 [datasets.NAME]
-paths = ["shards/train-*.array_record"]  # globs, relative to this file's folder
+paths = ["shards/train-*.array_record"]  # globs, relative to this file's folder,
+                                         # or in a bucket: "gs://b/train-*.array_record",
+                                         # "s3://b/..." (docs/buckets.md)
 # or, in place of `paths`, a prepared TFDS dataset (server/data/tfds_source.py):
 # tfds = "mnist:3.0.1"   split = "train[:90%]"   data_dir = "tfds_data"
 pipeline = "package.module:function"     # optional: MapDataset -> MapDataset
@@ -13,6 +15,9 @@ num_epochs = 1                           # 0 = repeat forever
 drop_remainder = true                    # false: evaluation mode, every record
                                          # once, the last batch padded + "_mask"
 [datasets.NAME.options]                  # keyword arguments for `pipeline`
+[datasets.NAME.storage]                  # optional, for bucket paths: endpoint, region,
+                                         # anonymous, retry_s, request_timeout_s
+                                         # (server/data/storage/settings.py)
 ```
 
 A dataset may instead mix other registered datasets (server/data/mixture.py):
@@ -56,13 +61,16 @@ import tomllib
 from typing import TYPE_CHECKING, Any, Callable
 
 from grain_elevator.proto.errors import ConfigError
+from grain_elevator.server.data.storage import settings as storage_settings
+from grain_elevator.server.data.storage import urls
+from grain_elevator.server.data.storage.settings import StorageSettings
 
 if TYPE_CHECKING:
   from grain_elevator.server.data.tfds_source import TfdsSplit
 
 _KEYS = {"paths", "tfds", "split", "data_dir", "source", "pipeline", "batch_transform",
          "iter_pipeline", "batch_fn", "seed", "shuffle", "num_epochs", "drop_remainder",
-         "options", "iter_options", "mixture", "schedule"}
+         "options", "iter_options", "mixture", "schedule", "storage"}
 # What a dataset reads: exactly one of these.
 _SOURCE_KEYS = ("paths", "tfds", "source")
 _TFDS_KEYS = {"split", "data_dir"}
@@ -75,7 +83,7 @@ class DatasetConfig:
   """One `[datasets.NAME]` table, validated, with its globs expanded."""
 
   name: str
-  files: tuple[str, ...]  # sorted absolute paths
+  files: tuple[str, ...]  # sorted absolute paths, or object URLs (gs://, s3://, az://)
   pipeline: str | None = None
   # fn(raw_records: list[bytes], **options) -> the stacked batch; must equal
   # the per-record pipeline's rows stacked (checked at start-up).
@@ -100,6 +108,9 @@ class DatasetConfig:
   # The config file's folder: where relative paths in options are taken from
   # (grain_elevator.pipelines.config_path).
   base_dir: str = ""
+  # How its bucket paths are reached (`[datasets.NAME.storage]`); None: the
+  # environment's defaults.
+  storage: StorageSettings | None = None
 
   @property
   def names_a_stream(self) -> bool:
@@ -187,7 +198,8 @@ def _expect(dataset: str, key: str, value: Any, cls: type, what: str) -> None:
     )
 
 
-def _expand_paths(name: str, table: dict[str, Any], base_dir: pathlib.Path) -> set[str]:
+def _expand_paths(name: str, table: dict[str, Any], base_dir: pathlib.Path,
+                  storage: StorageSettings | None) -> set[str]:
   if "paths" not in table:
     raise ConfigError(f"dataset {name!r}: key 'paths' (or 'tfds', or 'source') is required")
   given = sorted(_TFDS_KEYS & set(table))
@@ -202,6 +214,13 @@ def _expand_paths(name: str, table: dict[str, Any], base_dir: pathlib.Path) -> s
   files: set[str] = set()
   for pattern in paths:
     _expect(name, "paths", pattern, str, "a list of glob strings")
+    if "://" in pattern:
+      if not urls.is_url(pattern):
+        raise ConfigError(f"dataset {name!r}: key 'paths': {pattern!r}: only gs://, s3:// and "
+                          "az:// URLs (with a bucket) are read; other paths are local files")
+      from grain_elevator.server.data.storage import objects  # pylint: disable=g-import-not-at-top
+      files.update(objects.objects().expand(name, pattern, storage or StorageSettings()))
+      continue
     full = os.path.join(base_dir, os.path.expanduser(pattern))
     matched = [p for p in glob.glob(full, recursive=True) if os.path.isfile(p)]
     if not matched:
@@ -210,6 +229,9 @@ def _expand_paths(name: str, table: dict[str, Any], base_dir: pathlib.Path) -> s
           f"(looked for {full})"
       )
     files.update(os.path.abspath(p) for p in matched)
+  if len({urls.is_url(f) for f in files}) > 1:
+    raise ConfigError(f"dataset {name!r}: key 'paths' mixes local files and bucket URLs; "
+                      "a dataset's shards are all in one place")
   return files
 
 
@@ -227,6 +249,10 @@ def _parse_tfds(name: str, table: dict[str, Any], base_dir: pathlib.Path) -> Tfd
   data_dir = table.get("data_dir")
   if data_dir is not None:
     _expect(name, "data_dir", data_dir, str, "a folder path")
+    if "://" in data_dir:
+      raise ConfigError(f"dataset {name!r}: key 'data_dir': {data_dir!r}: a TFDS data_dir "
+                        "in a bucket is not read yet; give its shards as 'paths' "
+                        "(gs://.../NAME-train.array_record-*), or copy it to a local folder")
     data_dir = str((base_dir / os.path.expanduser(data_dir)).resolve())
   from grain_elevator.server.data import tfds_source  # pylint: disable=g-import-not-at-top
   return tfds_source.resolve(name, tfds_name.strip(), split, data_dir)
@@ -320,6 +346,12 @@ def parse_dataset(name: str, table: Any, base_dir: pathlib.Path) -> DatasetConfi
     raise ConfigError(f"dataset {name!r}: give one of {', '.join(map(repr, _SOURCE_KEYS))}, "
                       f"not {' and '.join(map(repr, given))}")
   source = table.get("source")
+  storage = None
+  if "storage" in table:
+    if "paths" not in table:
+      raise ConfigError(f"dataset {name!r}: [datasets.{name}.storage] goes with bucket "
+                        "'paths' (gs://, s3://, az://)")
+    storage = storage_settings.parse(name, table["storage"])
   tfds_split, files = None, set()
   if source is not None:
     _expect(name, "source", source, str, "the name of a registered mixture")
@@ -332,7 +364,7 @@ def parse_dataset(name: str, table: Any, base_dir: pathlib.Path) -> DatasetConfi
     tfds_split = _parse_tfds(name, table, base_dir)
     files = set(tfds_split.files)
   else:
-    files = _expand_paths(name, table, base_dir)
+    files = _expand_paths(name, table, base_dir, storage)
 
   seed = table.get("seed", 0)
   _expect(name, "seed", seed, int, "an integer in [0, 2**32)")
@@ -383,7 +415,7 @@ def parse_dataset(name: str, table: Any, base_dir: pathlib.Path) -> DatasetConfi
       shuffle=shuffle, num_epochs=num_epochs, drop_remainder=drop_remainder,
       options=dict(options), tfds=tfds_split, source=source,
       iter_pipeline=iter_pipeline, batch_fn=batch_fn, iter_options=dict(iter_options),
-      base_dir=str(base_dir),
+      base_dir=str(base_dir), storage=storage,
   )
   config.pipeline_fn()  # Fail at start-up, not on the first request.
   config.batch_transform_fn()

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import threading
 from typing import Any, Callable, Mapping, Sequence
 
@@ -34,9 +33,10 @@ from grain_elevator.server.data.config import DatasetConfig, ServerConfig
 from grain_elevator.server.data.record_source import BatchedArrayRecordSource
 from grain_elevator.server.data.served import ServedDataset
 from grain_elevator.server.data.shards import reader as shard_reader
-from grain_elevator.server.data.shards.identity import (Recorded, ShardIdentity,
-                                                        shard_identities)
+from grain_elevator.server.data.shards.identity import (ObjectIdentity, Recorded,
+                                                        ShardIdentity, shard_identities)
 from grain_elevator.server.data.shards.option_files import OptionFiles
+from grain_elevator.server.data.storage import urls
 from grain_elevator.server.data.stream import is_stream_pipeline
 
 log = logging.getLogger("grain_elevator.server")
@@ -76,6 +76,10 @@ def open_source(config: DatasetConfig,
   if config.tfds is not None:
     from grain_elevator.server.data import tfds_source  # pylint: disable=g-import-not-at-top
     return tfds_source.TfdsSource(config.tfds, identities=identities)
+  if config.files and urls.is_url(config.files[0]):
+    from grain_elevator.server.data.object_source import ObjectRecordSource  # pylint: disable=g-import-not-at-top
+    return ObjectRecordSource(config.files, config.storage, identities=identities,
+                              dataset=config.name)
   return BatchedArrayRecordSource(list(config.files), identities=identities)
 
 
@@ -117,15 +121,18 @@ def apply_pipeline(config: DatasetConfig, ds: grain.MapDataset, *,
 
 
 def fingerprint(config: DatasetConfig, num_records: int,
-                identities: Mapping[str, ShardIdentity | None],
+                identities: Mapping[str, ShardIdentity | ObjectIdentity | None],
                 files: OptionFiles | None = None) -> str:
   """The stream fingerprint of a dataset: everything that defines its records,
   its shards' recorded identities included, so a server started on changed
-  files has another (and refuses cursors of the old one). File names without
-  their folder: the same files elsewhere are the same stream, if their
-  copies kept the mtime (cp -p, rsync -a). The files its options name count
-  by their content (`files`)."""
-  shards = [None if i is None else [i.size, i.mtime_ns, i.tail_hash]
+  files has another (and refuses cursors of the old one). The shards count
+  by their content alone, in order: each one's size and the hash of its
+  last IDENTITY_TAIL_BYTES (ArrayRecord's postscript and the end of its
+  footer, the chunk index; the whole shard when it is smaller), never a
+  path, mtime or ETag. So the same shards on another disk or in a bucket
+  (gs://, s3://) are the same stream, and a cursor moves between copies.
+  The files its options name count by their content (`files`)."""
+  shards = [None if i is None else [i.size, i.tail_hash]
             for i in (identities.get(f) for f in config.files)]
   fields: dict[str, Any] = {}
   if files is not None and files.files:  # absent otherwise: other datasets' cursors stay valid
@@ -140,7 +147,6 @@ def fingerprint(config: DatasetConfig, num_records: int,
   return contract.stream_fingerprint({
       **fields,
       "name": config.name,
-      "files": [os.path.basename(f) for f in config.files],
       "shards": shards,
       "num_records": num_records,
       "pipeline": config.pipeline,
@@ -173,12 +179,12 @@ class OpenedSource:
     except ValueError as e:
       raise ConfigError(str(e)) from e
     if identities is None:
-      identities = shard_identities(config.files)
+      identities = shard_identities(config.files, dataset=config.name, storage=config.storage)
     # A file the config's globs match now but did not at start-up has none: refused.
     checked = {f: identities.get(f) for f in config.files}
     try:
       source = open_source(config, checked)
-    except ConfigError:
+    except (ConfigError, ShardChangedError):
       raise
     except Exception as e:
       raise ConfigError(

@@ -1,4 +1,4 @@
-"""A shard's identity: what the file was when the server started.
+"""A shard's identity: what the file or object was when the server started.
 
 A shard replaced while the server runs must never change what a step holds
 under one stream fingerprint, whichever worker answers and whenever it
@@ -10,6 +10,14 @@ reads a shard only through a `CheckedFile` that still matches it; otherwise
 ShardChangedError (FAILED_PRECONDITION) names the file. The files a
 dataset's options name (a tokenizer) are recorded with them
 (option_files.py).
+
+A shard in a bucket (gs://, s3://) is recorded as its size, ETag and
+generation (`ObjectIdentity`), and every read of it is pinned to them
+(server/data/storage/objects.py): a replaced object answers 412 or 404,
+which is ShardChangedError naming it, never other bytes. Both kinds hash
+their last IDENTITY_TAIL_BYTES the same way, and the fingerprint covers only
+the size and that hash: a copy of the same bytes, on disk or in another
+bucket, is the same stream.
 """
 
 from __future__ import annotations
@@ -20,10 +28,13 @@ import hashlib
 import os
 from typing import Iterable
 
-from grain_elevator.proto.errors import ConfigError, ShardChangedError
+from grain_elevator.proto.errors import ConfigError, ElevatorError, ShardChangedError
 from grain_elevator.server.data.config import ServerConfig
 from grain_elevator.server.data.shards import option_files
 from grain_elevator.server.data.shards import reader as shard_reader
+from grain_elevator.server.data.storage import objects as objects_lib
+from grain_elevator.server.data.storage import urls
+from grain_elevator.server.data.storage.settings import StorageSettings
 
 # How much of a shard's end its identity hashes: ArrayRecord's postscript
 # (the last 64 KiB block) and the 64 KiB before it, the end of the footer,
@@ -74,6 +85,50 @@ class ShardIdentity:
     return f"{'/'.join(names) or 'nothing'} differ{'s' if len(names) < 2 else ''}{sizes}"
 
 
+@dataclasses.dataclass(frozen=True)
+class ObjectIdentity:
+  """What a shard object was when the server started: its size and the hash
+  of its tail (as a file's, `ShardIdentity`: what the stream fingerprint
+  covers), and the ETag and generation (or S3 version) every read is pinned
+  to."""
+
+  size: int
+  tail_hash: str
+  etag: str | None
+  version: str | None
+
+  def ref(self, url: str, settings: StorageSettings) -> objects_lib.ObjectRef:
+    return objects_lib.ObjectRef(url, settings, self.size, self.etag, self.version)
+
+
+def tail_hash(tail: bytes) -> str:
+  return hashlib.blake2b(tail, digest_size=16).hexdigest()
+
+
+def object_identity(url: str, settings: StorageSettings) -> ObjectIdentity:
+  """The object's identity now: one HEAD and one ranged read of its tail,
+  pinned to what the HEAD saw. Raises what objects.py raises."""
+  store = objects_lib.objects()
+  head = store.head(url, settings)
+  n = min(head.size, IDENTITY_TAIL_BYTES)
+  (tail,) = store.fetch([(head, head.size - n, head.size)]) if n else (b"",)
+  return ObjectIdentity(head.size, tail_hash(tail), head.etag, head.version)
+
+
+def _identity_of_object(dataset: str, url: str, settings: StorageSettings) -> ObjectIdentity:
+  try:
+    return object_identity(url, settings)
+  except ConfigError:
+    raise
+  except ShardChangedError as e:  # replaced between its HEAD and its tail's read
+    raise ConfigError(f"dataset {dataset!r}: shard {url} changed while its identity was "
+                      "read: is it still being written?") from e
+  except ElevatorError as e:  # the tail's read: past the retry budget, access lost
+    raise ConfigError(f"dataset {dataset!r}: cannot read {url}: {e}") from e
+  except Exception as e:  # pylint: disable=broad-except
+    raise objects_lib.start_error(dataset, url, e, "read") from e
+
+
 def _changed(filename: str, what: str) -> ShardChangedError:
   return ShardChangedError(
       f"shard {filename} changed since the server started ({what}): restart the "
@@ -90,7 +145,7 @@ def identity_of(fd: int, filename: str) -> ShardIdentity:
     tail = os.pread(fd, n, before.st_size - n)
     after = os.fstat(fd)
     if len(tail) == n and _stat_key(before) == _stat_key(after):
-      return ShardIdentity.of_stat(after, hashlib.blake2b(tail, digest_size=16).hexdigest())
+      return ShardIdentity.of_stat(after, tail_hash(tail))
   raise ShardChangedError(f"shard {filename} kept changing while it was read: is it "
                           "still being written?")
 
@@ -112,12 +167,20 @@ def _identity_of_path(filename: str) -> ShardIdentity:
     os.close(fd)
 
 
-def shard_identities(files: Iterable[str]) -> dict[str, ShardIdentity]:
-  """Each file's identity, read now (a few files at a time: on network
-  storage an open is a round trip). ConfigError names a file that cannot be read."""
+def shard_identities(files: Iterable[str], *, dataset: str = "",
+                     storage: StorageSettings | None = None
+                     ) -> dict[str, ShardIdentity | ObjectIdentity]:
+  """Each file's or object's identity, read now (a few at a time: on
+  network storage an open is a round trip; objects 64 at a time). ConfigError
+  names a shard that cannot be read (and for an object, the dataset)."""
   files = sorted(set(files))
-  with concurrent.futures.ThreadPoolExecutor(max(1, min(16, len(files)))) as pool:
-    return dict(zip(files, pool.map(_identity_of_path, files)))
+  settings = storage or StorageSettings()
+
+  def one(f: str) -> ShardIdentity | ObjectIdentity:
+    return _identity_of_object(dataset, f, settings) if urls.is_url(f) else _identity_of_path(f)
+  threads = 64 if any(urls.is_url(f) for f in files) else 16
+  with concurrent.futures.ThreadPoolExecutor(max(1, min(threads, len(files)))) as pool:
+    return dict(zip(files, pool.map(one, files)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,14 +189,18 @@ class Recorded:
   it starts, then or later: every dataset's shards, and the files their
   options name, each by absolute path."""
 
-  shards: dict[str, ShardIdentity]
+  shards: dict[str, ShardIdentity | ObjectIdentity]
   files: dict[str, option_files.FileIdentity]
 
 
 def record_identities(config: ServerConfig) -> Recorded:
   """The shards and option files of every dataset, as they are now."""
-  return Recorded(shard_identities(f for d in config.datasets.values() for f in d.files),
-                  option_files.record_files(config))
+  shards: dict[str, ShardIdentity | ObjectIdentity] = {}
+  for d in config.datasets.values():
+    todo = [f for f in d.files if f not in shards]
+    if todo:
+      shards.update(shard_identities(todo, dataset=d.name, storage=d.storage))
+  return Recorded(shards, option_files.record_files(config))
 
 
 class CheckedFile:

@@ -72,7 +72,7 @@ class ShardReader:
     self.path = path
     self._fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
-      self._open()
+      self._open(os.fstat(self._fd).st_size)
     except BaseException:
       os.close(self._fd)
       raise
@@ -84,8 +84,7 @@ class ShardReader:
       what = f"chunk at byte {begin}: {what}"
     return CorruptShard(f"{self.path}: {what}")
 
-  def _open(self) -> None:
-    size = os.fstat(self._fd).st_size
+  def _open(self, size: int) -> None:
     if size < BLOCK_SIZE:
       raise CorruptShard(f"{self.path}: {size} bytes is less than ArrayRecord's 64 KiB "
                          "postscript block")
@@ -179,14 +178,27 @@ class ShardReader:
     bounds = chunks.starts(sizes).tolist()
     return [values[a:b] for a, b in zip(bounds, bounds[1:])]
 
-  def read(self, indices: Sequence[int]) -> list[bytes]:
-    """The records at `indices` (positions in this shard), as bytes."""
+  def _check_indices(self, indices: Sequence[int]) -> None:
     if len(indices) and (min(indices) < 0 or max(indices) >= self.num_records):
       bad = next(i for i in indices if not 0 <= i < self.num_records)
       raise IndexError(f"record {bad} of {self.num_records}")
+
+  def chunks_of(self, indices: Sequence[int]) -> np.ndarray:
+    """The chunk holding each record (positions in this shard)."""
+    if self._one_per_chunk:
+      return np.asarray(indices, np.int64)
+    return np.searchsorted(self._first_record, np.asarray(indices, np.int64), "right") - 1
+
+  def extent(self, chunk: int) -> tuple[int, int]:
+    """Where chunk `chunk` lies in the shard: [begin, end)."""
+    return int(self._begins[chunk]), int(self._ends[chunk])
+
+  def read(self, indices: Sequence[int]) -> list[bytes]:
+    """The records at `indices` (positions in this shard), as bytes."""
+    self._check_indices(indices)
     if self._one_per_chunk:
       return self._read_single_record_chunks(indices)
-    in_chunk = np.searchsorted(self._first_record, np.asarray(indices, np.int64), "right") - 1
+    in_chunk = self.chunks_of(indices)
     decoded: dict[int, list[bytes | memoryview]] = {}
     out: list[bytes] = []
     for i, c in zip(indices, in_chunk.tolist()):

@@ -411,11 +411,18 @@ static int parse_header(const uint8_t* h, uint64_t begin, ChunkHeader* out) {
 
 /* Parses the (fd, begin, end) arguments of a read; sets a Python error and
  * returns -1 unless [begin, end) can hold a chunk header. */
+static int check_extent(uint64_t b, uint64_t e);
+
 static int parse_extent(PyObject* args, int* fd, uint64_t* begin, uint64_t* end) {
   unsigned long long b, e;
   if (!PyArg_ParseTuple(args, "iKK", fd, &b, &e)) return -1;
   *begin = b;
   *end = e;
+  return check_extent(b, e);
+}
+
+/* Sets a Python error and returns -1 unless [b, e) can hold a chunk header. */
+static int check_extent(uint64_t b, uint64_t e) {
   if (e <= b) {
     shard_error("empty extent (bad chunk offsets in the footer)", b);
     return -1;
@@ -500,6 +507,57 @@ static int read_split(int fd, uint64_t pos, uint64_t n, uint8_t* dst, uint8_t* h
     }
   }
   return 0;
+}
+
+/* The checks and copy of read_chunk on bytes already read (from an object
+ * store's ranged GET): `buf` holds the file from `begin` to `end`. */
+static PyObject* chunk_from(const uint8_t* buf, uint64_t begin, uint64_t end) {
+  uint8_t header[CHUNK_HEADER_SIZE];
+  ChunkHeader h;
+  uint64_t last, cend, bad = 0, data_begin, unused;
+  CopyCtx hc = {buf, begin, header};
+  for_each_piece(begin, CHUNK_HEADER_SIZE, copy_piece, &hc, &data_begin);
+  if (parse_header(header, begin, &h) || check_sizes(&h, begin, data_begin, end, &last, &cend))
+    return NULL;
+  const char* why = check_headers_in(buf, begin, begin, last, cend, &bad);
+  if (why) return block_error(begin, bad, why);
+  PyObject* data = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)h.data_size);
+  if (!data) return NULL;
+  uint8_t* dst = (uint8_t*)PyBytes_AS_STRING(data);
+  CopyCtx dc = {buf, begin, dst};
+  uint64_t got;
+  if (h.data_size >= RELEASE_GIL_BYTES) {
+    Py_BEGIN_ALLOW_THREADS
+    for_each_piece(data_begin, h.data_size, copy_piece, &dc, &unused);
+    got = hash_bytes(dst, (size_t)h.data_size);
+    Py_END_ALLOW_THREADS
+  } else {
+    for_each_piece(data_begin, h.data_size, copy_piece, &dc, &unused);
+    got = hash_bytes(dst, (size_t)h.data_size);
+  }
+  if (got != h.data_hash) {
+    Py_DECREF(data);
+    return shard_error("data hash mismatch (the chunk's data is corrupt)", begin);
+  }
+  return Py_BuildValue("iKKN", h.chunk_type, (unsigned long long)h.num_records,
+                       (unsigned long long)h.decoded_data_size, data);
+}
+
+/* parse_chunk(buffer, begin) -> as read_chunk, for the chunk whose extent
+ * is `buffer`, read from byte `begin` of the file. */
+static PyObject* py_parse_chunk(PyObject* Py_UNUSED(self), PyObject* args) {
+  Py_buffer view;
+  unsigned long long b;
+  if (!PyArg_ParseTuple(args, "y*K", &view, &b)) return NULL;
+  PyObject* out = NULL;
+  const uint64_t len = (uint64_t)view.len;
+  if (b > (uint64_t)INT64_MAX - len) {
+    shard_error("its extent ends past the largest file offset", b);
+  } else if (!check_extent(b, b + len)) {
+    out = chunk_from((const uint8_t*)view.buf, b, b + len);
+  }
+  PyBuffer_Release(&view);
+  return out;
 }
 
 /* read_chunk(fd, begin, end) -> (chunk_type, num_records, decoded_data_size, data) */
@@ -1236,6 +1294,10 @@ static PyMethodDef methods[] = {
      "Reads the chunk at [begin, end) of a riegeli file, checks its header and data\n"
      "hashes, and returns its data with the block headers taken out. Raises\n"
      "ValueError naming the chunk when it is corrupt or truncated, OSError on I/O."},
+    {"parse_chunk", py_parse_chunk, METH_VARARGS,
+     "parse_chunk(buffer, begin) -> as read_chunk, for a chunk whose extent (from byte\n"
+     "`begin` of the file) was read already: `buffer`, from an object store's\n"
+     "ranged read. Raises ValueError naming the chunk when it is corrupt."},
     {"read_record", py_read_record, METH_VARARGS,
      "read_record(fd, begin, end) -> bytes | None\n\n"
      "The record of a one-record simple chunk whose data is uncompressed or a zstd\n"

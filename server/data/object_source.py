@@ -1,0 +1,126 @@
+"""The record source Grain sees for shards in a bucket (gs://, s3://, az://).
+
+The sibling of record_source.py's BatchedArrayRecordSource, with the same
+surface (`len`, `__getitem__`, `_getitems`, `read_raw`, `where`): Grain's
+shuffle, repeat and mix run over it unchanged, so a bucket and a local copy
+of the same shards give the same stream. A batch's records are planned
+shard by shard (shards/object_reader.py), and all their byte ranges go out
+at once (storage/objects.py), pinned to each object's recorded identity.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from grain_elevator.proto.errors import ConfigError, DataLossError, ShardChangedError
+from grain_elevator.server.data.shards import identity as identity_lib
+from grain_elevator.server.data.shards.chunks import CorruptShard, UnsupportedShard
+from grain_elevator.server.data.shards.object_reader import (Fetched, ObjectShardReader,
+                                                             open_object_shard)
+from grain_elevator.server.data.storage import objects as objects_lib
+from grain_elevator.server.data.storage.settings import StorageSettings
+
+# Shards opened at once (each one or two ranged reads of its tail).
+_OPEN_THREADS = 32
+
+
+def _not_recorded(url: str) -> ShardChangedError:
+  return ShardChangedError(
+      f"shard {url} was not among the dataset's files when the server started: restart the "
+      "server to serve it; the stream fingerprint will change")
+
+
+class ObjectRecordSource:
+  """Random access to a dataset's ArrayRecord shards in a bucket.
+
+  `identities`: each object's identity as the server recorded it at start
+  (None: recorded now, for embedded mode and tools); every read is pinned
+  to it. Opening reads each shard's tail (its footer); ConfigError names a
+  shard this reader cannot decode (ArrayRecord's own reader reads files
+  only: brotli, snappy or transposed shards must be copied locally).
+  """
+
+  def __init__(self, urls: Sequence[str], storage: StorageSettings | None = None, *,
+               identities: Mapping[str, Any] | None = None, dataset: str = ""):
+    self._urls = list(urls)
+    self._storage = storage or StorageSettings()
+    if identities is None:
+      identities = identity_lib.shard_identities(self._urls, dataset=dataset,
+                                                 storage=self._storage)
+    self.identities = {u: identities.get(u) for u in self._urls}
+    with concurrent.futures.ThreadPoolExecutor(min(_OPEN_THREADS, max(1, len(self._urls)))) as p:
+      self._readers: list[ObjectShardReader] = list(p.map(self._open, self._urls))
+    counts = np.asarray([r.num_records for r in self._readers], np.int64)
+    self._key_ends = np.cumsum(counts)
+    self._key_starts = self._key_ends - counts
+
+  def _open(self, url: str) -> ObjectShardReader:
+    recorded = self.identities.get(url)
+    if not isinstance(recorded, identity_lib.ObjectIdentity):
+      raise _not_recorded(url)
+    obj = recorded.ref(url, self._storage)
+    try:
+      return open_object_shard(obj, recorded.tail_hash, identity_lib.IDENTITY_TAIL_BYTES)
+    except UnsupportedShard as e:
+      raise ConfigError(f"shard {url}: {e}; from a bucket only ArrayRecord's default "
+                        "layout (simple chunks, zstd or uncompressed) is read: copy it to "
+                        "local disk or rewrite it") from e
+    except CorruptShard as e:
+      raise DataLossError(f"shard {url} cannot be opened: {e}") from e
+
+  def __len__(self) -> int:
+    return int(self._key_ends[-1]) if len(self._key_ends) else 0
+
+  def __getitem__(self, record_key: int) -> bytes:
+    (record,) = self.read_raw([record_key])
+    return record
+
+  def _getitems(self, indices: Sequence[int]) -> Sequence[bytes]:
+    return self.read_raw(indices)
+
+  def _split(self, indices: Sequence[int]) -> dict[int, tuple[list[int], list[int]]]:
+    """shard -> (positions in it, places in `indices`)."""
+    keys = np.asarray(indices, np.int64)
+    if keys.size and (keys.min() < 0 or keys.max() >= len(self)):
+      raise ValueError(f"record keys must be in [0, {len(self)})")
+    shards = np.searchsorted(self._key_ends, keys, "right")
+    positions = keys - self._key_starts[shards]
+    out: dict[int, tuple[list[int], list[int]]] = {}
+    for i, (shard, position) in enumerate(zip(shards.tolist(), positions.tolist())):
+      group = out.setdefault(shard, ([], []))
+      group[0].append(position)
+      group[1].append(i)
+    return out
+
+  def where(self, key: int) -> str:
+    """"shard URL record P": where the source's record `key` is stored."""
+    shard = int(np.searchsorted(self._key_ends, key, "right"))
+    return f"shard {self._urls[shard]} record {key - int(self._key_starts[shard])}"
+
+  def plan(self, indices: Sequence[int]) -> list[tuple[objects_lib.ObjectRef, int, int]]:
+    """Every byte range the records at `indices` need, over all shards."""
+    out = []
+    for shard, (positions, _) in self._split(indices).items():
+      reader = self._readers[shard]
+      out += [(reader.obj, a, b) for a, b in reader.plan(positions)]
+    return out
+
+  def read_raw(self, indices: Sequence[int]) -> Sequence[bytes]:
+    """The records' bytes as stored; their ranges fetched concurrently."""
+    groups = self._split(indices)
+    plans = {s: self._readers[s].plan(positions) for s, (positions, _) in groups.items()}
+    ranges = [(self._readers[s].obj, a, b) for s, plan in plans.items() for a, b in plan]
+    data = iter(objects_lib.objects().fetch(ranges))
+    out: list[bytes] = [b""] * len(indices)
+    for shard, (positions, where) in groups.items():
+      fetched = Fetched({a: next(data) for a, _ in plans[shard]})
+      try:
+        records = self._readers[shard].read(positions, fetched)
+      except CorruptShard as e:
+        raise DataLossError(f"shard {self._urls[shard]} is corrupt: {e}") from e
+      for record, i in zip(records, where):
+        out[i] = record
+    return out
