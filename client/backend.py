@@ -10,6 +10,7 @@ from typing import Any, Protocol, Sequence
 from grain_elevator.client.options import RetryPolicy, Security, TransportOptions
 from grain_elevator.client.transport import targets as targets_lib
 from grain_elevator.client.transport.connection import Step
+from grain_elevator.client.transport.host_memory import HostMemory
 from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.proto.spec import DatasetInfo
 
@@ -36,14 +37,17 @@ class Backend(Protocol):
 
 def make_backend(target: str | Sequence[str], *,
                  transport: TransportOptions = TransportOptions(),
-                 retry: RetryPolicy = RetryPolicy(), security: Security = Security()
-                 ) -> Backend:
+                 retry: RetryPolicy = RetryPolicy(), security: Security = Security(),
+                 host_memory: HostMemory | None = None) -> Backend:
   """A ConnectionPool for server targets, or an EmbeddedBackend for
-  "local:CONFIG_PATH" (client/transport/targets.py)."""
+  "local:CONFIG_PATH" (client/transport/targets.py). `host_memory`: where
+  the bulk transport receives batches (None: ordinary memory); embedded
+  mode's batches are the pipeline's own arrays."""
   targets = targets_lib.parse_targets(target)
   config = targets_lib.local_config(targets)
   if config is not None:
     from grain_elevator.client.embedded import EmbeddedBackend  # pylint: disable=g-import-not-at-top
     return EmbeddedBackend(config)
   from grain_elevator.client.transport.pool import ConnectionPool  # pylint: disable=g-import-not-at-top
-  return ConnectionPool(targets, transport=transport, retry=retry, security=security)
+  return ConnectionPool(targets, transport=transport, retry=retry, security=security,
+                        host_memory=host_memory)

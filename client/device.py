@@ -11,6 +11,14 @@ array is assembled with `jax.make_array_from_process_local_data`, and this
 module checks that the sharding puts exactly those rows on this process's
 devices, so the global array of step k equals global batch k of the contract.
 
+When the sharding's devices are GPUs, a `RemoteDataset` given to `to_device`
+receives its batches into page-locked host memory (cudaHostAlloc through
+cuda-python, client/transport/host_memory.py): the copy to the device is
+then one DMA from where the bytes landed, not a memcpy into the driver's
+staging buffer first. JAX holds each host array until its copy is done
+(or copies it during the call), and the receive buffers are lent again
+only once nothing refers to them, so a buffer is never reused under a copy.
+
 JAX is an optional extra (`pip install 'grain-elevator[jax]'`): nothing here
 imports it until a batch is put on devices.
 """
@@ -23,6 +31,7 @@ import grain
 import numpy as np
 
 from grain_elevator.client.layout import jax_process_layout
+from grain_elevator.client.transport import host_memory
 from grain_elevator.proto import contract
 from grain_elevator.proto.errors import InvalidRequestError
 
@@ -118,7 +127,9 @@ def to_device(ds: grain.IterDataset, sharding: Any, *, cpu_buffer: int = 4,
     ds = to_device(RemoteDataset(target, "train", G), NamedSharding(mesh, P("data")))
 
   Args:
-    ds: yields host batches (numpy pytrees), e.g. a `RemoteDataset`.
+    ds: yields host batches (numpy pytrees), e.g. a `RemoteDataset`, which
+      then receives into page-locked memory when the devices are GPUs
+      (`receive_page_locked`).
     sharding: a `jax.sharding.Sharding` for every leaf (typically a
       NamedSharding whose first mesh axis splits the batch), or a pytree of
       them matching the batch.
@@ -133,7 +144,9 @@ def to_device(ds: grain.IterDataset, sharding: Any, *, cpu_buffer: int = 4,
     InvalidRequestError: on the first batch, if it does not divide over the
       mesh or the sharding's process layout disagrees with (h, H).
   """
-  _jax()
+  jax = _jax()
+  receive_page_locked(ds, host_memory.for_platforms(
+      d.platform for s in jax.tree.leaves(sharding) for d in s.device_set))
   layout = process_layout if process_layout is not None else jax_process_layout()
   if layout is not None and layout[1] == 1:
     layout = None
@@ -144,6 +157,13 @@ def to_device(ds: grain.IterDataset, sharding: Any, *, cpu_buffer: int = 4,
         f"process {layout[0]} of {layout[1]}; each process must read its own rows "
         "(leave shard_index/shard_count unset to follow JAX)")
   return buffered_put(ds, PutOnMesh(sharding, layout), cpu_buffer, device_buffer)
+
+
+def receive_page_locked(ds: Any, memory: host_memory.HostMemory | None) -> None:
+  """Makes `ds` (a RemoteDataset; anything else is left alone) receive into
+  `memory`, unless it is None or the user chose the dataset's memory."""
+  if memory is not None and getattr(ds, "host_memory", False) is None:
+    ds.host_memory = memory
 
 
 def buffered_put(ds: grain.IterDataset, put: Any, cpu_buffer: int,

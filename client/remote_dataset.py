@@ -25,6 +25,7 @@ from grain_elevator.client import window as window_lib
 from grain_elevator.client.backend import Backend, make_backend
 from grain_elevator.client.options import RetryPolicy, Security, TransportOptions
 from grain_elevator.client.transport import targets as targets_lib
+from grain_elevator.client.transport.host_memory import HostMemory
 from grain_elevator.client.transport.connection import CancelToken, Step
 from grain_elevator.proto import contract
 from grain_elevator.proto import elevator_pb2 as pb
@@ -107,6 +108,12 @@ class RemoteDataset(grain.IterDataset):
     stats_log_s: log each iterator's `Stats` line (time waited for data,
       throughput, retries, fallbacks) at INFO every this many seconds; 0: never.
 
+  Attributes:
+    host_memory: where iterators started from now on receive batches over
+      the bulk transport (client/transport/host_memory.py): None, ordinary
+      memory; `to_device` with a GPU sharding and `TorchLoader(device="cuda")`
+      set page-locked memory here unless it was set already.
+
   Raises:
     InvalidRequestError: bad geometry (G < 1, G % H != 0, h out of range),
       targets or options (a ValueError too).
@@ -143,6 +150,7 @@ class RemoteDataset(grain.IterDataset):
     self.retry = retry
     self.security = security
     self.stats_log_s = stats_log_s
+    self.host_memory: HostMemory | None = None
     self._iterators: weakref.WeakSet[_RemoteIterator] = weakref.WeakSet()
     self._embedded: Backend | None = None
     self._embedded_lock = threading.Lock()
@@ -155,7 +163,7 @@ class RemoteDataset(grain.IterDataset):
           self._embedded = make_backend(self.targets)
         return self._embedded
     return make_backend(self.targets, transport=self.transport, retry=self.retry,
-                        security=self.security)
+                        security=self.security, host_memory=self.host_memory)
 
   @classmethod
   def embedded(cls, config_path: str, dataset: str, global_batch_size: int,

@@ -18,13 +18,16 @@ bytes as received. Those bytes sit in the client's receive buffers
 refers to them; a tensor made by `from_numpy` holds a reference to the
 array it views, so a buffer under a live tensor is never reused, and a
 tensor never changes under the trainer. Leaves that torch has no dtype for
-(fixed-width bytes) stay numpy arrays.
+(fixed-width bytes) stay numpy arrays. With `device="cuda"` those buffers
+are torch's pinned memory, so the copy to the GPU is one asynchronous DMA
+from where the bytes landed.
 
 Needs the `torch` extra (`pip install 'grain-elevator[torch]'`).
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import warnings
 from typing import Any, Iterator
@@ -41,6 +44,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 
 from grain_elevator.client import device as device_lib
 from grain_elevator.client import layout
+from grain_elevator.client.transport import host_memory
 from grain_elevator.proto.errors import InvalidRequestError
 
 # The key of `TorchLoader.state_dict()`: one JSON text, so that
@@ -117,27 +121,41 @@ def _map(fn: Any, tree: Any) -> Any:
 # --- onto a device -----------------------------------------------------------
 
 class _ToDevice:
-  """Host tensors -> pinned copies -> `device`, issued from the read-ahead
-  thread on a stream of its own so the copies overlap the training step."""
+  """Host tensors -> `device`, issued from the read-ahead thread on a stream
+  of its own so the copies overlap the training step.
+
+  A tensor in page-locked memory (where the client received it,
+  client/transport/host_memory.py) is copied asynchronously as it lies;
+  another is first copied into page-locked memory with `pin_memory`, else
+  copied synchronously. The host batch of a copy still in flight is held
+  until its event has passed: its receive buffer is lent again only once
+  nothing refers to it, and must not be while the DMA reads it."""
 
   def __init__(self, device: torch.device, pin_memory: bool):
     self._device = device
     self._pin = pin_memory
     self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+    # (copy's event, its host batch), oldest first: as many as copies in flight.
+    self._in_flight: collections.deque[tuple[Any, Any]] = collections.deque()
 
   def __call__(self, batch: Any) -> Any:
+    while self._in_flight and self._in_flight[0][0].query():
+      self._in_flight.popleft()
+
     def move(t: Any) -> Any:
       if not isinstance(t, torch.Tensor):
         return t
-      if self._pin:
-        t = t.pin_memory()  # a copy, into page-locked memory: DMA without staging
-      return t.to(self._device, non_blocking=self._pin)
+      pinned = self._stream is not None and t.is_pinned()
+      if not pinned and self._pin:
+        t, pinned = t.pin_memory(), True  # a copy, into page-locked memory
+      return t.to(self._device, non_blocking=pinned)
 
     if self._stream is None:
       return _map(move, batch), None
     with torch.cuda.stream(self._stream):
       moved = _map(move, batch)
       done = self._stream.record_event()
+    self._in_flight.append((done, batch))
     return moved, done
 
 
@@ -191,10 +209,13 @@ class TorchLoader(IterableDataset):
     dataset: the host's batches; a `RemoteDataset` reads rank h of H, by
       default from torch.distributed (`data_parallel_shard`).
     device: where batches go ("cuda", "cuda:1", a torch.device); None keeps
-      them on the host as views of the received bytes.
-    pin_memory: copy each batch into page-locked memory first, so the copy to
-      a CUDA device is asynchronous (`non_blocking=True`). Ignored, with a
-      warning, where no CUDA device is present.
+      them on the host as views of the received bytes. For a CUDA device a
+      `RemoteDataset` receives into torch's pinned (page-locked) memory, so
+      each copy to the device is one asynchronous DMA.
+    pin_memory: copy into page-locked memory first each tensor that is not
+      there already (a gRPC batch, one of another dataset), so its copy is
+      asynchronous too (`non_blocking=True`). Ignored, with a warning,
+      where no CUDA device is present.
     device_buffer: batches copied to `device` ahead of the trainer.
     mesh: yield `DTensor`s on this `DeviceMesh`, the batch sharded along
       `mesh_dim`; the dataset's shard must be this rank's coordinate along it.
@@ -218,6 +239,8 @@ class TorchLoader(IterableDataset):
                     "batches stay in ordinary memory", stacklevel=2)
       pin_memory = False
     self.pin_memory = pin_memory
+    if self.device is not None and self.device.type == "cuda":
+      device_lib.receive_page_locked(dataset, host_memory.torch_pinned_memory())
     if mesh is not None:
       mesh_dim = _mesh_dim(mesh, mesh_dim)
       _check_shard(dataset, mesh, mesh_dim)

@@ -4,9 +4,10 @@ Both ends send MAGIC, then frames: a 1-byte kind, an 8-byte little-endian
 payload length, the payload. A frame header is checked against the
 receiver's expectations (its kinds, its size limit) before anything is
 allocated for the payload, by `check_header`, for both ends. The receiver
-chooses where a payload lands (`recv_frame`'s `alloc`): the bulk client
-lends buffers that are reused only once nothing refers to the arrays
-decoded from them (client/transport/buffers.py).
+chooses where a payload lands (`recv_payload`'s `alloc`, or a scatter read,
+`recv_into_all`): the bulk client lends buffers that are reused only once
+nothing refers to the arrays received into them
+(client/transport/buffers.py).
 """
 
 from __future__ import annotations
@@ -43,7 +44,10 @@ def send_parts(sock: socket.socket, parts: Sequence[Any]) -> None:
   buffer (bytes, or a memoryview cast to "B"), so len() is its size."""
   views = [p for p in parts if len(p)]
   while views:
-    sent = sock.sendmsg(views[:_IOV_MAX])
+    try:
+      sent = sock.sendmsg(views[:_IOV_MAX])
+    except BlockingIOError as e:  # a blocking socket's SO_SNDTIMEO passed
+      raise TimeoutError("the peer took nothing within the socket's timeout") from e
     while sent:
       if sent >= len(views[0]):
         sent -= len(views[0])
@@ -90,27 +94,64 @@ def send_frame(sock: socket.socket, kind: int, parts: Sequence[Any]) -> int:
 
 
 def recv_into(sock: socket.socket, view: memoryview) -> None:
-  got, n = 0, len(view)
-  while got < n:
-    r = sock.recv_into(view[got:], n - got)
+  """Fills `view` from `sock`. MSG_WAITALL lets a blocking socket fill it
+  in one call, however the bytes trickle in; on a socket with a Python
+  timeout (non-blocking underneath) it is a plain read and the loop goes on."""
+  recv_into_all(sock, [view])
+
+
+def recv_into_all(sock: socket.socket, views: Sequence[memoryview]) -> None:
+  """Fills each of `views` in turn from `sock` with as few calls as the
+  kernel allows (a scatter read: `recvmsg_into`, at most _IOV_MAX at once).
+  A blocking socket whose SO_RCVTIMEO passes with nothing read is a
+  TimeoutError, as a Python timeout would be."""
+  total, got, left = sum(map(len, views)), 0, views
+  while got < total:
+    try:
+      r = sock.recvmsg_into(left[:_IOV_MAX] if len(left) > _IOV_MAX else left, 0,
+                            socket.MSG_WAITALL)[0]
+    except BlockingIOError as e:
+      raise TimeoutError(f"no data within the socket's timeout, after {got} of {total} "
+                         "bytes") from e
     if not r:
-      raise ConnectionResetError(f"connection closed after {got} of {n} bytes")
+      raise ConnectionResetError(f"connection closed after {got} of {total} bytes")
     got += r
+    if got < total:  # cut short (a timeout, a signal, a socket with a Python timeout)
+      left = list(left) if left is views else left
+      while r:
+        if r >= len(left[0]):
+          r -= len(left.pop(0))
+        else:
+          left[0] = left[0][r:]
+          r = 0
+
+
+def recv_header(sock: socket.socket, expect: Sequence[int], limit: int) -> tuple[int, int]:
+  """The next frame's (kind, payload length), checked (`check_header`)
+  before anything is allocated for its payload."""
+  header = bytearray(_HEADER.size)
+  recv_into(sock, memoryview(header))
+  return check_header(header, expect, limit)
+
+
+def recv_payload(sock: socket.socket, size: int,
+                 alloc: Callable[[int], np.ndarray] | None = None) -> np.ndarray:
+  """A payload of `size` bytes (its header checked) in a uint8 array from
+  `alloc(size)` (default: a new one, uninitialised before the read, so no
+  memset is paid)."""
+  payload = alloc(size) if alloc is not None else np.empty(size, dtype=np.uint8)
+  if size:
+    recv_into(sock, memoryview(payload))
+  return payload
 
 
 def recv_frame(sock: socket.socket, expect: Sequence[int], limit: int,
                alloc: Callable[[int], np.ndarray] | None = None) -> tuple[int, np.ndarray]:
-  """The next frame's (kind, payload); the payload is a uint8 array from
-  `alloc(size)` (default: a new one, uninitialised before the read, so no
-  memset is paid). A frame of another kind, or longer than `limit` bytes, is
-  a ProtocolError raised before its payload is read or allocated."""
-  header = bytearray(_HEADER.size)
-  recv_into(sock, memoryview(header))
-  kind, size = check_header(header, expect, limit)
-  payload = alloc(size) if alloc is not None else np.empty(size, dtype=np.uint8)
-  if size:
-    recv_into(sock, memoryview(payload))
-  return kind, payload
+  """The next frame's (kind, payload) (`recv_header`, then `recv_payload`).
+  A frame of another kind, or longer than `limit` bytes, is a ProtocolError
+  raised before its payload is read or allocated."""
+  kind, size = recv_header(sock, expect, limit)
+  return kind, recv_payload(sock, size, alloc)
 
 
 def exchange_magic(sock: socket.socket) -> None:

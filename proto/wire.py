@@ -18,6 +18,7 @@ into at most the bytes that dtype and shape hold. A peer's bug or lie is a
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -85,6 +86,25 @@ def _tensor_data(a: np.ndarray | RowStack, compression: int
   return a.dtype, [data], len(data), COMPRESSION_NONE
 
 
+def _tensor_head(dtype: np.dtype, shape: Sequence[int], size: int, codec: int) -> bytes:
+  """A Tensor's fields before its data: dtype, packed shape, and the data's
+  tag and length (none when `size` is 0)."""
+  name = dtype_to_str(dtype).encode()
+  head = [b"\x0a", varint.encode(len(name)), name]
+  if len(shape):
+    packed = b"".join(varint.encode(d) for d in shape)
+    head += [b"\x12", varint.encode(len(packed)), packed]
+  if size:
+    head += [b"\x1a", varint.encode(size)]
+  return b"".join(head)
+
+
+@functools.lru_cache(maxsize=16)
+def step_field(step: int) -> bytes:
+  """A Batch's step field (first); proto3 leaves out a 0."""
+  return b"\x08" + varint.encode(step) if step else b""
+
+
 def encode_batch_parts(step: int, leaves: Sequence[np.ndarray | RowStack],
                        compression: int = COMPRESSION_NONE,
                        next_stream_state: str = "") -> list[Any]:
@@ -92,27 +112,23 @@ def encode_batch_parts(step: int, leaves: Sequence[np.ndarray | RowStack],
   copied (unless compressed): a socket can send them with one `sendmsg`.
   A RowStack leaf contributes one buffer per row (proto/rows.py).
   `next_stream_state`: a stream dataset's position after this step."""
-  parts: list[Any] = []
-  if step:
-    parts += [b"\x08", varint.encode(step)]
+  parts: list[Any] = [step_field(step)]
   for a in leaves:
     dt, data, size, codec = _tensor_data(a, compression)
-    dtype = dtype_to_str(dt).encode()
-    head = [b"\x0a", varint.encode(len(dtype)), dtype]
-    if a.shape:
-      packed = b"".join(varint.encode(d) for d in a.shape)
-      head += [b"\x12", varint.encode(len(packed)), packed]
-    if size:
-      head += [b"\x1a", varint.encode(size)]
+    head = _tensor_head(dt, a.shape, size, codec)
     tail = b"\x20" + varint.encode(codec) if codec else b""
-    head_bytes = b"".join(head)
-    parts += [b"\x12", varint.encode(len(head_bytes) + size + len(tail)), head_bytes, *data]
+    parts += [b"\x12", varint.encode(len(head) + size + len(tail)), head, *data]
     if tail:
       parts.append(tail)
   if next_stream_state:
-    state = next_stream_state.encode()
-    parts += [b"\x1a", varint.encode(len(state)), state]
+    parts.append(stream_state_field(next_stream_state))
   return parts
+
+
+def stream_state_field(state: str) -> bytes:
+  """A Batch's next_stream_state field, as the encoder writes it (last)."""
+  data = state.encode()
+  return b"\x1a" + varint.encode(len(data)) + data
 
 
 def encode_batch_bytes(step: int, leaves: Sequence[np.ndarray | RowStack],
@@ -257,6 +273,86 @@ def decode_batch(data: Any, structure: tree.Structure) -> tuple[int, Any]:
   """(step, element pytree) of a serialized Batch, by the dataset's structure."""
   step, leaves = decode_batch_bytes(data)
   return step, tree.unflatten(structure, leaves)
+
+
+class BatchLayout:
+  """The uncompressed Batch of a step whose leaves are `leaves`, byte for
+  byte as `encode_batch_parts` writes it: the dtype and shape of each leaf
+  (the element spec's) fix every byte that is not tensor data, but for the
+  step's varint at the front, which a receiver knows too. So a receiver can
+  put each leaf's data where it wants it and check all the rest with one
+  comparison against `gaps`, parsing nothing. Any other encoding of the same
+  Batch (compressed, fields in another order, a peer's lie) fails that
+  comparison and goes to `decode_batch_message`, which reads any valid
+  Batch and names the fault of any other."""
+
+  def __init__(self, leaves: Sequence[LeafSpec]):
+    self.leaves = tuple(leaves)
+    self.sizes = tuple(leaf.nbytes for leaf in self.leaves)
+    heads = []
+    for leaf, size in zip(self.leaves, self.sizes):
+      head = _tensor_head(leaf.dtype, leaf.shape, size, COMPRESSION_NONE)
+      heads.append(b"\x12" + varint.encode(len(head) + size) + head)
+    self.heads = tuple(heads)  # the bytes before each leaf's data (the step's field aside)
+    self.joined_heads = b"".join(heads)
+    self._fixed = len(self.joined_heads) + sum(self.sizes)
+
+  def size(self, step: int) -> int:
+    """The message's length, with no stream position after it."""
+    return len(step_field(step)) + self._fixed
+
+  def gaps(self, step: int) -> list[bytes]:
+    """The bytes before each leaf's data, in order (the step's field goes
+    before the first leaf's); one item when there are no leaves."""
+    if not self.heads:
+      return [step_field(step)]
+    return [step_field(step) + self.heads[0], *self.heads[1:]]
+
+  def decode(self, data: Any, step: int) -> tuple[list[np.ndarray], str] | None:
+    """(leaves, next_stream_state) of `data` (bytes or a byte buffer) when
+    it is exactly this layout's encoding of `step` (a stream position may
+    follow); else None. Leaves are views of `data`."""
+    buf = memoryview(data)
+    pos, leaves = 0, []
+    for i, gap in enumerate(self.gaps(step)):
+      end = pos + len(gap)
+      if buf[pos:end] != gap:
+        return None
+      pos = end
+      if i < len(self.leaves):
+        leaf, size = self.leaves[i], self.sizes[i]
+        if pos + size > len(buf):
+          return None
+        leaves.append(np.ndarray(leaf.shape, leaf.dtype, buffer=buf, offset=pos))
+        pos += size
+    state = canonical_stream_state(buf[pos:])
+    return None if state is None else (leaves, state)
+
+
+def canonical_stream_state(tail: Any) -> str | None:
+  """The position in the bytes after a Batch's last leaf, when they are
+  exactly what `stream_state_field` writes (nothing at all: ""); else None."""
+  tail = memoryview(tail)
+  if not len(tail):
+    return ""
+  if tail[0] != 0x1a:
+    return None
+  try:
+    n, pos = varint.decode(tail, 1)
+  except ValueError:
+    return None
+  if pos + n != len(tail):
+    return None
+  try:
+    return bytes(tail[pos:]).decode()
+  except UnicodeDecodeError:
+    return None
+
+
+@functools.lru_cache(maxsize=64)
+def layout_of(leaves: tuple[LeafSpec, ...]) -> BatchLayout:
+  """The BatchLayout of steps with these leaves (a dataset's few geometries)."""
+  return BatchLayout(leaves)
 
 
 def max_batch_bytes(raw_bytes: int, num_leaves: int) -> int:

@@ -120,6 +120,12 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _bench_feed(args: argparse.Namespace) -> int:
+  if args.device:  # the GPU check (tools/bench/device_feed.py)
+    from grain_elevator.tools.bench import device_feed  # pylint: disable=g-import-not-at-top
+    return device_feed.run_from_args(argparse.Namespace(
+        records=args.records or device_feed.RECORDS, steps=args.steps, step_ms=10.0,
+        workers=args.workers or device_feed.default_workers(), data=args.data,
+        json=args.json))
   os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
   import tempfile  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
@@ -136,7 +142,7 @@ def _bench_feed(args: argparse.Namespace) -> int:
   print("| step ms | system | data stall | steps/s | H2D GB/s |")
   print("|---|---|---|---|---|")
   results = []
-  with LocalServer(config, workers=args.workers) as server:
+  with LocalServer(config, workers=args.workers or 2) as server:
     for step_ms in [float(x) for x in args.step_ms.split(",")]:
       r = feed.run(server_target=server.target, dataset=w.name, files=files,
                    options=w.options, global_batch_size=w.global_batch_size,
@@ -269,10 +275,17 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--step-ms", default="2,10",
                  help="device step durations to try, ms (default 2,10)")
   p.add_argument("--steps", type=int, default=200, help="steps per run (default 200)")
-  p.add_argument("--workers", type=int, default=2, help="server worker processes")
+  p.add_argument("--workers", type=int, default=0,
+                 help="server worker processes (default 2; with --device half the cores, "
+                      "2 to 8)")
   p.add_argument("--data", default=None, help="folder for the shards (as in bench)")
-  p.add_argument("--records", type=int, default=0, help="records (default 200,000)")
+  p.add_argument("--records", type=int, default=0,
+                 help="records (default 200,000; with --device 1,000 large ones)")
   p.add_argument("--json", default=None, help="also write the results here")
+  p.add_argument("--device", action="store_true",
+                 help="the GPU check instead: host-to-device GB/s through to_device and "
+                      "TorchLoader against the page-locked copy, the stall at a 10 ms step, "
+                      "bit-exactness (tools/bench/device_feed.py; under 4 minutes)")
   p.set_defaults(fn=_bench_feed)
 
   p = sub.add_parser("bench-tfds",

@@ -18,14 +18,25 @@ The pool keeps buffers and lends one out again only once nothing else refers
 to it: numpy views hold a reference to the array that owns their memory, as
 does anything that kept the data without copying it, so reuse can never
 overwrite a batch still in use.
+
+Its memory comes from a `HostMemory` (host_memory.py): ordinary memory, or
+page-locked memory when batches go to a GPU. Page-locked memory is taken
+only for pooled buffers, which are recycled; a frame too small to pool, or
+over the pool's bounds, gets ordinary memory, as it does when page-locked
+memory runs out.
 """
 
 from __future__ import annotations
 
+import logging
 import sys
 import threading
 
 import numpy as np
+
+from grain_elevator.client.transport.host_memory import PAGEABLE, AllocationError, HostMemory
+
+log = logging.getLogger("grain_elevator.client")
 
 PAGE = 4096
 # Frames of one dataset differ by a few bytes (the step's varint grows), so a
@@ -42,14 +53,18 @@ def _aligned(buf: np.ndarray, size: int) -> np.ndarray:
 
 
 class BufferPool:
-  """Up to `max_buffers` receive buffers of `max_bytes` in all, lent out
-  again when free; frames that do not fit get buffers of their own."""
+  """Up to `max_buffers` receive buffers of `max_bytes` in all from
+  `memory`, lent out again when free; frames that do not fit get buffers of
+  their own, of ordinary memory."""
 
-  def __init__(self, max_buffers: int = 64, max_bytes: int = 256 << 20):
+  def __init__(self, max_buffers: int = 64, max_bytes: int = 256 << 20,
+               memory: HostMemory = PAGEABLE):
     self._max_buffers = max_buffers
     self._max_bytes = max_bytes
+    self.memory = memory
     self._buffers: list[np.ndarray] = []  # least recently lent first
     self._lock = threading.Lock()
+    self.unpooled = 0  # frames that got ordinary memory of their own (over the bounds)
 
   def take(self, size: int) -> np.ndarray:
     """An uninitialised, page-aligned uint8 array of `size` bytes."""
@@ -63,12 +78,20 @@ class BufferPool:
           buf = self._buffers.pop(i)
           self._buffers.append(buf)
           return _aligned(buf, size)
-      buf = np.empty(need + _SLACK, dtype=np.uint8)
-      while not self._room_for(len(buf)) and self._evict_free():
+      nbytes = need + _SLACK
+      while not self._room_for(nbytes) and self._evict_free():
         pass
-      if self._room_for(len(buf)):
+      if self._room_for(nbytes):
+        try:
+          buf = self.memory.allocate(nbytes)
+        except AllocationError as e:
+          log.warning("receiving into ordinary memory: %s", e)
+          self.memory = PAGEABLE
+          buf = PAGEABLE.allocate(nbytes)
         self._buffers.append(buf)
-      return _aligned(buf, size)
+        return _aligned(buf, size)
+      self.unpooled += 1
+    return _aligned(PAGEABLE.allocate(need), size)
 
   def _free(self, i: int) -> bool:
     """Whether only the pool refers to buffer i: the references are the

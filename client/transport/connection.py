@@ -81,12 +81,18 @@ def decode_step(payload: Any, request: pb.BatchRequest, index: int, max_bytes: i
   be; for a stream dataset (`positions_of`: its first position), the
   position after it must be one of its stream's (proto/positions.py): an
   empty one would restart the stream, a foreign one break it. `server`
-  names the sender and its transport for the error."""
+  names the sender and its transport for the error. The encoder's own
+  bytes are recognised whole (wire.BatchLayout); anything else is parsed."""
   step = request.start_step + index
   if len(payload) > max_bytes:
     raise BadReplyError(
         f"{server} sent {len(payload)} bytes for dataset {request.dataset!r} step {step}, "
         f"over the {max_bytes} its element spec allows")
+  if expect is not None and request.compression == wire.COMPRESSION_NONE:
+    exact = wire.layout_of(tuple(expect)).decode(payload, step)  # the encoder's bytes
+    if exact is not None:
+      check_position(exact[1], request, step, server, positions_of)
+      return step, *exact
   try:
     got, leaves, state = wire.decode_batch_message(payload, expect)
   except wire.BadBatchError as e:
@@ -95,16 +101,25 @@ def decode_step(payload: Any, request: pb.BatchRequest, index: int, max_bytes: i
   if got != step:
     raise BadReplyError(f"{server} sent step {got} for dataset {request.dataset!r} "
                         f"step {step}")
-  if positions_of is not None:
-    if not state:
-      raise BadReplyError(f"{server} sent no stream position with dataset "
-                          f"{request.dataset!r} step {step}")
-    try:
-      positions.parse(state, positions_of)
-    except positions.BadPosition as e:
-      raise BadReplyError(f"{server} sent dataset {request.dataset!r} step {step} with a "
-                          f"stream position not of its stream: {e}") from None
+  check_position(state, request, step, server, positions_of)
   return got, leaves, state
+
+
+def check_position(state: str, request: pb.BatchRequest, step: int, server: str,
+                   positions_of: str | None) -> None:
+  """For a stream dataset (`positions_of`: its first position), the position
+  after `step` must be one of its stream's (proto/positions.py): an empty
+  one would restart the stream, a foreign one break it."""
+  if positions_of is None:
+    return
+  if not state:
+    raise BadReplyError(f"{server} sent no stream position with dataset "
+                        f"{request.dataset!r} step {step}")
+  try:
+    positions.parse(state, positions_of)
+  except positions.BadPosition as e:
+    raise BadReplyError(f"{server} sent dataset {request.dataset!r} step {step} with a "
+                        f"stream position not of its stream: {e}") from None
 
 
 class CancelToken:

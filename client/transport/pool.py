@@ -37,6 +37,7 @@ from grain_elevator.client.transport.connection import (MAX_CONTROL_MESSAGE_BYTE
                                                         BadReplyError, CancelToken, Step,
                                                         TransportError)
 from grain_elevator.client.transport.grpc_connection import GrpcConnection
+from grain_elevator.client.transport.host_memory import PAGEABLE, HostMemory
 from grain_elevator.client.transport.retry import REFUSED, RETRIABLE, Retrier
 from grain_elevator.client.transport.slots import (Slot, Slots, interleave,
                                                    spread_over_workers)
@@ -59,7 +60,8 @@ class ConnectionPool:
 
   def __init__(self, targets: Sequence[str], *,
                transport: TransportOptions = TransportOptions(),
-               retry: RetryPolicy = RetryPolicy(), security: Security = Security()):
+               retry: RetryPolicy = RetryPolicy(), security: Security = Security(),
+               host_memory: HostMemory | None = None):
     transport.check_security(security)
     self.targets = list(targets)
     self.transport = transport
@@ -83,7 +85,7 @@ class ConnectionPool:
     self._retrier: Retrier[Slots] = Retrier(retry, self.targets, lambda: self._closed)
     # One pool for all bulk connections: the buffer the trainer dropped last
     # is the one still in cache, whichever connection reads next.
-    self._buffers = BufferPool()
+    self._buffers = BufferPool(memory=host_memory or PAGEABLE)  # host_memory.py
     self.uses_bulk = False
     self.fallbacks = 0  # bulk requests moved to gRPC, bulk ports given up for gRPC
 

@@ -104,6 +104,26 @@ def test_bench_feed_reports_stall_and_h2d(tmp_path):
     assert stall and float(stall.group(1)) == pytest.approx(100 * m["stall_fraction"], abs=0.06)
 
 
+def test_bench_feed_device_checks_exactness_and_says_when_there_is_no_gpu(tmp_path):
+  """The GPU check runs anywhere: without a GPU it says so, leaves out the
+  GPU rows and still compares both paths with embedded mode."""
+  out = tmp_path / "device.json"
+  result = subprocess.run(
+      [*ELEVATOR, "bench-feed", "--device", "--steps", "20", "--records", "100",
+       "--workers", "1", "--data", str(tmp_path / "data"), "--json", str(out)],
+      capture_output=True, text=True, timeout=600)
+  assert result.returncode == 0, result.stderr[-3000:]
+  report = json.loads(out.read_text())
+  assert report["exact"] == {"to_device": True, **({"TorchLoader": True} if HAS_TORCH else {})}
+  assert report["host_steps_per_s"] > 0
+  if report["gpu"] is None:
+    assert "no GPU present" in result.stdout and "| to_device" not in result.stdout
+    assert "to_device" not in report and "jax_limit" not in report
+  else:  # a GPU machine: its rows are there, each against its limit
+    assert report["to_device"]["transfer_s"] > 0 and "page_locked_s" in report["jax_limit"]
+    assert "× page-locked copy" in result.stdout
+
+
 IMAGE_SYSTEMS = {"grain_t0_mp0", "grain_t0_mp2", "grain_t16_mp0", "grain_t16_mp2",
                  "service_default", "service_w1"}
 

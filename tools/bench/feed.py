@@ -25,8 +25,9 @@ import numpy as np
 
 
 @dataclasses.dataclass
-class _TransferClock:
-  """Accumulates bytes and seconds spent in device transfers (thread-safe)."""
+class TransferClock:
+  """Accumulates batches, bytes and seconds spent in device transfers (thread-safe)."""
+  count: int = 0
   nbytes: int = 0
   seconds: float = 0.0
   lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
@@ -40,15 +41,18 @@ class _TransferClock:
       dt = time.perf_counter() - t
       size = sum(np.asarray(x).nbytes for x in jax.tree.leaves(batch))
       with self.lock:
+        self.count += 1
         self.nbytes += size
         self.seconds += dt
       return out
     return wrapped
 
 
-def _loop(it: Any, steps: int, step_s: float) -> dict[str, float]:
+def training_loop(it: Any, steps: int, step_s: float) -> dict[str, float]:
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  """Takes `steps` batches with a `step_s` device step each (a jitted
+  reduction, then the host sleeps out the step): the data-stall fraction."""
   touch = jax.jit(lambda b: sum(jnp.sum(x.astype(jnp.float32)) for x in jax.tree.leaves(b)))
   for _ in range(5):  # warm up: compile, fill buffers
     jax.block_until_ready(touch(next(it)))
@@ -96,24 +100,24 @@ def run(*, server_target: str, dataset: str, files: list[str],
   results = {}
 
   # (a) Grain's recipe on a local pipeline, at its best single-process setting.
-  clock = _TransferClock()
+  clock = TransferClock()
   ds = grain.MapDataset.source(grain.sources.ArrayRecordDataSource(files))
   ds = examples.decode_images(ds.seed(1).shuffle().repeat(None), **options)
   ds = ds.batch(global_batch_size).to_iter_dataset(grain.ReadOptions(num_threads=0))
   it = iter(device.buffered_put(
       ds, clock.timed_put(lambda b: jax.device_put(b, sharding)), 4, 2))
-  r = _loop(it, steps, step_ms / 1e3)
+  r = training_loop(it, steps, step_ms / 1e3)
   results["local Grain + device_put recipe"] = {
       **r, "h2d_gb_per_s": clock.nbytes / clock.seconds / 1e9}
   it.close()
 
   # (b) The service through to_device's stages, its put timed.
-  clock = _TransferClock()
+  clock = TransferClock()
   remote = RemoteDataset(server_target, dataset, global_batch_size, prefetch=16,
                          transport=TransportOptions(steps_per_request=4))
   it = iter(device.buffered_put(
       remote, clock.timed_put(device.PutOnMesh(sharding, None)), 4, 2))
-  r = _loop(it, steps, step_ms / 1e3)
+  r = training_loop(it, steps, step_ms / 1e3)
   results["grain-elevator service + to_device"] = {
       **r, "h2d_gb_per_s": clock.nbytes / clock.seconds / 1e9}
   it.close()
