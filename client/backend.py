@@ -22,6 +22,9 @@ class Backend(Protocol):
   uses_bulk: bool  # whether batches travel over the bulk transport
   retries: int  # attempts tried again (client/stats.py)
   fallbacks: int  # requests and ports moved from bulk to gRPC
+  # Requests in flight that keep the servers busy, once `describe` was
+  # given a global batch size (client/window.py sizes the window from it).
+  parallelism: int
 
   def describe(self, dataset: str = "", global_batch_size: int = 0) -> list[DatasetInfo]:
     """What is offered; with a global batch size, also ready to fetch it."""

@@ -4,7 +4,9 @@ and fetching steps with failover.
 On first contact the pool opens gRPC channels that take no answer over the
 control limit (connection.py), learns each dataset's element spec, and only
 then opens the connections that carry batches, balanced over every worker
-of every replica (slots.py): bulk connections where a replica offers a
+of every replica (slots.py), by default REQUESTS_PER_WORKER on each
+(client/window.py; each replica's first connection says how many workers
+it has): bulk connections where a replica offers a
 reachable bulk port (`auto`), else gRPC channels limited to a whole global
 batch of the dataset and G first asked about (`_open_data`; reopened larger
 should a later request need more). Each step is checked exactly: its size,
@@ -31,6 +33,7 @@ from typing import Any, Callable, Sequence, TypeVar
 import grpc
 
 from grain_elevator.client.options import RetryPolicy, Security, TransportOptions
+from grain_elevator.client.window import REQUESTS_PER_WORKER
 from grain_elevator.client.transport.buffers import BufferPool
 from grain_elevator.client.transport.bulk_connection import BulkConnection
 from grain_elevator.client.transport.connection import (MAX_CONTROL_MESSAGE_BYTES,
@@ -122,12 +125,19 @@ class ConnectionPool:
     return BulkConnection(target, host, port, connect_timeout_s=self.retry.connect_timeout_s,
                           auth_token=self._security.auth_token, buffers=self._buffers)
 
+  def _per_worker(self) -> int:
+    """Connections per worker of a default client (connections_per_target
+    None): REQUESTS_PER_WORKER, or one where it reads only streams, whose
+    requests go one at a time to the worker that owns the stream."""
+    stream = bool(self._infos) and all(i.stream for i in self._infos.values())
+    return 1 if stream else REQUESTS_PER_WORKER
+
   def _spread_grpc(self, target: str, max_batch_bytes: int) -> list[list[Any]]:
     groups = spread_over_workers(lambda: self._contact(target, max_batch_bytes),
-                                  self.transport.connections_per_target)
+                                  self.transport.connections_per_target, self._per_worker())
     if not groups:  # unreachable now: plain channels that connect later
       return [[GrpcConnection(target, self._security, max_batch_bytes)]
-              for _ in range(self.transport.connections_per_target)]
+              for _ in range(self.transport.connections_per_target or REQUESTS_PER_WORKER)]
     return groups
 
   def _spread_bulk_host(self, target: str, host: str,
@@ -144,7 +154,8 @@ class ConnectionPool:
         failures.append(e)
         return None
 
-    found = spread_over_workers(open_one, self.transport.connections_per_target)
+    found = spread_over_workers(open_one, self.transport.connections_per_target,
+                                self._per_worker())
     return found, (failures[-1] if failures and not found else None)
 
   def _spread_bulk(self, target: str) -> list[list[Any]]:
@@ -229,6 +240,13 @@ class ConnectionPool:
     """gRPC channels open (the control ones and any carrying batches)."""
     conns = {id(s.conn): s.conn for s in [*self._control, *self._data]}
     return sum(isinstance(c, GrpcConnection) for c in conns.values())
+
+  @property
+  def parallelism(self) -> int:
+    """Requests in flight that keep the servers busy: one per connection
+    carrying batches (a default client opens REQUESTS_PER_WORKER per worker
+    of every replica). The iterator's window starts there (client/window.py)."""
+    return max(1, sum(not s.retired for s in self._data))
 
   def data_slots(self) -> list[Slot]:
     """The connections that carry batches (for tests and diagnostics)."""
