@@ -10,6 +10,7 @@ from typing import Any, Protocol, Sequence
 from grain_elevator.client.options import RetryPolicy, Security, TransportOptions
 from grain_elevator.client.transport import targets as targets_lib
 from grain_elevator.client.transport.connection import Step
+from grain_elevator.client.window import WINDOW_BYTES
 from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.proto.spec import DatasetInfo
 
@@ -39,14 +40,16 @@ class Backend(Protocol):
 
 def make_backend(target: str | Sequence[str], *,
                  transport: TransportOptions = TransportOptions(),
-                 retry: RetryPolicy = RetryPolicy(), security: Security = Security()
-                 ) -> Backend:
+                 retry: RetryPolicy = RetryPolicy(), security: Security = Security(),
+                 window_bytes: int = WINDOW_BYTES) -> Backend:
   """A ConnectionPool for server targets, or an EmbeddedBackend for
-  "local:CONFIG_PATH" (client/transport/targets.py)."""
+  "local:CONFIG_PATH" (client/transport/targets.py); `window_bytes`: the
+  most its iterator keeps in flight (client/window.py)."""
   targets = targets_lib.parse_targets(target)
   config = targets_lib.local_config(targets)
   if config is not None:
     from grain_elevator.client.embedded import EmbeddedBackend  # pylint: disable=g-import-not-at-top
     return EmbeddedBackend(config)
   from grain_elevator.client.transport.pool import ConnectionPool  # pylint: disable=g-import-not-at-top
-  return ConnectionPool(targets, transport=transport, retry=retry, security=security)
+  return ConnectionPool(targets, transport=transport, retry=retry, security=security,
+                        window_bytes=window_bytes)

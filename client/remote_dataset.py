@@ -163,7 +163,7 @@ class RemoteDataset(grain.IterDataset):
           self._embedded = make_backend(self.targets)
         return self._embedded
     return make_backend(self.targets, transport=self.transport, retry=self.retry,
-                        security=self.security)
+                        security=self.security, window_bytes=self.window_bytes)
 
   @classmethod
   def embedded(cls, config_path: str, dataset: str, global_batch_size: int,

@@ -33,7 +33,7 @@ from typing import Any, Callable, Sequence, TypeVar
 import grpc
 
 from grain_elevator.client.options import RetryPolicy, Security, TransportOptions
-from grain_elevator.client.window import REQUESTS_PER_WORKER
+from grain_elevator.client.window import REQUESTS_PER_WORKER, WINDOW_BYTES
 from grain_elevator.client.transport.buffers import BufferPool
 from grain_elevator.client.transport.bulk_connection import BulkConnection
 from grain_elevator.client.transport.connection import (MAX_CONTROL_MESSAGE_BYTES,
@@ -51,6 +51,10 @@ from grain_elevator.proto.spec import DatasetInfo, LeafSpec
 log = logging.getLogger("grain_elevator.client")
 T = TypeVar("T")
 
+# Receive buffers kept for reuse: a default window of WINDOW_BYTES holds up
+# to 256 steps of 1 MB, the smallest that need keeping (buffers.py).
+_POOLED_BUFFERS = 256
+
 # Reconnects come in bursts (every connection to a pod that left breaks at
 # once): DNS is asked at most this often.
 _MIN_RESOLVE_GAP_S = 0.5
@@ -62,7 +66,10 @@ class ConnectionPool:
 
   def __init__(self, targets: Sequence[str], *,
                transport: TransportOptions = TransportOptions(),
-               retry: RetryPolicy = RetryPolicy(), security: Security = Security()):
+               retry: RetryPolicy = RetryPolicy(), security: Security = Security(),
+               window_bytes: int = WINDOW_BYTES):
+    """`window_bytes`: the most the iterator keeps in flight (client/window.py),
+    which the pool of receive buffers is sized to hold."""
     transport.check_security(security)
     self.targets = list(targets)
     self.transport = transport
@@ -85,8 +92,11 @@ class ConnectionPool:
     self._next_refresh = 0.0
     self._retrier: Retrier[Slots] = Retrier(retry, self.targets, lambda: self._closed)
     # One pool for all bulk connections: the buffer the trainer dropped last
-    # is the one still in cache, whichever connection reads next.
-    self._buffers = BufferPool()
+    # is the one still in cache, whichever connection reads next. Room for
+    # the window and the batches the trainer still holds: a window beyond
+    # the pool would get buffers of its own, page-faulted in for each step.
+    self._buffers = BufferPool(max_buffers=_POOLED_BUFFERS,
+                               max_bytes=window_bytes + window_bytes // 4)
     self.uses_bulk = False
     self.fallbacks = 0  # bulk requests moved to gRPC, bulk ports given up for gRPC
 

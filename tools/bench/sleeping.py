@@ -4,7 +4,8 @@ A client's defaults must keep every worker of a big server busy, but this
 machine has 2 cores: 16 workers doing real work would share them and run
 no faster than 2. A worker that sleeps for each record instead is busy
 without taking a core, as a worker on a 16-core server is busy on a core of
-its own, so a client must keep as many requests in flight to keep it fed.
+its own (its requests sleep in turn, as they would compute in turn), so a
+client must keep as many requests in flight to keep it fed.
 Each pipeline here is a bench workload's own (the same records, the same
 shapes; the image's decode and crop replaced by a cheap stand-in) with
 `sleep_us_per_record` microseconds of waiting per record. `config` writes a
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import pathlib
+import threading
 import time
 from typing import Any
 
@@ -32,14 +34,25 @@ from grain_elevator.pipelines import examples
 from grain_elevator.pipelines import images as images_lib
 
 # Microseconds each record waits when the bench is not told otherwise: 16
-# such workers produce about 1 GB/s of the workload's batches (its
-# delivered bytes per record x 16 / 1 GB/s), under what one client takes in
-# on this machine, so the requests in flight decide the rate, not the client.
-DEFAULT_SLEEP_US = {"small": 200, "large": 2500, "image": 2400, "text": 2000}
+# such workers produce about 250 MB/s of the workload's batches (its
+# delivered bytes per record x 16 / 250 MB/s), well under what a client
+# takes in on this shared machine, so that the requests in flight decide
+# the rate, not the cores.
+DEFAULT_SLEEP_US = {"small": 800, "large": 10_000, "image": 9_600, "text": 2_000}
+
+# A worker has one core: its requests wait in turn, as they would compute in
+# turn, so a second request in flight hides a round trip and a send but
+# does not double what the worker makes.
+_CORE = threading.Lock()
+
+
+def _sleep(seconds: float) -> None:
+  with _CORE:
+    time.sleep(seconds)
 
 
 def _wait(record: Any, *, us: float) -> Any:
-  time.sleep(us / 1e6)
+  _sleep(us / 1e6)
   return record
 
 
@@ -51,7 +64,7 @@ def pixels(ds: Any, *, sleep_us_per_record: float, **options: Any) -> Any:
 
 def pixels_batch(raw: list[bytes], *, sleep_us_per_record: float, **options: Any) -> Any:
   """examples.decode_images_batch (the same rows), after the batch's wait."""
-  time.sleep(len(raw) * sleep_us_per_record / 1e6)
+  _sleep(len(raw) * sleep_us_per_record / 1e6)
   return examples.decode_images_batch(raw, **options)
 
 
