@@ -105,7 +105,9 @@ class Slots:
       slot.in_use -= 1
       if slot.retired:
         self._drop_retired()
-      self._free.notify()
+      # Every waiter: one may wait for this worker's slot (a routed chunk),
+      # and a notify() could wake another, leaving it to its 0.1 s timeout.
+      self._free.notify_all()
 
   def has_room_elsewhere(self, replica: tuple[str, str] | None) -> bool:
     """Whether a replica other than `replica` is not shunned (its slots may

@@ -3,7 +3,8 @@ at several server sizes.
 
 Users run defaults, so the default must be near the best hand-tuned setting
 whatever the server's worker count W. For each workload (small, large,
-image, text) and each W: one server (`elevator serve`'s defaults but W),
+image, text) and each W: one server (`elevator serve`'s defaults but W, and
+no batch cache, which would serve a setting the steps an earlier one made),
 then each client setting measured in a fresh process for `--seconds`,
 interleaved over `--rounds`, next to a plain TCP socket moving the same
 bytes. "× best tuned" divides by the fastest tuned row of the same W.
@@ -120,11 +121,16 @@ def run(data: pathlib.Path, names: list[str], workers: list[int], sleeping_worke
       tcp_port = portfile.wait(port_file, sender, time.monotonic() + 30)
       if tcp_port is None:
         raise RuntimeError(f"the TCP sender ({' '.join(run_lib.TCP)}) did not start within 30 s")
+      # Every setting reads the stream from step 0: the batch cache would serve
+      # a later one the steps an earlier one had made. A stream's sessions
+      # share the budget and are needed (each request would replay), and
+      # hold nothing a reader starting over could use.
+      extra = [] if name == "text" else ["--batch-cache-mb", "0"]
       blocks = [(w, False) for w in workers] + [(w, True) for w in sleeping_workers]
       for wk, slow in blocks:
         key = f"W={wk}" + (" sleeping" if slow else "")
         report[name][key] = _block(name, key, LocalServer(slow_config if slow else config,
-                                                          workers=wk),
+                                                          workers=wk, extra_args=extra),
                                    settings(name, wk, glibc), base_spec, tcp_port, step_bytes,
                                    rounds, seconds, warmup_s)
         report[name][key].update(workers=wk, pipeline=f"sleeping {us:g} µs/record" if slow

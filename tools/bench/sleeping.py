@@ -23,7 +23,9 @@ server config whose datasets carry the workloads' names:
 from __future__ import annotations
 
 import functools
+import os
 import pathlib
+import random
 import threading
 import time
 from typing import Any
@@ -34,11 +36,11 @@ from grain_elevator.pipelines import examples
 from grain_elevator.pipelines import images as images_lib
 
 # Microseconds each record waits when the bench is not told otherwise: 16
-# such workers produce about 250 MB/s of the workload's batches (its
-# delivered bytes per record x 16 / 250 MB/s), well under what a client
-# takes in on this shared machine, so that the requests in flight decide
-# the rate, not the cores.
-DEFAULT_SLEEP_US = {"small": 800, "large": 10_000, "image": 9_600, "text": 2_000}
+# such workers produce about 100 MB/s of the workload's batches (its
+# delivered bytes per record x 16 / 100 MB/s), well under what the client
+# and the server's own work (decode, send) manage on a share of this
+# machine's 2 busy cores, so that the requests in flight decide the rate.
+DEFAULT_SLEEP_US = {"small": 2_000, "large": 25_000, "image": 24_000, "text": 5_000}
 
 # A worker has one core: its requests wait in turn, as they would compute in
 # turn, so a second request in flight hides a round trip and a send but
@@ -46,9 +48,18 @@ DEFAULT_SLEEP_US = {"small": 800, "large": 10_000, "image": 9_600, "text": 2_000
 _CORE = threading.Lock()
 
 
+_speed: float | None = None
+
+
 def _sleep(seconds: float) -> None:
+  """`seconds`, times this worker's own factor in [0.9, 1.1]: workers of
+  one speed, started together, would finish their requests in waves, which
+  a measurement of a few seconds cuts anywhere; cores differ that much."""
+  global _speed
+  if _speed is None:  # per process (not at import: a fork would share it)
+    _speed = random.Random(os.getpid()).uniform(0.9, 1.1)
   with _CORE:
-    time.sleep(seconds)
+    time.sleep(seconds * _speed)
 
 
 def _wait(record: Any, *, us: float) -> Any:
