@@ -11,6 +11,7 @@ from grain_elevator.client.options import RetryPolicy, Security, TransportOption
 from grain_elevator.client.transport import targets as targets_lib
 from grain_elevator.client.transport.connection import Step
 from grain_elevator.client.transport.host_memory import HostMemory
+from grain_elevator.client.window import WINDOW_BYTES
 from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.proto.spec import DatasetInfo
 
@@ -23,6 +24,9 @@ class Backend(Protocol):
   uses_bulk: bool  # whether batches travel over the bulk transport
   retries: int  # attempts tried again (client/stats.py)
   fallbacks: int  # requests and ports moved from bulk to gRPC
+  # Requests in flight that keep the servers busy, once `describe` was
+  # given a global batch size (client/window.py sizes the window from it).
+  parallelism: int
 
   def describe(self, dataset: str = "", global_batch_size: int = 0) -> list[DatasetInfo]:
     """What is offered; with a global batch size, also ready to fetch it."""
@@ -38,11 +42,13 @@ class Backend(Protocol):
 def make_backend(target: str | Sequence[str], *,
                  transport: TransportOptions = TransportOptions(),
                  retry: RetryPolicy = RetryPolicy(), security: Security = Security(),
-                 host_memory: HostMemory | None = None) -> Backend:
+                 host_memory: HostMemory | None = None,
+                 window_bytes: int = WINDOW_BYTES) -> Backend:
   """A ConnectionPool for server targets, or an EmbeddedBackend for
   "local:CONFIG_PATH" (client/transport/targets.py). `host_memory`: where
   the bulk transport receives batches (None: ordinary memory); embedded
-  mode's batches are the pipeline's own arrays."""
+  mode's batches are the pipeline's own arrays. `window_bytes`: the most
+  its iterator keeps in flight (client/window.py)."""
   targets = targets_lib.parse_targets(target)
   config = targets_lib.local_config(targets)
   if config is not None:
@@ -50,4 +56,4 @@ def make_backend(target: str | Sequence[str], *,
     return EmbeddedBackend(config)
   from grain_elevator.client.transport.pool import ConnectionPool  # pylint: disable=g-import-not-at-top
   return ConnectionPool(targets, transport=transport, retry=retry, security=security,
-                        host_memory=host_memory)
+                        host_memory=host_memory, window_bytes=window_bytes)

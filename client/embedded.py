@@ -12,6 +12,7 @@ from typing import Any
 
 
 from grain_elevator.client.transport import targets as targets_lib
+from grain_elevator.client.window import EMBEDDED_REQUESTS
 from grain_elevator.client.transport.connection import Step
 from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.proto.errors import Cancelled
@@ -23,6 +24,7 @@ class EmbeddedBackend:
 
   uses_bulk = False
   retries = fallbacks = 0
+  parallelism = EMBEDDED_REQUESTS  # no server workers: fetch threads run the pipeline here
 
   def __init__(self, config_path: str):
     # pylint: disable=g-import-not-at-top

@@ -29,8 +29,11 @@ class TransportOptions:
       Batches are bit-identical either way; TLS means gRPC.
     connections_per_target: TCP connections per replica, spread over its
       worker processes. A bulk connection carries one request at a time, so
-      this also bounds the requests in flight; about two per server worker
-      keeps every worker busy.
+      this also bounds the requests in flight. None (the default): sized
+      from each replica's worker count, which its first connection reports:
+      window.REQUESTS_PER_WORKER per worker (one request being produced
+      while the other's batch is sent), one per worker for a stream
+      dataset (its requests go one at a time: client/stream_iterator.py).
     steps_per_request: consecutive steps asked for in one request; None
       (the default): about window.REQUEST_BYTES of steps, from the
       dataset's step size (client/window.py). The window is topped up a whole request at a
@@ -48,7 +51,7 @@ class TransportOptions:
   """
 
   kind: str = "auto"
-  connections_per_target: int = 4
+  connections_per_target: int | None = None
   steps_per_request: int | None = None
   compression: str = "none"
   dns_refresh_s: float = 30.0
@@ -60,10 +63,11 @@ class TransportOptions:
     if self.compression not in wire.COMPRESSIONS:
       raise InvalidRequestError(f"compression must be one of {', '.join(wire.COMPRESSIONS)}, "
                        f"got {self.compression!r}")
-    if self.connections_per_target < 1 or (self.steps_per_request is not None
-                                           and self.steps_per_request < 1):
-      raise InvalidRequestError("need connections_per_target >= 1 and steps_per_request >= 1 "
-                                "(or None: sized from the step)")
+    if (self.connections_per_target is not None and self.connections_per_target < 1) or (
+        self.steps_per_request is not None and self.steps_per_request < 1):
+      raise InvalidRequestError("need connections_per_target >= 1 (or None: sized from the "
+                                "servers' workers) and steps_per_request >= 1 (or None: sized "
+                                "from the step)")
     if not self.dns_refresh_s > 0:
       raise InvalidRequestError(f"need dns_refresh_s > 0, got {self.dns_refresh_s}")
 

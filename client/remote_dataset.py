@@ -98,9 +98,14 @@ class RemoteDataset(grain.IterDataset):
       several ranks, else 0 (client/layout.py).
     shard_count: H, the number of hosts; must divide G. Default: the
       matching `jax.process_count()` or world size, else 1.
-    prefetch: steps kept in flight ahead of the trainer (0: fetch on demand);
-      None (the default): one request per connection, at most
-      window.WINDOW_BYTES of steps (client/window.py).
+    prefetch: steps kept in flight ahead of the trainer (0: fetch on demand),
+      fixed; None (the default): one request per connection carrying batches
+      (by default window.REQUESTS_PER_WORKER per server worker), then
+      adapted while the trainer runs: more while it waits for data, fewer
+      while steps pile up (client/window.py). `stats().window` says where it
+      stands.
+    window_bytes: the most a default window holds, received or coming
+      (None: window.WINDOW_BYTES); bounds the adaptive window's memory.
     transport: how batches travel (TransportOptions: bulk or gRPC,
       connections per replica, steps per request, compression).
     retry: when to try again and when to give up (RetryPolicy).
@@ -123,7 +128,7 @@ class RemoteDataset(grain.IterDataset):
   def __init__(self, target: str | Sequence[str], dataset: str,
                global_batch_size: int, *, shard_index: int | None = None,
                shard_count: int | None = None, prefetch: int | None = None,
-               transport: TransportOptions = TransportOptions(),
+               window_bytes: int | None = None, transport: TransportOptions = TransportOptions(),
                retry: RetryPolicy = RetryPolicy(), security: Security = Security(),
                stats_log_s: float = 60.0):
     super().__init__()
@@ -134,6 +139,8 @@ class RemoteDataset(grain.IterDataset):
     contract.check_geometry(global_batch_size, shard_index, shard_count)
     if prefetch is not None and prefetch < 0:
       raise InvalidRequestError(f"need prefetch >= 0, got {prefetch}")
+    if window_bytes is not None and window_bytes < 1:
+      raise InvalidRequestError(f"need window_bytes >= 1, got {window_bytes}")
     for name, value, cls in (("transport", transport, TransportOptions),
                              ("retry", retry, RetryPolicy), ("security", security, Security)):
       if not isinstance(value, cls):
@@ -146,6 +153,7 @@ class RemoteDataset(grain.IterDataset):
     self.shard_index = shard_index
     self.shard_count = shard_count
     self.prefetch = prefetch
+    self.window_bytes = window_lib.WINDOW_BYTES if window_bytes is None else window_bytes
     self.transport = transport
     self.retry = retry
     self.security = security
@@ -163,7 +171,8 @@ class RemoteDataset(grain.IterDataset):
           self._embedded = make_backend(self.targets)
         return self._embedded
     return make_backend(self.targets, transport=self.transport, retry=self.retry,
-                        security=self.security, host_memory=self.host_memory)
+                        security=self.security, host_memory=self.host_memory,
+                        window_bytes=self.window_bytes)
 
   @classmethod
   def embedded(cls, config_path: str, dataset: str, global_batch_size: int,
@@ -220,7 +229,9 @@ class _RemoteIterator(grain.DatasetIterator):
     self._info = info
     self._offset = 0  # records before step 0: nonzero once G changed at a checkpoint
     self._total = self._info.total_steps(ds.global_batch_size)
-    self._window = window_lib.for_dataset(ds, info.element_spec.record_bytes)
+    self._window = window_lib.for_dataset(ds, info, backend.parallelism)
+    # None: a window the user fixed (prefetch given)
+    self._tune = window_lib.Autotune(self._window) if self._window.adaptive else None
     self._structure = self._info.element_spec.structure
     self._step = 0  # next step the trainer receives
     self._requested = 0  # first step not yet requested
@@ -228,12 +239,19 @@ class _RemoteIterator(grain.DatasetIterator):
     self._lock = threading.Lock()
     self._arrived = threading.Condition()  # a step arrived or a fetch ended
     self._pool: concurrent.futures.ThreadPoolExecutor | None = None
-    self._meter = stats_lib.meter_for(ds, backend)
+    tune, window = self._tune, self._window  # not self: the meter must not keep it alive
+    self._meter = stats_lib.meter_for(
+        ds, backend, (lambda: tune.prefetch) if tune is not None else (lambda: window.prefetch))
     closing.start()  # where a dropped iterator gets closed
 
   def stats(self) -> stats_lib.Stats:
-    """Time waited for data, throughput, retries and fallbacks so far."""
+    """Time waited for data, throughput, retries, fallbacks, the window."""
     return self._meter.stats()
+
+  @property
+  def _prefetch(self) -> int:
+    """Steps to keep in flight now."""
+    return self._tune.prefetch if self._tune is not None else self._window.prefetch
 
   # -- fetching -------------------------------------------------------------
 
@@ -248,12 +266,12 @@ class _RemoteIterator(grain.DatasetIterator):
 
   def _fill(self) -> None:
     """Requests steps until `prefetch` (at least 1) are in flight."""
-    prefetch, per_request = self._window.prefetch, self._window.steps_per_request
+    prefetch, per_request = self._prefetch, self._window.steps_per_request
     limit = self._step + max(1, prefetch)
     if self._total is not None:
       limit = min(limit, self._total)
     if self._requested < limit and self._pool is None:
-      workers = max(1, -(-prefetch // per_request))
+      workers = max(1, -(-max(prefetch, self._window.most) // per_request))
       self._pool = concurrent.futures.ThreadPoolExecutor(
           max_workers=workers, thread_name_prefix="grain-elevator-fetch")
     while self._requested < limit:
@@ -307,13 +325,19 @@ class _RemoteIterator(grain.DatasetIterator):
         raise StopIteration
       self._fill()
       chunk = self._chunks[0]
+      i = self._step - chunk.start
+      if self._tune is not None:  # arrived and untaken, this step included
+        ready = sum(len(c.steps) for c in self._chunks) - i
+        waited = len(chunk.steps) <= i
       try:
-        leaves = self._take(chunk, self._step - chunk.start)
+        leaves = self._take(chunk, i)
       except Cancelled:
         raise Cancelled(f"{self._ds} iterator was closed") from None
       if self._step == chunk.start + chunk.num_steps - 1:
         self._chunks.popleft()
       self._step += 1
+      if self._tune is not None:
+        self._tune.observe(waited, ready)
       if self._window.prefetch:
         self._fill()  # keep the window full while the trainer works
     # The whole call counts as waiting for data: the trainer did nothing else.
@@ -331,6 +355,8 @@ class _RemoteIterator(grain.DatasetIterator):
     cursor = state_lib.check(state, self._info, self._ds.global_batch_size)
     with self._lock:
       self._cancel_all()
+      if self._tune is not None:
+        self._tune.restart()
       self._step = self._requested = cursor.step
       self._offset = cursor.record_offset
       self._total = self._info.total_steps(self._ds.global_batch_size, self._offset)

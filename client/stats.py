@@ -3,6 +3,9 @@
 The one figure that says whether the data tier keeps up is the share of
 the trainer's time spent blocked in `next()`: near 0, the input pipeline is
 not the bottleneck; growing, add server workers or replicas (or prefetch).
+Beside it, `window`: the steps the iterator keeps in flight now, which a
+default client adapts (client/window.py): at its most while the trainer
+still waits, the tier is short of workers, not the client of requests.
 `RemoteDataset.stats()` returns it with throughput, retries and transport
 fallbacks, and the iterator logs it as one line every `stats_log_s`.
 `start_metrics_server(port)` also serves every live iterator's figures to
@@ -31,6 +34,7 @@ class Stats:
   wait_s: float = 0.0  # of it, blocked in next() waiting for a step
   retries: int = 0  # failed attempts tried again (another replica, a backoff)
   fallbacks: int = 0  # requests moved from the bulk transport to gRPC
+  window: int = 0  # steps kept in flight now (the adaptive window: client/window.py)
 
   @property
   def wait_ratio(self) -> float:
@@ -49,16 +53,20 @@ class Stats:
     """One line for a log: what a trainer's author reads first."""
     return (f"{self.steps:,} steps in {self.wall_s:.1f}s; waited {self.wait_s:.2f}s for "
             f"data ({self.wait_ratio:.1%} of the time); {self.bytes_per_s / 1e6:,.1f} MB/s; "
-            f"{self.retries} retries, {self.fallbacks} fallbacks to gRPC")
+            f"{self.retries} retries, {self.fallbacks} fallbacks to gRPC; "
+            f"{self.window} steps in flight")
 
 
 class Meter:
   """Times one iterator's `next()` calls; logs `Stats.line` every `log_every_s`."""
 
   def __init__(self, name: str, log_every_s: float,
-               counters: Callable[[], tuple[int, int]] = lambda: (0, 0), dataset: str = ""):
-    """`counters`: the connections' (retries, fallbacks) so far."""
+               counters: Callable[[], tuple[int, int]] = lambda: (0, 0), dataset: str = "",
+               window: Callable[[], int] = lambda: 0):
+    """`counters`: the connections' (retries, fallbacks) so far; `window`:
+    the steps the iterator keeps in flight now."""
     self._name = name
+    self._window = window
     self.dataset = dataset
     _METERS.add(self)
     self._counters = counters
@@ -90,16 +98,19 @@ class Meter:
     retries, fallbacks = self._counters()
     with self._lock:
       wall = time.monotonic() - self._start if self._start is not None else 0.0
-      return Stats(self._steps, self._bytes, wall, self._wait_s, retries, fallbacks)
+      return Stats(self._steps, self._bytes, wall, self._wait_s, retries, fallbacks,
+                   self._window())
 
 
 _METERS: "weakref.WeakSet[Meter]" = weakref.WeakSet()
 
 
-def meter_for(ds: Any, backend: Any) -> Meter:
-  """The meter of an iterator of RemoteDataset `ds` that reads from `backend`."""
+def meter_for(ds: Any, backend: Any, window: Callable[[], int] = lambda: 0) -> Meter:
+  """The meter of an iterator of RemoteDataset `ds` that reads from `backend`,
+  keeping `window()` steps in flight."""
   return Meter(str(ds), ds.stats_log_s, lambda: (
-      getattr(backend, "retries", 0), getattr(backend, "fallbacks", 0)), dataset=ds.dataset)
+      getattr(backend, "retries", 0), getattr(backend, "fallbacks", 0)), dataset=ds.dataset,
+      window=window)
 
 
 class _Collector:
@@ -130,12 +141,17 @@ class _Collector:
     ratio = GaugeMetricFamily("elevator_client_wait_ratio",
                               "Share of the wall time spent waiting for data.",
                               labels=["dataset"])
+    window = GaugeMetricFamily("elevator_client_window_steps",
+                               "Steps kept in flight now (the adaptive window).",
+                               labels=["dataset"])
     for dataset, stats in per.items():
       for field, family in families.items():
         family.add_metric([dataset], getattr(stats, field))
       ratio.add_metric([dataset], stats.wait_ratio)
+      window.add_metric([dataset], stats.window)
     yield from families.values()
     yield ratio
+    yield window
 
 
 def start_metrics_server(port: int, host: str = "127.0.0.1") -> int:

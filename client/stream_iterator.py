@@ -5,7 +5,11 @@ position of its Grain pipeline where k starts, not from k: a request names
 that position, and every step arrives with the position after it. So
 requests follow one another: a fetch thread asks for the next chunk as soon
 as the last step of the one before has arrived, from where it ended, and
-keeps up to `prefetch` steps ahead of the trainer. Chunks end at multiples
+keeps up to `prefetch` steps ahead of the trainer. One request is in flight
+at a time, to the one worker that owns the stream, so neither more
+connections nor a wider window make it faster (the server spreads the
+stream's work over its workers itself: server/data/parallel_head.py); the
+default window is fixed at window.STREAM_REQUESTS requests ahead. Chunks end at multiples
 of their size, as for any dataset, so every host of a job asks for the same
 chunks and the server produces each global batch once for all of them.
 
@@ -61,7 +65,8 @@ class StreamIterator(grain.DatasetIterator):
     self._backend = backend
     self._info = info
     self._structure = info.element_spec.structure
-    self._window = window_lib.for_dataset(ds, info.element_spec.record_bytes)
+    # Fixed: one fetch thread, one request at a time, whatever the workers.
+    self._window = window_lib.for_dataset(ds, info, window_lib.STREAM_REQUESTS)
     self._step = 0  # the next step the trainer receives
     self._position = info.stream_start  # where it starts
     self._cond = threading.Condition()
@@ -70,11 +75,17 @@ class StreamIterator(grain.DatasetIterator):
     self._token: CancelToken | None = None
     self._stopped = False
     self._closed = False
-    self._meter = stats_lib.meter_for(ds, backend)
+    ahead = self._ahead
+    self._meter = stats_lib.meter_for(ds, backend, lambda: ahead)
     closing.start()  # where a dropped iterator gets closed
 
   def stats(self) -> stats_lib.Stats:
     return self._meter.stats()
+
+  @property
+  def _ahead(self) -> int:
+    """Steps the fetch thread keeps ahead of the trainer."""
+    return max(self._window.prefetch, self._window.steps_per_request)
 
   # -- fetching -------------------------------------------------------------
 
@@ -102,7 +113,7 @@ class StreamIterator(grain.DatasetIterator):
     """The fetch thread: chunk after chunk, each from where the last ended."""
     ds = self._ds
     per_request = self._window.steps_per_request
-    ahead = max(self._window.prefetch, per_request)
+    ahead = self._ahead
     try:
       while True:
         n = per_request - step % per_request  # chunks end at multiples of their size

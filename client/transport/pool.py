@@ -4,7 +4,9 @@ and fetching steps with failover.
 On first contact the pool opens gRPC channels that take no answer over the
 control limit (connection.py), learns each dataset's element spec, and only
 then opens the connections that carry batches, balanced over every worker
-of every replica (slots.py): bulk connections where a replica offers a
+of every replica (slots.py), by default REQUESTS_PER_WORKER on each
+(client/window.py; each replica's first connection says how many workers
+it has): bulk connections where a replica offers a
 reachable bulk port (`auto`), else gRPC channels limited to a whole global
 batch of the dataset and G first asked about (`_open_data`; reopened larger
 should a later request need more). Each step is checked exactly: its size,
@@ -31,6 +33,7 @@ from typing import Any, Callable, Sequence, TypeVar
 import grpc
 
 from grain_elevator.client.options import RetryPolicy, Security, TransportOptions
+from grain_elevator.client.window import REQUESTS_PER_WORKER, WINDOW_BYTES
 from grain_elevator.client.transport.buffers import BufferPool
 from grain_elevator.client.transport.bulk_connection import BulkConnection
 from grain_elevator.client.transport.connection import (MAX_CONTROL_MESSAGE_BYTES,
@@ -49,6 +52,10 @@ from grain_elevator.proto.spec import DatasetInfo, LeafSpec
 log = logging.getLogger("grain_elevator.client")
 T = TypeVar("T")
 
+# Receive buffers kept for reuse: a default window of WINDOW_BYTES holds up
+# to 256 steps of 1 MB, the smallest that need keeping (buffers.py).
+_POOLED_BUFFERS = 256
+
 # Reconnects come in bursts (every connection to a pod that left breaks at
 # once): DNS is asked at most this often.
 _MIN_RESOLVE_GAP_S = 0.5
@@ -61,7 +68,11 @@ class ConnectionPool:
   def __init__(self, targets: Sequence[str], *,
                transport: TransportOptions = TransportOptions(),
                retry: RetryPolicy = RetryPolicy(), security: Security = Security(),
-               host_memory: HostMemory | None = None):
+               host_memory: HostMemory | None = None,
+               window_bytes: int = WINDOW_BYTES):
+    """`host_memory`: where bulk connections receive (host_memory.py);
+    `window_bytes`: the most the iterator keeps in flight (client/window.py),
+    which the pool of receive buffers is sized to hold."""
     transport.check_security(security)
     self.targets = list(targets)
     self.transport = transport
@@ -84,8 +95,12 @@ class ConnectionPool:
     self._next_refresh = 0.0
     self._retrier: Retrier[Slots] = Retrier(retry, self.targets, lambda: self._closed)
     # One pool for all bulk connections: the buffer the trainer dropped last
-    # is the one still in cache, whichever connection reads next.
-    self._buffers = BufferPool(memory=host_memory or PAGEABLE)  # host_memory.py
+    # is the one still in cache, whichever connection reads next. Room for
+    # the window and the batches the trainer still holds: a window beyond
+    # the pool would get buffers of its own, page-faulted in for each step.
+    self._buffers = BufferPool(memory=host_memory or PAGEABLE,  # host_memory.py
+                               max_buffers=_POOLED_BUFFERS,
+                               max_bytes=window_bytes + window_bytes // 4)
     self.uses_bulk = False
     self.fallbacks = 0  # bulk requests moved to gRPC, bulk ports given up for gRPC
 
@@ -124,12 +139,19 @@ class ConnectionPool:
     return BulkConnection(target, host, port, connect_timeout_s=self.retry.connect_timeout_s,
                           auth_token=self._security.auth_token, buffers=self._buffers)
 
+  def _per_worker(self) -> int:
+    """Connections per worker of a default client (connections_per_target
+    None): REQUESTS_PER_WORKER, or one where it reads only streams, whose
+    requests go one at a time to the worker that owns the stream."""
+    stream = bool(self._infos) and all(i.stream for i in self._infos.values())
+    return 1 if stream else REQUESTS_PER_WORKER
+
   def _spread_grpc(self, target: str, max_batch_bytes: int) -> list[list[Any]]:
     groups = spread_over_workers(lambda: self._contact(target, max_batch_bytes),
-                                  self.transport.connections_per_target)
+                                  self.transport.connections_per_target, self._per_worker())
     if not groups:  # unreachable now: plain channels that connect later
       return [[GrpcConnection(target, self._security, max_batch_bytes)]
-              for _ in range(self.transport.connections_per_target)]
+              for _ in range(self.transport.connections_per_target or REQUESTS_PER_WORKER)]
     return groups
 
   def _spread_bulk_host(self, target: str, host: str,
@@ -146,7 +168,8 @@ class ConnectionPool:
         failures.append(e)
         return None
 
-    found = spread_over_workers(open_one, self.transport.connections_per_target)
+    found = spread_over_workers(open_one, self.transport.connections_per_target,
+                                self._per_worker())
     return found, (failures[-1] if failures and not found else None)
 
   def _spread_bulk(self, target: str) -> list[list[Any]]:
@@ -231,6 +254,13 @@ class ConnectionPool:
     """gRPC channels open (the control ones and any carrying batches)."""
     conns = {id(s.conn): s.conn for s in [*self._control, *self._data]}
     return sum(isinstance(c, GrpcConnection) for c in conns.values())
+
+  @property
+  def parallelism(self) -> int:
+    """Requests in flight that keep the servers busy: one per connection
+    carrying batches (a default client opens REQUESTS_PER_WORKER per worker
+    of every replica). The iterator's window starts there (client/window.py)."""
+    return max(1, sum(not s.retired for s in self._data))
 
   def data_slots(self) -> list[Slot]:
     """The connections that carry batches (for tests and diagnostics)."""

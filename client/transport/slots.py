@@ -4,11 +4,14 @@ A replica's worker processes share one port and the kernel hands each new
 TCP connection to one of them by a hash, so a handful of connections can
 easily all land on one worker: `spread_over_workers` opens connections until
 each worker holds an equal share (the bulk handshake, or Describe over gRPC,
-says which worker answered) and closes the surplus. `Slots` lends them to
+says which worker answered and how many the replica has; a default client
+wants client/window.py's REQUESTS_PER_WORKER on each) and closes the
+surplus. `Slots` lends them to
 fetch threads, one request at a time over a bulk connection, shunning a
 replica that failed (RetryPolicy's shun times); `owner_of` sends chunk c of
 a stream to the same worker from every trainer, whose batch cache then
-serves it to all.
+serves it to all, dealing chunks over replicas in proportion to their
+workers.
 """
 
 from __future__ import annotations
@@ -102,7 +105,9 @@ class Slots:
       slot.in_use -= 1
       if slot.retired:
         self._drop_retired()
-      self._free.notify()
+      # Every waiter: one may wait for this worker's slot (a routed chunk),
+      # and a notify() could wake another, leaving it to its 0.1 s timeout.
+      self._free.notify_all()
 
   def has_room_elsewhere(self, replica: tuple[str, str] | None) -> bool:
     """Whether a replica other than `replica` is not shunned (its slots may
@@ -148,34 +153,43 @@ def owner_of(slots: Sequence[Slot], chunk: int) -> list[Slot]:
   """The slots to the worker that owns `chunk`, a function of the chunk and
   the replicas alone, so every trainer sends the same chunk to the same
   worker, whose cache then serves it to all (server/serving/batch_cache.py).
-  Chunk c goes to replica c mod R of the replicas sorted by address, and
-  there to worker (c // R) mod W: consecutive chunks spread over all."""
-  replicas = sorted({s.replica for s in slots})
-  if not replicas:
+  The workers of every replica (sorted by address) are taken worker index
+  first, chunk c going to the (c mod total)th: consecutive chunks spread
+  over all, each replica getting its share of the workers (replicas of
+  equal size: replica c mod R, there worker (c // R) mod W)."""
+  workers: dict[tuple[str, str], int] = {}
+  for s in slots:
+    if getattr(s.conn, "server", None):
+      workers[s.replica] = max(workers.get(s.replica, 0), s.conn.server.num_workers)
+  replicas = sorted(workers)
+  pairs = [(r, w) for w in range(max(workers.values(), default=0))
+           for r in replicas if w < workers[r]]
+  if not pairs:
     return []
-  replica = replicas[chunk % len(replicas)]
-  mine = [s for s in slots if s.replica == replica and getattr(s.conn, "server", None)]
-  workers = max((s.conn.server.num_workers for s in mine), default=0)
-  if not workers:
-    return []
-  worker = chunk // len(replicas) % workers
-  return [s for s in mine if s.conn.server.worker_index == worker]
+  replica, worker = pairs[chunk % len(pairs)]
+  return [s for s in slots if s.replica == replica and getattr(s.conn, "server", None)
+          and s.conn.server.worker_index == worker]
 
 
-def spread_over_workers(open_one: Callable[[], Any | None], per_target: int) -> list[list[Any]]:
+def spread_over_workers(open_one: Callable[[], Any | None], per_target: int | None,
+                        per_worker: int = 1) -> list[list[Any]]:
   """Connections to one replica, grouped by the worker process that took each.
 
-  Opens connections (each knows its worker, `conn.server`) until every
-  worker holds ceil(per_target / workers), closing the surplus. Stops early
+  Opens connections (each knows its worker, `conn.server`, and how many the
+  replica has) until every worker holds ceil(per_target / workers), or
+  `per_worker` where `per_target` is None, closing the surplus. Stops early
   when `open_one` fails (returns None).
   """
   by_worker: dict[int, list[Any]] = collections.defaultdict(list)
-  for _ in range(8 * max(per_target, 4)):
+  attempts, most = 0, 8 * max(per_target or 0, 4)
+  while attempts < most:
+    attempts += 1
     conn = open_one()
     if conn is None:
       break
     workers = max(1, conn.server.num_workers)
-    want = -(-per_target // workers)  # per worker, at least 1
+    want = per_worker if per_target is None else -(-per_target // workers)  # at least 1
+    most = max(most, 8 * want * workers)  # the kernel deals connections by a hash
     group = by_worker[conn.server.worker_index]
     if len(group) < want:
       group.append(conn)

@@ -1,4 +1,5 @@
-"""The client-settings A/B measures every setting against plain TCP in one run."""
+"""The client-settings A/B measures every setting against plain TCP in one
+run, at each server size, with the real pipeline and the sleeping one."""
 
 from __future__ import annotations
 
@@ -16,16 +17,25 @@ def test_every_setting_and_the_wire_are_measured(tmp_path):
   result = subprocess.run(
       [sys.executable, "-m", "grain_elevator.tools.bench.clients", "--data", str(tmp_path),
        "--workloads", "large", "--records", "64", "--rounds", "1", "--seconds", "0.2",
-       "--warmup", "0.1", "--json", str(out),
+       "--warmup", "0.1", "--workers", "1", "--sleeping-workers", "3",
+       "--sleep-us-per-record", "500", "--json", str(out),
        "--explore", '{"steps 2": {"transport": {"steps_per_request": 2}}}'],
       capture_output=True, text=True, timeout=600)
   assert result.returncode == 0, result.stderr[-3000:]
-  rows = json.loads(out.read_text())["large"]
-  assert list(rows) == ["default", "default + glibc tunables", "steps 2",
-                        "tuned (elevator bench's)", "tuned + glibc tunables", "plain TCP"]
-  for label, row in rows.items():
-    assert row["median"] == row["runs"][0] > 0, label
-    assert row["client_cpu_s_per_gb"] > 0, label
-  best = max(rows["tuned (elevator bench's)"]["median"], rows["tuned + glibc tunables"]["median"])
-  line = next(l for l in result.stdout.splitlines() if l.startswith("| large | default |"))
-  assert f"| {rows['default']['median'] / best:.2f} |" in line
+  report = json.loads(out.read_text())["large"]
+  assert list(report) == ["W=1", "W=3 sleeping"]
+  assert report["W=1"]["pipeline"] == "real"
+  assert report["W=3 sleeping"]["pipeline"] == "sleeping 500 µs/record"
+  for key, block in report.items():
+    rows = block["rows"]
+    assert list(rows) == ["default", "steps 2", "tuned (elevator bench's)", "plain TCP"], key
+    for label, row in rows.items():
+      assert row["median"] == row["runs"][0] > 0, (key, label)
+      assert row["client_cpu_s_per_gb"] > 0, (key, label)
+    assert rows["default"]["window"][0] > 0  # the client's stats: steps in flight
+    assert rows["plain TCP"]["window"] == [None]
+    ratio = rows["default"]["median"] / rows["tuned (elevator bench's)"]["median"]
+    line = next(l for l in result.stdout.splitlines()
+                if l.startswith(f"| large | {block['workers']}, ") and "**default**" in l)
+    assert f"| {ratio:.2f} |" in line
+  assert "large: default × best tuned W=1 " in result.stdout

@@ -251,6 +251,8 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
   wall = time.perf_counter() - t1
   cpu = tree_cpu(proc) - cpu0
   server_cpu = _server_cpu(server_pids) - server0
+  stats = getattr(it, "stats", None)  # a RemoteDataset iterator's: its window now
+  window = stats().window if callable(stats) else None
   _close(it)
   records = batches * spec["global_batch_size"]
   result = {
@@ -261,6 +263,8 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
       "first_batch_s": ttfb,
       "batch_bytes": batch_bytes,
   }
+  if window is not None:
+    result["window"] = window
   if server_pids:
     result["server_cores"] = server_cpu / wall
   if text:

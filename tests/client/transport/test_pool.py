@@ -1,4 +1,5 @@
-"""Connections spread evenly over a replica's worker processes."""
+"""Connections spread evenly over a replica's worker processes, two per
+worker by default, and chunks dealt over the workers of every replica."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import pytest
 
 from grain_elevator.client import TransportOptions
 from grain_elevator.client.transport.pool import ConnectionPool
+from grain_elevator.client.transport.slots import Slot, owner_of
+from grain_elevator.client.window import REQUESTS_PER_WORKER
 from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.tools.launcher import LocalServer
 
@@ -72,3 +75,66 @@ def test_every_replica_gets_its_share(server, config_path, transport):
                           **{(second.target, w): 1 for w in range(3)}}, counts
     finally:
       pool.close()
+
+
+def test_a_default_pool_opens_two_connections_per_worker(server):
+  """connections_per_target None: REQUESTS_PER_WORKER on each worker, as
+  many as the replica says it has."""
+  pool = ConnectionPool([server.target])
+  try:
+    pool.describe("plain", 16)
+    assert _bulk_workers(pool) == {(server.target, 0): REQUESTS_PER_WORKER,
+                                   (server.target, 1): REQUESTS_PER_WORKER}
+    assert pool.parallelism == 2 * REQUESTS_PER_WORKER
+  finally:
+    pool.close()
+
+
+@pytest.mark.slow  # a second, 3-worker server
+@pytest.mark.parametrize("transport", ["grpc", "auto"])
+def test_replicas_of_different_sizes_get_connections_for_their_workers(server, config_path,
+                                                                        transport):
+  with LocalServer(config_path, workers=3) as second:
+    pool = ConnectionPool([server.target, second.target],
+                          transport=TransportOptions(kind=transport))
+    try:
+      pool.describe("plain", 16)
+      assert pool.parallelism == REQUESTS_PER_WORKER * (2 + 3)
+      if transport == "auto":
+        assert _bulk_workers(pool) == {
+            **{(server.target, w): REQUESTS_PER_WORKER for w in range(2)},
+            **{(second.target, w): REQUESTS_PER_WORKER for w in range(3)}}
+    finally:
+      pool.close()
+
+
+class _Conn:
+  """What owner_of reads of a connection: its replica and its worker."""
+
+  def __init__(self, target: str, worker: int, workers: int):
+    self.target = self.host = target
+    self.server = pb.ServerInfo(worker_index=worker, num_workers=workers)
+
+
+def _slots(sizes: dict[str, int]) -> list[Slot]:
+  return [Slot(_Conn(t, w, n)) for t, n in sizes.items() for w in range(n) for _ in range(2)]
+
+
+def test_chunks_go_to_replicas_in_proportion_to_their_workers():
+  slots = _slots({"a:1": 2, "b:1": 3})
+  owners = collections.Counter()
+  for chunk in range(50):
+    (first, *rest) = owner_of(slots, chunk)
+    assert len(rest) == 1 and rest[0].replica == first.replica
+    owners[first.replica[0], first.conn.server.worker_index] += 1
+  assert owners == {(t, w): 10 for t, n in (("a:1", 2), ("b:1", 3)) for w in range(n)}
+
+
+def test_replicas_of_one_size_deal_chunks_as_before():
+  """Replica c mod R, there worker (c // R) mod W: a trainer and another
+  running an older client still send each chunk to the same worker."""
+  slots = _slots({"a:1": 3, "b:1": 3})
+  for chunk in range(24):
+    owner = owner_of(slots, chunk)[0]
+    assert owner.replica[0] == ["a:1", "b:1"][chunk % 2]
+    assert owner.conn.server.worker_index == chunk // 2 % 3
