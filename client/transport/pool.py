@@ -53,8 +53,8 @@ log = logging.getLogger("grain_elevator.client")
 T = TypeVar("T")
 
 # Receive buffers kept for reuse: a default window of WINDOW_BYTES holds up
-# to 256 steps of 1 MB, the smallest that need keeping (buffers.py).
-_POOLED_BUFFERS = 256
+# to one step of 1 MB per MB, the smallest that need keeping (buffers.py).
+_POOLED_BUFFERS = WINDOW_BYTES >> 20
 
 # Reconnects come in bursts (every connection to a pod that left breaks at
 # once): DNS is asked at most this often.

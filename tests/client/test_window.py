@@ -1,6 +1,6 @@
 """A default client's window is sized from the step and the servers'
 workers: about 12 MB per request, one request per connection (two per
-worker), at most 256 MB in flight; then it adapts to the trainer."""
+worker), at most WINDOW_BYTES (512 MB) in flight; then it adapts to the trainer."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ MB = 1 << 20
     (3 * MB, 4, 16),  # elevator bench's small workload: its hand-tuned setting
     (int(4.9 * MB), 3, 12),  # and its large one
     (100 << 10, MAX_STEPS_PER_REQUEST, 4 * MAX_STEPS_PER_REQUEST),  # small steps: capped
-    (100 * MB, 1, 2),  # huge steps: one per request, the window under 256 MB
+    (100 * MB, 1, 4),  # huge steps: one per request, the window under 512 MB
     (1 << 30, 1, 1),  # a step over the whole budget still goes, one at a time
 ])
 def test_defaults_follow_the_step_size(step_bytes, steps, prefetch):
@@ -41,11 +41,13 @@ def test_more_workers_more_in_flight():
 
 
 def test_many_workers_get_smaller_requests_within_the_bound():
-  """16 workers x 2 requests of the large workload's 4.9 MB steps do not fit
-  256 MB at 3 steps each: one step each, every worker still fed."""
+  """16 workers x 2 requests of the large workload's 4.9 MB steps fit the
+  default bound at 3 steps each, but not 256 MB: one step each there, every
+  worker still fed."""
   step = int(4.9 * MB)
-  window = plan(step, requests=32)
-  assert window == Window(32, 1, WINDOW_BYTES // step, adaptive=True)
+  assert plan(step, requests=32) == Window(96, 3, WINDOW_BYTES // step, adaptive=True)
+  window = plan(step, requests=32, window_bytes=256 * MB)
+  assert window == Window(32, 1, 256 * MB // step, adaptive=True)
   assert plan(step, requests=32, window_bytes=1 << 30) == Window(96, 3, 192, adaptive=True)
 
 
