@@ -37,8 +37,11 @@ def start() -> None:
 
 
 def later(close: Callable[[], None]) -> None:
-  """Queues `close` for the closing thread: all a `__del__` may do."""
-  _queue.put(close)
+  """Queues `close` for the closing thread: all a `__del__` may do. At
+  interpreter exit (globals gone) there is nothing left to close for."""
+  q = globals().get("_queue")
+  if q is not None:
+    q.put(close)
 
 
 def _run() -> None:

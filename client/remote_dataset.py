@@ -380,9 +380,11 @@ class _RemoteIterator(grain.DatasetIterator):
       self._backend.close()
       self._stop_pool()
 
-  def __del__(self) -> None:
+  # `later` bound now: at interpreter exit this module's globals may already
+  # be None when a finalizer runs.
+  def __del__(self, _later=closing.later) -> None:
     if not getattr(self, "_closed", True):  # closed by the closing thread (client/closing.py)
-      closing.later(self.close)
+      _later(self.close)
 
   def __str__(self) -> str:
     return f"{self._ds} @ step {self._step}"

@@ -195,9 +195,11 @@ class StreamIterator(grain.DatasetIterator):
     self._stop()
     self._backend.close()
 
-  def __del__(self) -> None:
+  # `later` bound now: at interpreter exit this module's globals may already
+  # be None when a finalizer runs.
+  def __del__(self, _later=closing.later) -> None:
     if not getattr(self, "_closed", True):  # closed by the closing thread (client/closing.py)
-      closing.later(self.close)
+      _later(self.close)
 
   def __str__(self) -> str:
     return f"{self._ds} @ step {self._step}"
