@@ -53,5 +53,12 @@ class EmbeddedBackend:
       raise Cancelled(f"dataset {request.dataset!r}: cancelled")
     return out
 
+  def skip(self, request: pb.BatchRequest, token: Any = None) -> str:
+    """Like ConnectionPool.skip: the position after the request's steps."""
+    cancelled = (lambda: token.cancelled) if token is not None else (lambda: False)
+    with self._path.admitted(None) as ticket:
+      answer = self._path.skip(ticket, request, lambda: not cancelled())
+    return answer.next_stream_state
+
   def close(self) -> None:
     pass

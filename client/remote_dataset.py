@@ -234,6 +234,7 @@ class _RemoteIterator(grain.DatasetIterator):
     self._tune = window_lib.Autotune(self._window) if self._window.adaptive else None
     self._structure = self._info.element_spec.structure
     self._step = 0  # next step the trainer receives
+    self._skips: state_lib.Skips = ()  # steps skipped ([a, b) ranges), for the cursor
     self._requested = 0  # first step not yet requested
     self._chunks: collections.deque[_Chunk] = collections.deque()
     self._lock = threading.Lock()
@@ -345,11 +346,29 @@ class _RemoteIterator(grain.DatasetIterator):
                           sum(getattr(x, "nbytes", 0) for x in leaves))
     return tree.unflatten(self._structure, leaves)
 
+  def skip(self, num_steps: int) -> None:
+    """Drops the next `num_steps` global batches (rollback-and-skip), in
+    O(1): the cursor records the range, so every host and every later
+    checkpoint continues the same stream. InvalidRequestError for a count
+    below 0, or one past the end of a finite dataset."""
+    with self._lock:
+      if self._closed:
+        raise ElevatorError(f"{self._ds} iterator is closed")
+      g = self._ds.global_batch_size
+      contract.check_skip(self._step, num_steps, g, self._offset, self._total,
+                          self._ds.dataset)
+      skips = state_lib.add_skip(self._skips, self._step, num_steps)
+      self._cancel_all()
+      if self._tune is not None:
+        self._tune.restart()
+      self._skips = skips
+      self._step = self._requested = self._step + num_steps
+
   # -- checkpointing --------------------------------------------------------
 
   def get_state(self) -> dict[str, Any]:
-    return state_lib.make(state_lib.Cursor(self._step, self._offset), self._info,
-                          self._ds.global_batch_size)
+    return state_lib.make(state_lib.Cursor(self._step, self._offset, skips=self._skips),
+                          self._info, self._ds.global_batch_size)
 
   def set_state(self, state: dict[str, Any]) -> None:
     cursor = state_lib.check(state, self._info, self._ds.global_batch_size)
@@ -358,6 +377,7 @@ class _RemoteIterator(grain.DatasetIterator):
       if self._tune is not None:
         self._tune.restart()
       self._step = self._requested = cursor.step
+      self._skips = cursor.skips
       self._offset = cursor.record_offset
       self._total = self._info.total_steps(self._ds.global_batch_size, self._offset)
 

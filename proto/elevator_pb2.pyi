@@ -138,6 +138,14 @@ class Batch(_message.Message):
     next_stream_state: str
     def __init__(self, step: _Optional[int] = ..., leaves: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., next_stream_state: _Optional[str] = ...) -> None: ...
 
+class SkipResponse(_message.Message):
+    __slots__ = ("next_step", "next_stream_state")
+    NEXT_STEP_FIELD_NUMBER: _ClassVar[int]
+    NEXT_STREAM_STATE_FIELD_NUMBER: _ClassVar[int]
+    next_step: int
+    next_stream_state: str
+    def __init__(self, next_step: _Optional[int] = ..., next_stream_state: _Optional[str] = ...) -> None: ...
+
 class BulkRequest(_message.Message):
     __slots__ = ("request", "auth_token")
     REQUEST_FIELD_NUMBER: _ClassVar[int]

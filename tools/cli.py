@@ -49,6 +49,20 @@ def _describe(args: argparse.Namespace) -> int:
   return 0
 
 
+def _cursor_skip(args: argparse.Namespace) -> int:
+  from grain_elevator.client import checkpoint  # pylint: disable=g-import-not-at-top
+  try:
+    saved = checkpoint.skip_saved(args.state, args.steps)
+  except (OSError, json.JSONDecodeError) as e:
+    print(f"elevator: error: cannot read or write the state {args.state}: {e}",
+          file=sys.stderr)
+    return 2
+  skips = saved.get("skips", [])
+  print(json.dumps({"state": str(args.state), "step": saved["step"], "skips": skips,
+                    "resumes_at_step": max([saved["step"]] + [b for _, b in skips[-1:]])}))
+  return 0
+
+
 def _top(args: argparse.Namespace) -> int:
   from grain_elevator.tools import top  # pylint: disable=g-import-not-at-top
   try:
@@ -206,6 +220,18 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--auth-token-file", default=None,
                  help="file holding the bearer token of a server run with one")
   p.set_defaults(fn=_describe)
+
+  p = sub.add_parser("cursor", help="edit a saved iterator state (a cursor)")
+  cursor = p.add_subparsers(dest="cursor_command", required=True)
+  p = cursor.add_parser(
+      "skip", help="skip the next N global batches of a saved state (rollback-and-skip)",
+      description="Writes a skip of N global batches into a saved grain-elevator state, in "
+                  "place: a JSON file, or a Grain checkpoint item directory "
+                  "(process_*-of-*.json). A job restored from it drops the batches "
+                  "[step, step + N), on any number of hosts; no server is needed now.")
+  p.add_argument("state", help="the state's JSON file, or a Grain checkpoint item directory")
+  p.add_argument("--steps", type=int, required=True, help="global batches to skip (N >= 0)")
+  p.set_defaults(fn=_cursor_skip)
 
   p = sub.add_parser("top", help="a live view of a server's metrics (--metrics-port)")
   p.add_argument("target", help="HOST:METRICS_PORT, or the /metrics URL")

@@ -277,6 +277,23 @@ class StreamDataset:
           "never elements")
     return out, state
 
+  def fast_forward(self, global_batch_size: int, state: str, num_steps: int
+                   ) -> tuple[int, str]:
+    """Moves past `num_steps` global batches of G from position `state`
+    without keeping any (a skip): (how many there were, fewer if the stream
+    ended first; the position after them). The batches are made, since a
+    packer's rows depend on every element before them, but never sent."""
+    it = self.open(global_batch_size, state)
+    done = 0
+    for done in range(num_steps):
+      try:
+        next(it)
+      except StopIteration:
+        break
+    else:
+      done = num_steps
+    return done, dumps(it.get_state())
+
   def batches(self, global_batch_size: int, state: str) -> Iterator[GlobalBatch]:
     """Global batches from position `state` to the stream's end."""
     it = self.open(global_batch_size, state)

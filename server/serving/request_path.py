@@ -42,6 +42,8 @@ from grain_elevator.proto.errors import (Cancelled, DataLossError, ElevatorError
                                          UnauthenticatedError)
 from grain_elevator.proto.throttle import Throttled
 from grain_elevator.proto.spec import DatasetInfo
+from grain_elevator.proto.limits import MAX_SKIP_STEPS
+from grain_elevator.server.data import cancellation
 from grain_elevator.server.data import collate as collate_lib
 from grain_elevator.server.data import stream as stream_lib
 from grain_elevator.server.data.dataset import Datasets
@@ -266,6 +268,38 @@ class RequestPath:
     if step < r.start_step + r.num_steps and is_active():
       raise EndOfDataError(f"dataset {name!r}: the stream ends before step {step} "
                            f"(asked for steps up to {r.start_step + r.num_steps - 1})")
+
+  def skip(self, ticket: Ticket, r: pb.BatchRequest,
+           is_active: Callable[[], bool] = lambda: True) -> pb.SkipResponse:
+    """A stream dataset's position after steps [start, start+num) of `r`,
+    from r.stream_state, with none of them sent (Skip; at most
+    MAX_SKIP_STEPS). EndOfDataError if the stream ends first."""
+    _check(ticket)
+    ds = self.validate(r)
+    name = ds.info.name
+    if not ds.info.stream:
+      raise InvalidRequestError(
+          f"dataset {name!r} is not a stream dataset: a client skips its steps in O(1), "
+          "without asking a server")
+    if r.num_steps > MAX_SKIP_STEPS:
+      raise InvalidRequestError(
+          f"dataset {name!r}: a Skip moves at most {MAX_SKIP_STEPS} steps per call, "
+          f"asked for {r.num_steps}; split it")
+    start = ds.info.stream_start
+    if r.stream_state:
+      try:
+        start = stream_lib.parse_position(r.stream_state, start, name)
+      except InvalidRequestError as e:
+        _failures.warning((name, "position"), "%s", e)
+        raise
+    with cancellation.producing_for(is_active):
+      done, position = _named(name, _step(name, r.start_step, start), ds.fast_forward,
+                              r.global_batch_size, start, r.num_steps)
+    if done < r.num_steps:
+      raise EndOfDataError(
+          f"dataset {name!r}: a skip of {r.num_steps} steps from step {r.start_step} "
+          f"passes the end of the stream, which ends after step {r.start_step + done - 1}")
+    return pb.SkipResponse(next_step=r.start_step + r.num_steps, next_stream_state=position)
 
   @staticmethod
   def _produce(ds: ServedDataset, r: pb.BatchRequest, step: int, *,
