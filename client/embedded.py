@@ -8,6 +8,7 @@ target is first used, and nowhere else on the client side.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 
@@ -59,6 +60,11 @@ class EmbeddedBackend:
     with self._path.admitted(None) as ticket:
       answer = self._path.skip(ticket, request, lambda: not cancelled())
     return answer.next_stream_state
+
+  def explain(self, request: pb.BatchRequest) -> dict[str, Any]:
+    """Like ConnectionPool.explain: what one step held."""
+    with self._path.admitted(None) as ticket:
+      return json.loads(self._path.explain(ticket, request).json)
 
   def close(self) -> None:
     pass

@@ -197,6 +197,35 @@ class RemoteDataset(grain.IterDataset):
     self._iterators.add(it)
     return it
 
+  def explain(self, step: int, *, record_offset: int = 0) -> dict[str, Any]:
+    """What global batch `step` held: for each row of this host's slice, the
+    record position, epoch, source record, shard and record index in it (a
+    mixture: also the component), or that it is evaluation padding. The
+    JSON-safe dict of docs/client.md ("What a step held"). `step` is the
+    data's step (a cursor's; after skips, `state.trained_steps` maps back).
+
+    Raises:
+      InvalidRequestError: a negative step, or one whose records lie past int64.
+      EndOfDataError: a step past the end of a finite dataset.
+    """
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+      raise InvalidRequestError(f"explain needs a step >= 0, got {step!r}")
+    if record_offset + (step + 1) * self.global_batch_size > contract.MAX_RECORD_POSITION:
+      raise InvalidRequestError(
+          f"step {step} of global batch size {self.global_batch_size} lies past the "
+          "wire's largest record position (2**63 - 1)")
+    backend = make_backend(self.targets, transport=TransportOptions(connections_per_target=1),
+                           retry=self.retry, security=self.security)
+    try:
+      (info,) = backend.describe(self.dataset)
+      return backend.explain(pb.BatchRequest(
+          dataset=self.dataset, global_batch_size=self.global_batch_size,
+          shard_index=self.shard_index, shard_count=self.shard_count, start_step=step,
+          num_steps=1, record_offset=record_offset,
+          config_fingerprint=info.config_fingerprint))
+    finally:
+      backend.close()
+
   def stats(self) -> stats_lib.Stats:
     """Whether the trainer waits on data: `Stats` summed over this dataset's
     live iterators (client/stats.py)."""

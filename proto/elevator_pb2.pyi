@@ -146,6 +146,12 @@ class SkipResponse(_message.Message):
     next_stream_state: str
     def __init__(self, next_step: _Optional[int] = ..., next_stream_state: _Optional[str] = ...) -> None: ...
 
+class ExplainResponse(_message.Message):
+    __slots__ = ("json",)
+    JSON_FIELD_NUMBER: _ClassVar[int]
+    json: str
+    def __init__(self, json: _Optional[str] = ...) -> None: ...
+
 class BulkRequest(_message.Message):
     __slots__ = ("request", "auth_token")
     REQUEST_FIELD_NUMBER: _ClassVar[int]

@@ -49,6 +49,11 @@ class ElevatorStub:
                 request_serializer=grain__elevator_dot_proto_dot_elevator__pb2.BatchRequest.SerializeToString,
                 response_deserializer=grain__elevator_dot_proto_dot_elevator__pb2.SkipResponse.FromString,
                 _registered_method=True)
+        self.Explain = channel.unary_unary(
+                '/grain_elevator.v1.Elevator/Explain',
+                request_serializer=grain__elevator_dot_proto_dot_elevator__pb2.BatchRequest.SerializeToString,
+                response_deserializer=grain__elevator_dot_proto_dot_elevator__pb2.ExplainResponse.FromString,
+                _registered_method=True)
 
 
 class ElevatorServicer:
@@ -81,6 +86,15 @@ class ElevatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Explain(self, request, context):
+        """What global batch start_step held: for each row of host h of H's slice,
+        where it came from (docs/client.md, "What a step held", has the JSON
+        schema). num_steps must be 1; at most 8192 rows (MAX_EXPLAIN_ROWS).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ElevatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -98,6 +112,11 @@ def add_ElevatorServicer_to_server(servicer, server):
                     servicer.Skip,
                     request_deserializer=grain__elevator_dot_proto_dot_elevator__pb2.BatchRequest.FromString,
                     response_serializer=grain__elevator_dot_proto_dot_elevator__pb2.SkipResponse.SerializeToString,
+            ),
+            'Explain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Explain,
+                    request_deserializer=grain__elevator_dot_proto_dot_elevator__pb2.BatchRequest.FromString,
+                    response_serializer=grain__elevator_dot_proto_dot_elevator__pb2.ExplainResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -181,6 +200,33 @@ class Elevator:
             '/grain_elevator.v1.Elevator/Skip',
             grain__elevator_dot_proto_dot_elevator__pb2.BatchRequest.SerializeToString,
             grain__elevator_dot_proto_dot_elevator__pb2.SkipResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Explain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/grain_elevator.v1.Elevator/Explain',
+            grain__elevator_dot_proto_dot_elevator__pb2.BatchRequest.SerializeToString,
+            grain__elevator_dot_proto_dot_elevator__pb2.ExplainResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -20,9 +20,14 @@ as many at once (client/window.py) and always finds the other half.
 MAX_SKIP_STEPS: the most global batches one Skip call fast-forwards a stream
 dataset by (it computes them all, sending none); a client splits a longer
 skip into calls of at most this many, each under its own deadline.
+
+MAX_EXPLAIN_ROWS: the most rows one Explain answer describes (a host's
+slice, a few hundred bytes of JSON a row), so that it fits a control
+message (client/transport/connection.py MAX_CONTROL_MESSAGE_BYTES).
 """
 
 MAX_REQUEST_BYTES = 64 << 10
 LONG_STREAM_STEPS = 64
 MAX_STREAM_STATE_BYTES = MAX_REQUEST_BYTES // 4
 MAX_SKIP_STEPS = 1 << 16
+MAX_EXPLAIN_ROWS = 8192

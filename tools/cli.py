@@ -63,6 +63,35 @@ def _cursor_skip(args: argparse.Namespace) -> int:
   return 0
 
 
+def _explain(args: argparse.Namespace) -> int:
+  from grain_elevator.client import RemoteDataset, Security  # pylint: disable=g-import-not-at-top
+  target = args.target
+  if os.path.isfile(target) and not target.startswith("local:"):
+    target = f"local:{target}"  # a config: embedded mode
+  security = Security.from_files(auth_token_file=args.auth_token_file)
+  ds = RemoteDataset(target, args.dataset, args.batch_size, shard_index=args.host,
+                     shard_count=args.hosts, security=security)
+  explained = ds.explain(args.step, record_offset=args.record_offset)
+  if args.json:
+    print(json.dumps(explained, indent=1))
+    return 0
+  print(f"dataset {explained['dataset']!r} ({explained['kind']}, fingerprint "
+        f"{explained['config_fingerprint']}), step {explained['step']}, G="
+        f"{explained['global_batch_size']}, host {explained['shard_index']} of "
+        f"{explained['shard_count']}:")
+  for row in explained["rows"]:
+    if row.get("padding"):
+      print(f"  row {row['global_row']}: padding (evaluation mode, past the end)")
+      continue
+    part = f"component {row['component']!r} position {row['component_position']}, " if (
+        "component" in row) else ""
+    where = (f"{row['shard']} record {row['record']}" if "shard" in row
+             else row.get("where", "?"))
+    print(f"  row {row['global_row']}: position {row['position']}, {part}epoch "
+          f"{row['epoch']}, source record {row['source_index']}: {where}")
+  return 0
+
+
 def _top(args: argparse.Namespace) -> int:
   from grain_elevator.tools import top  # pylint: disable=g-import-not-at-top
   try:
@@ -220,6 +249,26 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--auth-token-file", default=None,
                  help="file holding the bearer token of a server run with one")
   p.set_defaults(fn=_describe)
+
+  p = sub.add_parser("explain", help="what a global step held: where each row came from",
+                     description="For each row of a host's slice of global batch STEP: the "
+                                 "record position, epoch, source record and its shard and "
+                                 "record index (a mixture: the component too); evaluation "
+                                 "padding marked. Exits 2 with the error for a step that does "
+                                 "not exist.")
+  p.add_argument("target", help="HOST:PORT of a server, or a config file (embedded mode)")
+  p.add_argument("dataset", help="the dataset's name")
+  p.add_argument("-G", "--batch-size", type=int, required=True, help="the global batch size")
+  p.add_argument("--step", type=int, required=True,
+                 help="the global step (the cursor's, counting skipped steps)")
+  p.add_argument("--host", type=int, default=0, help="h, this host's index (default 0)")
+  p.add_argument("--hosts", type=int, default=1, help="H, the number of hosts (default 1)")
+  p.add_argument("--record-offset", type=int, default=0,
+                 help="the cursor's record_offset, after a change of G (default 0)")
+  p.add_argument("--json", action="store_true", help="print the JSON (docs/client.md)")
+  p.add_argument("--auth-token-file", default=None,
+                 help="file holding the bearer token of a server run with one")
+  p.set_defaults(fn=_explain)
 
   p = sub.add_parser("cursor", help="edit a saved iterator state (a cursor)")
   cursor = p.add_subparsers(dest="cursor_command", required=True)

@@ -89,6 +89,7 @@ class GrpcConnection:
       self._name = f"{target} (gRPC)"
     self._describe = pb_grpc.ElevatorStub(self._channel).Describe
     self._skip = pb_grpc.ElevatorStub(self._channel).Skip
+    self._explain = pb_grpc.ElevatorStub(self._channel).Explain
     # Batches are parsed by hand (decode_step): tensors become views of the
     # received bytes.
     self._get_batches = self._channel.unary_stream(
@@ -122,6 +123,16 @@ class GrpcConnection:
       raise _grpc_error(e) from e
     except grpc.FutureCancelledError as e:
       raise TransportError(grpc.StatusCode.CANCELLED, "cancelled") from e
+
+  def explain(self, request: pb.BatchRequest, *, timeout_s: float) -> pb.ExplainResponse:
+    """What one step held (Explain); a control message, bounded as Describe's."""
+    try:
+      return self._explain(request, timeout=timeout_s, metadata=self._metadata)
+    except grpc.RpcError as e:
+      if _over_limit(e):
+        raise BadReplyError(f"{self._name} sent an Explain answer over "
+                            f"{MAX_CONTROL_MESSAGE_BYTES} bytes (refused unread)") from e
+      raise _grpc_error(e) from e
 
   def stream(self, request: pb.BatchRequest, *, timeout_s: float, token: CancelToken,
              max_frame_bytes: int, expect: Sequence[LeafSpec] | None = None,

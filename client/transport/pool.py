@@ -24,6 +24,7 @@ the trainer to the new pods.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -467,6 +468,22 @@ class ConnectionPool:
         lambda: f"Skip of dataset {request.dataset!r} from step {request.start_step}",
         attempt, self._control, cancelled=lambda: token.cancelled,
         after_full=self._after_full)
+
+  def explain(self, request: pb.BatchRequest) -> dict[str, Any]:
+    """What one step held, from any replica (Explain's JSON, parsed)."""
+    self._open_control()
+    answer = self._retrier.run(
+        lambda: f"Explain of dataset {request.dataset!r} step {request.start_step}",
+        lambda slots: self._with_slot(slots, lambda s: s.conn.explain(
+            request, timeout_s=self.retry.request_timeout_s)),
+        self._control, after_full=self._after_full)
+    try:
+      explained = json.loads(answer.json)
+    except ValueError as e:
+      raise errors.InternalError(f"an Explain answer is not JSON: {e}") from None
+    if not isinstance(explained, dict) or not isinstance(explained.get("rows"), list):
+      raise errors.InternalError("an Explain answer is not an explanation (no rows)")
+    return explained
 
   def _expect(self, request: pb.BatchRequest) -> tuple[int, tuple[LeafSpec, ...]]:
     """What each step of `request` must be, from the dataset's element spec:

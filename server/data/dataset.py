@@ -427,6 +427,22 @@ class ElevatorDataset:
     leaves.insert(self._mask_index, mask)
     return leaves
 
+  def origins(self, positions: Sequence[int]) -> list[dict[str, Any]]:
+    """Where the records at these stream positions come from: epoch, source
+    index and shard and record in it (server/data/provenance.py)."""
+    n = self.info.num_records
+    keys = self._source_index(positions)
+    out = []
+    for p, key in zip(positions, keys):
+      row: dict[str, Any] = {"position": int(p), "epoch": int(p) // n, "source_index": int(key)}
+      locate = getattr(self._source, "locate", None)
+      if locate is not None:
+        row["shard"], row["record"] = locate(int(key))
+      else:
+        row["where"] = self._source.where(int(key))
+      out.append(row)
+    return out
+
   def component_rows(self, positions: list[int]) -> list[np.ndarray]:
     """Stacked rows at these stream positions, for a mixture (server/data/mixture.py)."""
     return self._rows(positions, stack=True)

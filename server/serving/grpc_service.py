@@ -1,4 +1,4 @@
-"""The gRPC transport: Describe, GetBatches and Skip, adapted to the request path.
+"""The gRPC transport: Describe, GetBatches, Skip and Explain, adapted to the request path.
 
 What a call costs before its request has arrived is bounded, whatever the
 peer does (the bulk port's rules, server/serving/bulk.py, in gRPC's terms):
@@ -264,6 +264,16 @@ class GrpcService:
       return self._path.skip(ticket, request, context.is_active)
 
 
+  def Explain(self, requests: Iterator[pb.BatchRequest],
+              context: grpc.ServicerContext) -> pb.ExplainResponse:
+    """Where each row of a host's slice of one step came from (JSON)."""
+    request = first_request(requests, context, pb.BatchRequest)
+    if request is None:
+      return pb.ExplainResponse()  # the call is over: never sent
+    with _answering(context), self._path.admitted(_token(context)) as ticket:
+      return self._path.explain(ticket, request)
+
+
 def _pass_through(message: bytes) -> bytes:
   return message
 
@@ -281,6 +291,10 @@ def add_to_server(service: GrpcService, server: grpc.Server) -> None:
           service.Describe,
           request_deserializer=None,  # bytes: first_request parses them
           response_serializer=pb.DescribeResponse.SerializeToString),
+      "Explain": grpc.stream_unary_rpc_method_handler(
+          service.Explain,
+          request_deserializer=None,
+          response_serializer=pb.ExplainResponse.SerializeToString),
       "Skip": grpc.stream_unary_rpc_method_handler(
           service.Skip,
           request_deserializer=None,

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import hmac
+import json
 import logging
 import time
 from typing import Any, Callable, Iterator
@@ -45,6 +46,7 @@ from grain_elevator.proto.spec import DatasetInfo
 from grain_elevator.proto.limits import MAX_SKIP_STEPS
 from grain_elevator.server.data import cancellation
 from grain_elevator.server.data import collate as collate_lib
+from grain_elevator.server.data import provenance
 from grain_elevator.server.data import stream as stream_lib
 from grain_elevator.server.data.dataset import Datasets
 from grain_elevator.server.data.served import ServedDataset
@@ -300,6 +302,24 @@ class RequestPath:
           f"dataset {name!r}: a skip of {r.num_steps} steps from step {r.start_step} "
           f"passes the end of the stream, which ends after step {r.start_step + done - 1}")
     return pb.SkipResponse(next_step=r.start_step + r.num_steps, next_stream_state=position)
+
+  def explain(self, ticket: Ticket, r: pb.BatchRequest) -> pb.ExplainResponse:
+    """Where each row of host h's slice of global batch r.start_step came
+    from (server/data/provenance.py), as JSON; validated as a request for
+    that one step is."""
+    _check(ticket)
+    if r.num_steps != 1:
+      raise InvalidRequestError(f"Explain covers one step: num_steps must be 1, got "
+                                f"{r.num_steps}")
+    ds = self.validate(r)
+    name = ds.info.name
+    if ds.info.stream:
+      raise InvalidRequestError(
+          f"dataset {name!r} is a stream dataset: explaining its packed rows is not built "
+          "yet (only 1:1 datasets and mixtures)")
+    explained = _named(name, _step(name, r.start_step), provenance.explain, ds, r.start_step,
+                       r.global_batch_size, r.shard_index, r.shard_count, r.record_offset)
+    return pb.ExplainResponse(json=json.dumps(explained, separators=(",", ":")))
 
   @staticmethod
   def _produce(ds: ServedDataset, r: pb.BatchRequest, step: int, *,
