@@ -197,12 +197,16 @@ class RemoteDataset(grain.IterDataset):
     self._iterators.add(it)
     return it
 
-  def explain(self, step: int, *, record_offset: int = 0) -> dict[str, Any]:
+  def explain(self, step: int, *, record_offset: int = 0,
+              stream_state: dict[str, Any] | None = None) -> dict[str, Any]:
     """What global batch `step` held: for each row of this host's slice, the
     record position, epoch, source record, shard and record index in it (a
     mixture: also the component), or that it is evaluation padding. The
     JSON-safe dict of docs/client.md ("What a step held"). `step` is the
     data's step (a cursor's; after skips, `state.trained_steps` maps back).
+    A stream dataset's rows list their packed segments, traced from the
+    position where `step` starts: `stream_state` (a cursor's, saved at
+    `step`), or found from the stream's start by the servers (O(step)).
 
     Raises:
       InvalidRequestError: a negative step, or one whose records lie past int64.
@@ -218,10 +222,18 @@ class RemoteDataset(grain.IterDataset):
                            retry=self.retry, security=self.security)
     try:
       (info,) = backend.describe(self.dataset)
+      position = ""
+      if info.stream:
+        from grain_elevator.client import stream_iterator  # pylint: disable=g-import-not-at-top
+        if stream_state is not None:
+          position = contract.position_text(stream_state)
+        elif step:
+          position = stream_iterator.fast_forward(backend, self, info, 0, "", step,
+                                                  CancelToken())
       return backend.explain(pb.BatchRequest(
           dataset=self.dataset, global_batch_size=self.global_batch_size,
           shard_index=self.shard_index, shard_count=self.shard_count, start_step=step,
-          num_steps=1, record_offset=record_offset,
+          num_steps=1, record_offset=record_offset, stream_state=position,
           config_fingerprint=info.config_fingerprint))
     finally:
       backend.close()

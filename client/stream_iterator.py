@@ -45,7 +45,7 @@ from grain_elevator.proto.spec import DatasetInfo
 _END = object()  # the stream ended after the steps before it
 # Rows one Skip call fast-forwards past at most (G of them per step): each
 # call is one request under RetryPolicy.request_timeout_s.
-SKIP_ROWS_PER_CALL = 1 << 16
+SKIP_ROWS_PER_CALL = 1 << 12
 
 
 class _Arrivals(list):
@@ -201,29 +201,12 @@ class StreamIterator(grain.DatasetIterator):
 
   def _fast_forward(self, step: int, position: str, num_steps: int) -> str:
     """The position `num_steps` global batches after `position` (at `step`)."""
-    ds = self._ds
-    per_call = max(1, min(MAX_SKIP_STEPS, SKIP_ROWS_PER_CALL // ds.global_batch_size))
     token = self._skip_token = CancelToken()
-    end = step + num_steps
     try:
-      while step < end:
-        n = min(per_call, end - step)
-        request = pb.BatchRequest(
-            dataset=ds.dataset, global_batch_size=ds.global_batch_size,
-            shard_index=ds.shard_index, shard_count=ds.shard_count, start_step=step,
-            num_steps=n, config_fingerprint=self._info.config_fingerprint,
-            stream_state=position)
-        try:
-          position = self._backend.skip(request, token)
-        except EndOfDataError as e:
-          raise InvalidRequestError(
-              f"{ds}: a skip of {num_steps} steps from step {end - num_steps} passes the "
-              f"end of the stream ({e}); the iterator stays at step {end - num_steps}"
-          ) from None
-        step += n
+      return fast_forward(self._backend, self._ds, self._info, step, position, num_steps,
+                          token)
     finally:
       self._skip_token = None
-    return position
 
   # -- checkpointing --------------------------------------------------------
 
@@ -260,3 +243,27 @@ class StreamIterator(grain.DatasetIterator):
 
   def __str__(self) -> str:
     return f"{self._ds} @ step {self._step}"
+
+
+def fast_forward(backend: Backend, ds: Any, info: DatasetInfo, step: int, position: str,
+                 num_steps: int, token: CancelToken) -> str:
+  """The position of stream dataset `ds` (a RemoteDataset) `num_steps`
+  global batches after `position` (where `step` starts), found by the
+  servers without sending any batch: one Skip call per SKIP_ROWS_PER_CALL
+  rows. InvalidRequestError if the stream ends first."""
+  per_call = max(1, min(MAX_SKIP_STEPS, SKIP_ROWS_PER_CALL // ds.global_batch_size))
+  end = step + num_steps
+  while step < end:
+    n = min(per_call, end - step)
+    request = pb.BatchRequest(
+        dataset=ds.dataset, global_batch_size=ds.global_batch_size,
+        shard_index=ds.shard_index, shard_count=ds.shard_count, start_step=step,
+        num_steps=n, config_fingerprint=info.config_fingerprint, stream_state=position)
+    try:
+      position = backend.skip(request, token)
+    except EndOfDataError as e:
+      raise InvalidRequestError(
+          f"{ds}: a skip of {num_steps} steps from step {end - num_steps} passes the "
+          f"end of the stream ({e}); the iterator stays at step {end - num_steps}") from None
+    step += n
+  return position

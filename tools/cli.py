@@ -71,7 +71,15 @@ def _explain(args: argparse.Namespace) -> int:
   security = Security.from_files(auth_token_file=args.auth_token_file)
   ds = RemoteDataset(target, args.dataset, args.batch_size, shard_index=args.host,
                      shard_count=args.hosts, security=security)
-  explained = ds.explain(args.step, record_offset=args.record_offset)
+  position = None
+  if args.state:  # a cursor saved at the step: a stream's position there
+    saved = json.loads(pathlib.Path(args.state).read_text())
+    if saved.get("step") != args.step:
+      print(f"elevator: error: {args.state} is a state at step {saved.get('step')!r}, not "
+            f"{args.step}", file=sys.stderr)
+      return 2
+    position = saved.get("stream_state")
+  explained = ds.explain(args.step, record_offset=args.record_offset, stream_state=position)
   if args.json:
     print(json.dumps(explained, indent=1))
     return 0
@@ -82,6 +90,15 @@ def _explain(args: argparse.Namespace) -> int:
   for row in explained["rows"]:
     if row.get("padding"):
       print(f"  row {row['global_row']}: padding (evaluation mode, past the end)")
+      continue
+    if "segments" in row:  # a stream dataset's packed row
+      print(f"  row {row['global_row']}:")
+      for seg in row["segments"]:
+        where = (f"{seg['shard']} record {seg['record']}" if "shard" in seg
+                 else seg.get("where", "record unknown"))
+        print(f"    slots {seg['slot']}..{seg['slot'] + seg['length'] - 1}: element "
+              f"{seg['element']} tokens {seg['token_offset']}.."
+              f"{seg['token_offset'] + seg['length'] - 1}: {where}")
       continue
     part = f"component {row['component']!r} position {row['component_position']}, " if (
         "component" in row) else ""
@@ -265,6 +282,9 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--hosts", type=int, default=1, help="H, the number of hosts (default 1)")
   p.add_argument("--record-offset", type=int, default=0,
                  help="the cursor's record_offset, after a change of G (default 0)")
+  p.add_argument("--state", default=None,
+                 help="a stream dataset: a state JSON saved at STEP, whose position the "
+                      "trace starts from (default: found from the stream's start, O(STEP))")
   p.add_argument("--json", action="store_true", help="print the JSON (docs/client.md)")
   p.add_argument("--auth-token-file", default=None,
                  help="file holding the bearer token of a server run with one")

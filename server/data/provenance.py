@@ -8,19 +8,34 @@ record index where that is stored; for a mixture also the component and the
 position in the component's stream; in evaluation mode, rows past the
 stream's end are marked as padding. The JSON this returns is documented in
 docs/client.md ("What a step held"); EXPLAIN_VERSION numbers its format.
+
+A stream dataset's rows are made by its pipeline from a position, and a
+packer mixes several elements into a row, so a row's origin is traced: the
+same pipeline is run a second time from the same position on a head whose
+1-D integer leaves (token sequences) are replaced by codes, each naming
+its head element and its offset in it (`_tag`). A packer that decides by
+lengths alone (first-fit, concat-then-split, chunking) moves the codes
+exactly as it moved the tokens, so each row's codes give its segments: the
+element, the offset of its first token in it, and how many. Every other leaf
+of the traced batch must equal the served one (segment ids, positions, the
+mask), else the pipeline decides by values and explaining it is refused.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import numpy as np
 
 from grain_elevator.proto import contract
+from grain_elevator.proto import tree
 from grain_elevator.proto.errors import InvalidRequestError
 from grain_elevator.proto.limits import MAX_EXPLAIN_ROWS
 
 EXPLAIN_VERSION = 1
+# A traced token's code: (element index) * _STRIDE + (offset in it) + 1; 0 is padding.
+_STRIDE = 1 << 32
 
 
 def explain(ds: Any, step: int, global_batch_size: int, shard_index: int, shard_count: int,
@@ -40,7 +55,7 @@ def explain(ds: Any, step: int, global_batch_size: int, shard_index: int, shard_
   first_row = contract.host_rows(global_batch_size, shard_index, shard_count).start
   real = [p for p in positions if p < info.stream_length]
   components = getattr(ds, "components", None)
-  origins = (_mixture_origins(ds, real, global_batch_size) if components is not None
+  origins = (mixture_origins(ds, real, global_batch_size) if components is not None
              else ds.origins(real))
   out_rows: list[dict[str, Any]] = []
   for i, p in enumerate(positions):
@@ -58,8 +73,8 @@ def explain(ds: Any, step: int, global_batch_size: int, shard_index: int, shard_
       "shard_count": shard_count, "record_offset": record_offset, "rows": out_rows}
 
 
-def _mixture_origins(ds: Any, positions: list[int], global_batch_size: int
-                     ) -> list[dict[str, Any]]:
+def mixture_origins(ds: Any, positions: list[int], global_batch_size: int
+                    ) -> list[dict[str, Any]]:
   """Each mixture position's component, its position in the component's
   stream, and that record's origin there."""
   if not positions:
@@ -74,4 +89,101 @@ def _mixture_origins(ds: Any, positions: list[int], global_batch_size: int
       q = origin.pop("position")
       out[i] = {"position": positions[i], "component": name, "component_position": q,
                 **origin}
+  return out
+
+
+def explain_stream(ds: Any, global_batch_size: int, shard_index: int, shard_count: int,
+                   step: int, position: str) -> dict[str, Any]:
+  """Host h's rows of a stream dataset's global batch `step`, which starts
+  at `position`: each row's segments (module docstring). `ds`: a StreamDataset."""
+  info = ds.info
+  g = global_batch_size
+  rows = contract.host_rows(g, shard_index, shard_count)
+  if len(rows) > MAX_EXPLAIN_ROWS:
+    raise InvalidRequestError(
+        f"dataset {info.name!r}: a host slice of {len(rows)} rows is more than one "
+        f"explanation holds ({MAX_EXPLAIN_ROWS}); explain it in parts with more hosts")
+  served = ds.next_batch(ds.open(g, position), g)
+  if served is None:
+    raise InvalidRequestError(f"dataset {info.name!r}: the stream ends before step {step}")
+  traced_it = iter(ds.pipeline(g, head=lambda head: head.map_with_index(_tag).to_iter_dataset()))
+  if position:
+    from grain_elevator.server.data import grain_private  # pylint: disable=g-import-not-at-top
+    traced_it.set_state(grain_private.state_from_json(json.loads(position)))
+  traced, _, paths = tree.flatten(next(traced_it))
+  tagged = _tagged_paths(ds.head, paths)
+  if not tagged:
+    raise InvalidRequestError(
+        f"dataset {info.name!r}: explain traces token sequences (1-D integer leaves) "
+        "through a stream's pipeline, and this one's elements have none")
+  for path, real, got in zip(paths, served[0], traced):
+    if path not in tagged and not np.array_equal(np.asarray(got), real):
+      raise InvalidRequestError(
+          f"dataset {info.name!r}: its pipeline cannot be traced: leaf {path!r} differs "
+          "when its tokens are replaced by codes (it decides by token values, not lengths)")
+  codes = np.asarray(traced[paths.index(tagged[0])])
+  mask = (np.asarray(served[0][paths.index(contract.MASK_KEY)])
+          if contract.MASK_KEY in paths else None)
+  length_preserving = len(ds.head) == len(ds.records)
+  out_rows = []
+  for i, r in enumerate(rows):
+    row: dict[str, Any] = {"row": i, "global_row": r}
+    if mask is not None and not mask[r]:
+      row["padding"] = True
+    else:
+      row["segments"] = _segments(codes[r])
+    out_rows.append(row)
+  if length_preserving and ds.origins is not None:  # element index = record position
+    elements = sorted({s["element"] for row in out_rows for s in row.get("segments", ())})
+    found = dict(zip(elements, ds.origins(elements)))
+    for row in out_rows:
+      for s in row.get("segments", ()):
+        s.update(found[s["element"]])
+  return {
+      "version": EXPLAIN_VERSION, "dataset": info.name,
+      "config_fingerprint": info.config_fingerprint, "kind": "stream", "step": step,
+      "global_batch_size": g, "shard_index": shard_index, "shard_count": shard_count,
+      "stream_state": position, "traced_leaf": tagged[0], "rows": out_rows}
+
+
+def _tag(index: int, element: Any) -> Any:
+  """`element` with each 1-D integer leaf replaced by its codes."""
+  leaves, structure, _ = tree.flatten(element)
+  out = []
+  for leaf in leaves:
+    a = np.asarray(leaf)
+    if a.ndim == 1 and a.dtype.kind in "iu":
+      a = np.int64(index) * _STRIDE + np.arange(1, len(a) + 1, dtype=np.int64)
+    out.append(a)
+  return tree.unflatten(structure, out)
+
+
+def _tagged_paths(head: Any, batch_paths: list[str]) -> list[str]:
+  """The batch's leaves that carry codes: those named as a head element's
+  1-D integer leaves."""
+  for i in range(min(len(head), 64)):
+    element = head[i]
+    if element is not None:
+      leaves, _, paths = tree.flatten(element)
+      names = {p for p, l in zip(paths, leaves)
+               if np.asarray(l).ndim == 1 and np.asarray(l).dtype.kind in "iu"}
+      return [p for p in batch_paths if p in names]
+  return []
+
+
+def _segments(codes: np.ndarray) -> list[dict[str, Any]]:
+  """A traced row's runs of consecutive tokens of one element: where each
+  starts in the row (slot), the element, the offset in it, the length."""
+  out: list[dict[str, Any]] = []
+  for slot, code in enumerate(codes.tolist()):
+    if code == 0:
+      continue
+    element, offset = divmod(code - 1, _STRIDE)
+    last = out[-1] if out else None
+    if (last is not None and last["element"] == element
+        and last["slot"] + last["length"] == slot
+        and last["token_offset"] + last["length"] == offset):
+      last["length"] += 1
+    else:
+      out.append({"slot": slot, "element": element, "token_offset": offset, "length": 1})
   return out

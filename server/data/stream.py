@@ -109,6 +109,9 @@ class StreamDataset:
     self._head_factory: HeadFactory = lambda ds: ds.to_iter_dataset(
         grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
     self._head_elements_held = 0
+    # Record stream position -> where it is stored (server/data/provenance.py);
+    # set by whoever opened the records (dataset.py), None if nobody can say.
+    self.origins: Callable[[list[int]], list[dict[str, Any]]] | None = None
     first, start = self._first_batch()
     self._spec = ElementSpec.of(first)  # of one row
     self._leaves = self._spec.leaves

@@ -313,10 +313,14 @@ class RequestPath:
                                 f"{r.num_steps}")
     ds = self.validate(r)
     name = ds.info.name
-    if ds.info.stream:
-      raise InvalidRequestError(
-          f"dataset {name!r} is a stream dataset: explaining its packed rows is not built "
-          "yet (only 1:1 datasets and mixtures)")
+    if ds.info.stream:  # traced from the position where the step starts
+      start = ds.info.stream_start
+      if r.stream_state:
+        start = stream_lib.parse_position(r.stream_state, start, name)
+      explained = _named(name, _step(name, r.start_step, start), provenance.explain_stream,
+                         ds, r.global_batch_size, r.shard_index, r.shard_count,
+                         r.start_step, start)
+      return pb.ExplainResponse(json=json.dumps(explained, separators=(",", ":")))
     explained = _named(name, _step(name, r.start_step), provenance.explain, ds, r.start_step,
                        r.global_batch_size, r.shard_index, r.shard_count, r.record_offset)
     return pb.ExplainResponse(json=json.dumps(explained, separators=(",", ":")))

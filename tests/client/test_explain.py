@@ -16,9 +16,11 @@ import pytest
 from array_record.python import array_record_data_source
 
 from grain_elevator.client import EndOfDataError, InvalidRequestError, RemoteDataset
-from grain_elevator.pipelines import examples
+from grain_elevator.pipelines import examples, text
 from grain_elevator.proto import contract
 from grain_elevator.tools import cli
+from grain_elevator.tools import text_corpus
+from grain_elevator.tools import tokenizer as tokenizer_lib
 from grain_elevator.tools.launcher import LocalServer
 
 IMAGE = {"height": 4, "width": 4, "channels": 3}
@@ -71,13 +73,45 @@ CONFIG = textwrap.dedent("""\
     """)
 
 EVAL_STEPS = -(-1000 // G)  # the conftest's 1000 records
+LENGTH = 32
+
+STREAMS = textwrap.dedent("""\
+    [datasets.lm]            # packed text: tokenize, chunk, first-fit pack, padded rows
+    paths = ["text/*.array_record"]
+    pipeline = "grain_elevator.pipelines.text:tokenize"
+    iter_pipeline = "grain_elevator.pipelines.text:chunk_and_pack"
+    batch_fn = "grain.experimental:batch_and_pad"
+    seed = 75
+    num_epochs = 0
+    [datasets.lm.options]
+    tokenizer = "tokenizer.json"
+    field = "text"
+    [datasets.lm.iter_options]
+    length = 32
+    num_packing_bins = 4
+
+    [datasets.lm_once]       # packed text, one epoch, evaluation mode: the last batch padded
+    paths = ["text/*.array_record"]
+    pipeline = "grain_elevator.pipelines.text:tokenize"
+    iter_pipeline = "grain_elevator.pipelines.text:chunk_and_pack"
+    seed = 76
+    drop_remainder = false
+    [datasets.lm_once.options]
+    tokenizer = "tokenizer.json"
+    field = "text"
+    [datasets.lm_once.iter_options]
+    length = 32
+    num_packing_bins = 4
+    """)
 
 
 @pytest.fixture(scope="module")
 def explain_config(data_dir: pathlib.Path, tmp_path_factory) -> pathlib.Path:
   root = tmp_path_factory.mktemp("explain")
   (root / "shards").symlink_to(data_dir / "shards")
-  (root / "elevator.toml").write_text(CONFIG)
+  text_corpus.write_jsonl_shards(str(root / "text"), 40, num_shards=2, seed=7)
+  tokenizer_lib.train(root / "tokenizer.json", vocab_size=384)
+  (root / "elevator.toml").write_text(CONFIG + "\n" + STREAMS)
   return root / "elevator.toml"
 
 
@@ -149,6 +183,8 @@ def test_bad_steps_get_precise_errors(explain_server, explain_config):
       ds.explain(-1)
     with pytest.raises(InvalidRequestError, match="2\\*\\*63 - 1"):
       ds.explain(1 << 61)
+    with pytest.raises(InvalidRequestError, match="passes the end of the stream"):
+      RemoteDataset(target, "lm_once", G).explain(10_000)
 
 
 def test_the_cli_explains_a_step(explain_server, explain_config, capsys):
@@ -165,3 +201,67 @@ def test_the_cli_explains_a_step(explain_server, explain_config, capsys):
   assert cli.main(["explain", explain_server.target, "eval", "-G", str(G), "--step",
                    str(EVAL_STEPS)]) == 2
   assert "past the end" in capsys.readouterr().err
+  assert cli.main(["explain", explain_server.target, "lm", "-G", str(G), "--step", "2"]) == 0
+  assert "slots 0.." in capsys.readouterr().out
+
+
+def _stream_steps(config: pathlib.Path, name: str, limit: int = 1000
+                  ) -> list[tuple[dict, dict]]:
+  """Embedded mode's (state where the step starts, batch) for each step, to
+  the stream's end or `limit`."""
+  with RemoteDataset.embedded(str(config), name, G) as ds:
+    it = iter(ds)
+    out = []
+    while len(out) < limit:
+      state = it.get_state()
+      try:
+        out.append((state, next(it)))
+      except StopIteration:
+        break
+    return out
+
+
+def _tokens(config: pathlib.Path, shard: str, record: int) -> np.ndarray:
+  raw = array_record_data_source.ArrayRecordDataSource([shard])[record]
+  ds = text.tokenize(grain.MapDataset.source([raw]),
+                     tokenizer=str(config.parent / "tokenizer.json"), field="text")
+  return ds[0]["tokens"]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", ["lm", "lm_once"])
+@pytest.mark.parametrize("hosts", [1, 2, 4])
+def test_the_named_segments_rebuild_the_packed_rows(explain_server, explain_config, name,
+                                                    hosts):
+  """Each row's segments, read from their records and tokenized, are the
+  served row's tokens, slot for slot; the rest of the row is padding."""
+  steps = _stream_steps(explain_config, name, 6 if name == "lm" else 1000)
+  picks = [0, 5] if name == "lm" else [0, len(steps) - 1]  # lm_once: its padded end too
+  for target in (explain_server.target, f"local:{explain_config}"):
+    for step in picks:
+      state, batch = steps[step]
+      for h in range(hosts):
+        ds = RemoteDataset(target, name, G, shard_index=h, shard_count=hosts)
+        explained = ds.explain(step, stream_state=state["stream_state"])
+        if h == 0 and step:  # found from the stream's start by the server: the same
+          assert ds.explain(step)["rows"] == explained["rows"]
+        assert explained["kind"] == "stream" and len(explained["rows"]) == G // hosts
+        for i, row in enumerate(explained["rows"]):
+          r = h * G // hosts + i
+          assert row["global_row"] == r
+          if row.get("padding"):
+            assert name == "lm_once" and not batch[contract.MASK_KEY][r]
+            assert not batch["tokens"][r].any()
+            continue
+          rebuilt = np.zeros(LENGTH, batch["tokens"].dtype)
+          ids = np.zeros(LENGTH, batch["tokens_segment_ids"].dtype)
+          for k, seg in enumerate(row["segments"]):
+            at, n = seg["slot"], seg["length"]
+            assert seg["position"] == seg["element"]  # the head is 1:1 over the records
+            toks = _tokens(explain_config, seg["shard"], seg["record"])
+            rebuilt[at:at + n] = toks[seg["token_offset"]:seg["token_offset"] + n]
+            ids[at:at + n] = k + 1
+          assert rebuilt.tobytes() == batch["tokens"][r].tobytes(), f"{name} {step} row {r}"
+          assert ids.tobytes() == batch["tokens_segment_ids"][r].tobytes()
+        if name == "lm_once" and step == len(steps) - 1 and hosts == 1:
+          assert any(row.get("padding") for row in explained["rows"])
