@@ -39,8 +39,9 @@ class Backend(Protocol):
     """A stream dataset's position after the steps of `request` (at most
     limits.MAX_SKIP_STEPS), none of them sent."""
 
-  def explain(self, request: pb.BatchRequest) -> dict[str, Any]:
-    """Where each row of one step came from (server/data/provenance.py)."""
+  def explain(self, request: pb.ExplainRequest) -> dict[str, Any]:
+    """Where each row of one step came from, or a summary of steps
+    (server/data/provenance.py)."""
 
   def close(self) -> None:
     """Ends every request and connection."""

@@ -61,7 +61,7 @@ class EmbeddedBackend:
       answer = self._path.skip(ticket, request, lambda: not cancelled())
     return answer.next_stream_state
 
-  def explain(self, request: pb.BatchRequest) -> dict[str, Any]:
+  def explain(self, request: pb.ExplainRequest) -> dict[str, Any]:
     """Like ConnectionPool.explain: what one step held."""
     with self._path.admitted(None) as ticket:
       return json.loads(self._path.explain(ticket, request).json)

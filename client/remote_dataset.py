@@ -230,11 +230,35 @@ class RemoteDataset(grain.IterDataset):
         elif step:
           position = stream_iterator.fast_forward(backend, self, info, 0, "", step,
                                                   CancelToken())
-      return backend.explain(pb.BatchRequest(
+      return backend.explain(pb.ExplainRequest(request=pb.BatchRequest(
           dataset=self.dataset, global_batch_size=self.global_batch_size,
           shard_index=self.shard_index, shard_count=self.shard_count, start_step=step,
           num_steps=1, record_offset=record_offset, stream_state=position,
-          config_fingerprint=info.config_fingerprint))
+          config_fingerprint=info.config_fingerprint)))
+    finally:
+      backend.close()
+
+  def summary(self, start: int, end: int, *, record_offset: int = 0) -> dict[str, Any]:
+    """Records per mixture component (or of the dataset) in the whole global
+    batches [start, end), computed from the contract, not logged: the JSON
+    of docs/client.md ("Counts over a range of steps")."""
+    for name, value in (("start", start), ("end", end)):
+      if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise InvalidRequestError(f"summary needs a {name} step >= 0, got {value!r}")
+    if end <= start:
+      raise InvalidRequestError(f"summary needs start < end, got {start}:{end}")
+    if record_offset + end * self.global_batch_size > contract.MAX_RECORD_POSITION:
+      raise InvalidRequestError(
+          f"step {end} of global batch size {self.global_batch_size} lies past the wire's "
+          "largest record position (2**63 - 1)")
+    backend = make_backend(self.targets, transport=TransportOptions(connections_per_target=1),
+                           retry=self.retry, security=self.security)
+    try:
+      (info,) = backend.describe(self.dataset)
+      return backend.explain(pb.ExplainRequest(summary=True, request=pb.BatchRequest(
+          dataset=self.dataset, global_batch_size=self.global_batch_size, shard_count=1,
+          start_step=start, num_steps=end - start, record_offset=record_offset,
+          config_fingerprint=info.config_fingerprint)))
     finally:
       backend.close()
 

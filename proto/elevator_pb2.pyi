@@ -146,6 +146,14 @@ class SkipResponse(_message.Message):
     next_stream_state: str
     def __init__(self, next_step: _Optional[int] = ..., next_stream_state: _Optional[str] = ...) -> None: ...
 
+class ExplainRequest(_message.Message):
+    __slots__ = ("request", "summary")
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    SUMMARY_FIELD_NUMBER: _ClassVar[int]
+    request: BatchRequest
+    summary: bool
+    def __init__(self, request: _Optional[_Union[BatchRequest, _Mapping]] = ..., summary: _Optional[bool] = ...) -> None: ...
+
 class ExplainResponse(_message.Message):
     __slots__ = ("json",)
     JSON_FIELD_NUMBER: _ClassVar[int]

@@ -51,7 +51,7 @@ class ElevatorStub:
                 _registered_method=True)
         self.Explain = channel.unary_unary(
                 '/grain_elevator.v1.Elevator/Explain',
-                request_serializer=grain__elevator_dot_proto_dot_elevator__pb2.BatchRequest.SerializeToString,
+                request_serializer=grain__elevator_dot_proto_dot_elevator__pb2.ExplainRequest.SerializeToString,
                 response_deserializer=grain__elevator_dot_proto_dot_elevator__pb2.ExplainResponse.FromString,
                 _registered_method=True)
 
@@ -90,6 +90,8 @@ class ElevatorServicer:
         """What global batch start_step held: for each row of host h of H's slice,
         where it came from (docs/client.md, "What a step held", has the JSON
         schema). num_steps must be 1; at most 8192 rows (MAX_EXPLAIN_ROWS).
+        With summary, the records per mixture component of whole global
+        batches [start_step, start_step + num_steps) instead.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -115,7 +117,7 @@ def add_ElevatorServicer_to_server(servicer, server):
             ),
             'Explain': grpc.unary_unary_rpc_method_handler(
                     servicer.Explain,
-                    request_deserializer=grain__elevator_dot_proto_dot_elevator__pb2.BatchRequest.FromString,
+                    request_deserializer=grain__elevator_dot_proto_dot_elevator__pb2.ExplainRequest.FromString,
                     response_serializer=grain__elevator_dot_proto_dot_elevator__pb2.ExplainResponse.SerializeToString,
             ),
     }
@@ -225,7 +227,7 @@ class Elevator:
             request,
             target,
             '/grain_elevator.v1.Elevator/Explain',
-            grain__elevator_dot_proto_dot_elevator__pb2.BatchRequest.SerializeToString,
+            grain__elevator_dot_proto_dot_elevator__pb2.ExplainRequest.SerializeToString,
             grain__elevator_dot_proto_dot_elevator__pb2.ExplainResponse.FromString,
             options,
             channel_credentials,

@@ -24,6 +24,9 @@ skip into calls of at most this many, each under its own deadline.
 MAX_EXPLAIN_ROWS: the most rows one Explain answer describes (a host's
 slice, a few hundred bytes of JSON a row), so that it fits a control
 message (client/transport/connection.py MAX_CONTROL_MESSAGE_BYTES).
+
+MAX_SUMMARY_ROWS: the most records one Explain summary counts (steps times
+G), arithmetic in chunks on the worker that answers it.
 """
 
 MAX_REQUEST_BYTES = 64 << 10
@@ -31,3 +34,4 @@ LONG_STREAM_STEPS = 64
 MAX_STREAM_STATE_BYTES = MAX_REQUEST_BYTES // 4
 MAX_SKIP_STEPS = 1 << 16
 MAX_EXPLAIN_ROWS = 8192
+MAX_SUMMARY_ROWS = 1 << 28

@@ -71,6 +71,18 @@ def _explain(args: argparse.Namespace) -> int:
   security = Security.from_files(auth_token_file=args.auth_token_file)
   ds = RemoteDataset(target, args.dataset, args.batch_size, shard_index=args.host,
                      shard_count=args.hosts, security=security)
+  if args.summary:
+    start, sep, end = args.summary.partition(":")
+    if not sep or not start.isdigit() or not end.isdigit():
+      print(f"elevator: error: --summary takes START:END (whole steps), got {args.summary!r}",
+            file=sys.stderr)
+      return 2
+    print(json.dumps(ds.summary(int(start), int(end), record_offset=args.record_offset),
+                     indent=1))
+    return 0
+  if args.step is None:
+    print("elevator: error: give --step K (or --summary START:END)", file=sys.stderr)
+    return 2
   position = None
   if args.state:  # a cursor saved at the step: a stream's position there
     saved = json.loads(pathlib.Path(args.state).read_text())
@@ -276,8 +288,11 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("target", help="HOST:PORT of a server, or a config file (embedded mode)")
   p.add_argument("dataset", help="the dataset's name")
   p.add_argument("-G", "--batch-size", type=int, required=True, help="the global batch size")
-  p.add_argument("--step", type=int, required=True,
+  p.add_argument("--step", type=int, default=None,
                  help="the global step (the cursor's, counting skipped steps)")
+  p.add_argument("--summary", default=None, metavar="START:END",
+                 help="instead: records per mixture component over global steps "
+                      "[START, END), computed (JSON)")
   p.add_argument("--host", type=int, default=0, help="h, this host's index (default 0)")
   p.add_argument("--hosts", type=int, default=1, help="H, the number of hosts (default 1)")
   p.add_argument("--record-offset", type=int, default=0,

@@ -124,7 +124,7 @@ class GrpcConnection:
     except grpc.FutureCancelledError as e:
       raise TransportError(grpc.StatusCode.CANCELLED, "cancelled") from e
 
-  def explain(self, request: pb.BatchRequest, *, timeout_s: float) -> pb.ExplainResponse:
+  def explain(self, request: pb.ExplainRequest, *, timeout_s: float) -> pb.ExplainResponse:
     """What one step held (Explain); a control message, bounded as Describe's."""
     try:
       return self._explain(request, timeout=timeout_s, metadata=self._metadata)

@@ -469,11 +469,12 @@ class ConnectionPool:
         attempt, self._control, cancelled=lambda: token.cancelled,
         after_full=self._after_full)
 
-  def explain(self, request: pb.BatchRequest) -> dict[str, Any]:
+  def explain(self, request: pb.ExplainRequest) -> dict[str, Any]:
     """What one step held, from any replica (Explain's JSON, parsed)."""
     self._open_control()
     answer = self._retrier.run(
-        lambda: f"Explain of dataset {request.dataset!r} step {request.start_step}",
+        lambda: f"Explain of dataset {request.request.dataset!r} step "
+        f"{request.request.start_step}",
         lambda slots: self._with_slot(slots, lambda s: s.conn.explain(
             request, timeout_s=self.retry.request_timeout_s)),
         self._control, after_full=self._after_full)
@@ -481,8 +482,9 @@ class ConnectionPool:
       explained = json.loads(answer.json)
     except ValueError as e:
       raise errors.InternalError(f"an Explain answer is not JSON: {e}") from None
-    if not isinstance(explained, dict) or not isinstance(explained.get("rows"), list):
-      raise errors.InternalError("an Explain answer is not an explanation (no rows)")
+    if not isinstance(explained, dict) or not isinstance(
+        explained.get("components" if request.summary else "rows"), (dict, list)):
+      raise errors.InternalError("an Explain answer is not an explanation")
     return explained
 
   def _expect(self, request: pb.BatchRequest) -> tuple[int, tuple[LeafSpec, ...]]:

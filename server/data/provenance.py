@@ -31,9 +31,11 @@ import numpy as np
 from grain_elevator.proto import contract
 from grain_elevator.proto import tree
 from grain_elevator.proto.errors import InvalidRequestError
-from grain_elevator.proto.limits import MAX_EXPLAIN_ROWS
+from grain_elevator.proto.limits import MAX_EXPLAIN_ROWS, MAX_SUMMARY_ROWS
 
 EXPLAIN_VERSION = 1
+# Positions located per numpy call while counting (bounds a summary's memory).
+_CHUNK = 1 << 20
 # A traced token's code: (element index) * _STRIDE + (offset in it) + 1; 0 is padding.
 _STRIDE = 1 << 32
 
@@ -187,3 +189,55 @@ def _segments(codes: np.ndarray) -> list[dict[str, Any]]:
     else:
       out.append({"slot": slot, "element": element, "token_offset": offset, "length": 1})
   return out
+
+
+def counts(ds: Any, first: int, stop: int, global_batch_size: int) -> dict[str, int]:
+  """Records at stream positions [first, stop) of a 1:1 dataset or mixture,
+  by component ("" for a dataset that is not a mixture), and "" past the
+  stream's end counted as padding ("_padding"), in chunks of _CHUNK."""
+  info = ds.info
+  out: dict[str, int] = {}
+  real_stop = min(stop, max(first, info.stream_length))
+  if stop > real_stop:
+    out["_padding"] = stop - real_stop
+  components = getattr(ds, "components", None)
+  if components is None:
+    if real_stop > first:
+      out[""] = real_stop - first
+    return out
+  for start in range(first, real_stop, _CHUNK):
+    which, _ = ds.locate(np.arange(start, min(real_stop, start + _CHUNK), dtype=np.int64),
+                         global_batch_size)
+    for j, n in enumerate(np.bincount(which, minlength=len(ds.names)).tolist()):
+      if n:
+        out[ds.names[j]] = out.get(ds.names[j], 0) + n
+  return out
+
+
+def summary(ds: Any, start: int, num_steps: int, global_batch_size: int,
+            record_offset: int = 0) -> dict[str, Any]:
+  """Records per mixture component in whole global batches [start, start +
+  num_steps): computed from the contract, not logged."""
+  info = ds.info
+  if info.stream:
+    raise InvalidRequestError(
+        f"dataset {info.name!r} is a stream dataset: a summary over steps is not built for "
+        "it (explain its steps one by one)")
+  rows = num_steps * global_batch_size
+  if rows > MAX_SUMMARY_ROWS:
+    raise InvalidRequestError(
+        f"dataset {info.name!r}: a summary of {num_steps} steps of {global_batch_size} is "
+        f"{rows} records, over the {MAX_SUMMARY_ROWS} one summary computes "
+        "(MAX_SUMMARY_ROWS); split the range")
+  first = record_offset + start * global_batch_size
+  found = counts(ds, first, first + rows, global_batch_size)
+  padding = found.pop("_padding", 0)
+  total = sum(found.values())
+  return {
+      "version": EXPLAIN_VERSION, "dataset": info.name,
+      "config_fingerprint": info.config_fingerprint,
+      "kind": "mixture" if getattr(ds, "components", None) is not None else "records",
+      "steps": [start, start + num_steps], "global_batch_size": global_batch_size,
+      "record_offset": record_offset, "records": total, "padding_rows": padding,
+      "components": {name or info.name: {"records": n, "share": n / total if total else 0.0}
+                     for name, n in sorted(found.items())}}

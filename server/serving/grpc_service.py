@@ -264,10 +264,10 @@ class GrpcService:
       return self._path.skip(ticket, request, context.is_active)
 
 
-  def Explain(self, requests: Iterator[pb.BatchRequest],
+  def Explain(self, requests: Iterator[pb.ExplainRequest],
               context: grpc.ServicerContext) -> pb.ExplainResponse:
     """Where each row of a host's slice of one step came from (JSON)."""
-    request = first_request(requests, context, pb.BatchRequest)
+    request = first_request(requests, context, pb.ExplainRequest)
     if request is None:
       return pb.ExplainResponse()  # the call is over: never sent
     with _answering(context), self._path.admitted(_token(context)) as ticket:

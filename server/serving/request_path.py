@@ -204,6 +204,7 @@ class RequestPath:
         return
       leaves = self._produce(ds, r, step, stack=True)
       metrics.current().served(ds.info.name, cached=False)
+      _account(ds, r, step)
       yield step, leaves, ""
 
   def encoded_steps(self, ticket: Ticket, r: pb.BatchRequest,
@@ -227,6 +228,7 @@ class RequestPath:
           step, self._produce(ds, r, step, stack=False), r.compression))
       recorded.served(info.name, cached=cached)
       recorded.cache_bytes(self.cache.bytes)
+      _account(ds, r, step)
       yield parts
 
   def _stream_steps(self, ds: StreamDataset, r: pb.BatchRequest,
@@ -262,7 +264,10 @@ class RequestPath:
         if produced:
           recorded.produced(name, time.perf_counter() - began)
         recorded.served(name, cached=not produced)
-        yield step, [a[rows.start:rows.stop] for a in leaves], state
+        host = [a[rows.start:rows.stop] for a in leaves]
+        if recorded.on:
+          _account_stream(ds, host)
+        yield step, host, state
         step += 1
         where = _step(name, step, state)
     finally:
@@ -303,11 +308,18 @@ class RequestPath:
           f"passes the end of the stream, which ends after step {r.start_step + done - 1}")
     return pb.SkipResponse(next_step=r.start_step + r.num_steps, next_stream_state=position)
 
-  def explain(self, ticket: Ticket, r: pb.BatchRequest) -> pb.ExplainResponse:
-    """Where each row of host h's slice of global batch r.start_step came
+  def explain(self, ticket: Ticket, e: pb.ExplainRequest) -> pb.ExplainResponse:
+    """Where each row of host h's slice of global batch start_step came
     from (server/data/provenance.py), as JSON; validated as a request for
-    that one step is."""
+    that one step is. With `summary`, the records per component of the
+    request's whole global batches instead."""
     _check(ticket)
+    r = e.request
+    if e.summary:
+      ds = self.validate(r)
+      summary = _named(ds.info.name, _step(ds.info.name, r.start_step), provenance.summary,
+                       ds, r.start_step, r.num_steps, r.global_batch_size, r.record_offset)
+      return pb.ExplainResponse(json=json.dumps(summary, separators=(",", ":")))
     if r.num_steps != 1:
       raise InvalidRequestError(f"Explain covers one step: num_steps must be 1, got "
                                 f"{r.num_steps}")
@@ -336,6 +348,36 @@ class RequestPath:
                     record_offset=r.record_offset, stack=stack)
     metrics.current().produced(ds.info.name, time.perf_counter() - start)
     return leaves
+
+def _account(ds: ServedDataset, r: pb.BatchRequest, step: int) -> None:
+  """Counts the records of host h's slice of `step` by mixture component
+  (server/data/provenance.py), where metrics are kept."""
+  recorded = metrics.current()
+  if not recorded.on:
+    return
+  rows = contract.host_positions(step, r.global_batch_size, r.shard_index, r.shard_count,
+                                 r.record_offset)
+  for component, n in provenance.counts(ds, rows.start, rows.stop,
+                                        r.global_batch_size).items():
+    if component != "_padding":
+      recorded.records_served(ds.info.name, component or ds.info.name, n)
+
+
+def _account_stream(ds: StreamDataset, leaves: list[np.ndarray]) -> None:
+  """A stream's host rows: its rows that are elements (the mask's, in
+  evaluation mode), and its tokens (the segment ids' non-padding slots)."""
+  recorded = metrics.current()
+  name = ds.info.name
+  paths = [l.path for l in ds.info.element_spec.leaves]
+  rows = len(leaves[0]) if leaves else 0
+  if contract.MASK_KEY in paths:
+    rows = int(np.count_nonzero(leaves[paths.index(contract.MASK_KEY)]))
+  recorded.records_served(name, name, rows)
+  tokens = sum(int(np.count_nonzero(a)) for p, a in zip(paths, leaves)
+               if p.endswith("segment_ids"))
+  if tokens:
+    recorded.tokens_served(name, name, tokens)
+
 
 def _check(ticket: Ticket) -> None:
   if not isinstance(ticket, Ticket):

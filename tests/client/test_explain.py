@@ -265,3 +265,59 @@ def test_the_named_segments_rebuild_the_packed_rows(explain_server, explain_conf
           assert ids.tobytes() == batch["tokens_segment_ids"][r].tobytes()
         if name == "lm_once" and step == len(steps) - 1 and hosts == 1:
           assert any(row.get("padding") for row in explained["rows"])
+
+
+def test_a_summary_counts_what_explain_names_step_by_step(explain_server, explain_config):
+  """`summary(START, END)` per component equals the rows of every step's
+  explanation, counted; a 1:1 dataset's is its own; padding is apart."""
+  for target in (explain_server.target, f"local:{explain_config}"):
+    got = RemoteDataset(target, "mix", G).summary(3, 8)  # across the schedule's change at 5
+    named: dict[str, int] = {}
+    for step in range(3, 8):
+      for row in RemoteDataset(target, "mix", G).explain(step)["rows"]:
+        named[row["component"]] = named.get(row["component"], 0) + 1
+    assert {k: v["records"] for k, v in got["components"].items()} == named
+    assert got["records"] == 5 * G and got["steps"] == [3, 8]
+    last = RemoteDataset(target, "eval", G).summary(0, EVAL_STEPS)
+    assert last["records"] == 1000 and last["padding_rows"] == EVAL_STEPS * G - 1000
+    assert last["components"] == {"eval": {"records": 1000, "share": 1.0}}
+  with pytest.raises(EndOfDataError):
+    RemoteDataset(explain_server.target, "eval", G).summary(0, EVAL_STEPS + 1)
+  with pytest.raises(InvalidRequestError, match="start < end"):
+    RemoteDataset(explain_server.target, "eval", G).summary(4, 4)
+
+
+def test_the_cli_summary(explain_server, capsys):
+  assert cli.main(["explain", explain_server.target, "mix", "-G", str(G),
+                   "--summary", "0:10"]) == 0
+  got = json.loads(capsys.readouterr().out)
+  assert sum(c["records"] for c in got["components"].values()) == 10 * G
+  assert cli.main(["explain", explain_server.target, "mix", "-G", str(G),
+                   "--summary", "ten"]) == 2
+
+
+@pytest.mark.timeout(300)
+def test_metrics_count_records_per_component_and_tokens(explain_config):
+  """elevator_records_served{dataset,component} and elevator_tokens_served
+  hold what the clients received, by mixture component."""
+  from grain_elevator.server import Server, ServerOptions  # pylint: disable=g-import-not-at-top
+  from grain_elevator.tools import top  # pylint: disable=g-import-not-at-top
+  from helpers import wait_for  # pylint: disable=g-import-not-at-top
+  with Server(str(explain_config), ServerOptions(port=0, workers=2, metrics_port=0)) as server:
+    with RemoteDataset(server.target, "mix", G, prefetch=0) as ds:  # one step a request
+      it = iter(ds)
+      for _ in range(8):
+        next(it)
+    with RemoteDataset(server.target, "lm", G, shard_index=1, shard_count=2) as ds:
+      it = iter(ds)
+      tokens = sum(int(np.count_nonzero(next(it)["tokens_segment_ids"])) for _ in range(4))
+    def scrape():
+      return top.scrape(f"127.0.0.1:{server.metrics_port}", timeout_s=60)
+    wait_for(lambda: scrape()[("elevator_inflight_requests", ())] == 0, "the requests to end")
+    m = scrape()
+  want = RemoteDataset(f"local:{explain_config}", "mix", G).summary(0, 8)["components"]
+  for name, c in want.items():
+    key = ("elevator_records_served_total", (("component", name), ("dataset", "mix")))
+    assert m[key] == c["records"]
+  got = m[("elevator_tokens_served_total", (("component", "lm"), ("dataset", "lm")))]
+  assert got >= tokens > 0  # its fetch thread may have read a chunk ahead
