@@ -35,6 +35,14 @@ class Backend(Protocol):
             out: list[Step] | None = None) -> list[Step]:
     """The steps of `request`, in order, each appended to `out` as it arrives."""
 
+  def skip(self, request: pb.BatchRequest, token: Any) -> str:
+    """A stream dataset's position after the steps of `request` (at most
+    limits.MAX_SKIP_STEPS), none of them sent."""
+
+  def explain(self, request: pb.ExplainRequest) -> dict[str, Any]:
+    """Where each row of one step came from, or a summary of steps
+    (server/data/provenance.py)."""
+
   def close(self) -> None:
     """Ends every request and connection."""
 

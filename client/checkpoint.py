@@ -10,9 +10,11 @@ any host's file resumes every host: `restore` reads whichever exist.
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 from typing import Any
 
+from grain_elevator.client import state as state_lib
 from grain_elevator.proto.errors import InvalidRequestError
 
 
@@ -42,3 +44,19 @@ def restore(iterator: Any, directory: str | pathlib.Path) -> Any:
   """
   iterator.set_state(load_state(directory))
   return iterator
+
+
+def skip_saved(path: str | pathlib.Path, num_steps: int) -> dict[str, Any]:
+  """Writes a skip of `num_steps` global batches into a saved state, in
+  place (`elevator cursor skip`): a JSON file holding the state, or a Grain
+  checkpoint item directory (every host's file). Returns the new state. A
+  job restored from it skips them, on any host count (state.with_skip)."""
+  path = pathlib.Path(path)
+  files = sorted(path.glob("process_*-of-*.json")) if path.is_dir() else [path]
+  state = state_lib.with_skip(load_state(path) if path.is_dir()
+                              else json.loads(path.read_text()), num_steps)
+  for f in files:  # each replaced whole: a reader sees the old state or the new
+    tmp = f.with_name(f".{f.name}.tmp")
+    tmp.write_text(json.dumps(state))
+    os.replace(tmp, f)
+  return state

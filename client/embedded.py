@@ -8,6 +8,7 @@ target is first used, and nowhere else on the client side.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 
@@ -52,6 +53,18 @@ class EmbeddedBackend:
     if cancelled():
       raise Cancelled(f"dataset {request.dataset!r}: cancelled")
     return out
+
+  def skip(self, request: pb.BatchRequest, token: Any = None) -> str:
+    """Like ConnectionPool.skip: the position after the request's steps."""
+    cancelled = (lambda: token.cancelled) if token is not None else (lambda: False)
+    with self._path.admitted(None) as ticket:
+      answer = self._path.skip(ticket, request, lambda: not cancelled())
+    return answer.next_stream_state
+
+  def explain(self, request: pb.ExplainRequest) -> dict[str, Any]:
+    """Like ConnectionPool.explain: what one step held."""
+    with self._path.admitted(None) as ticket:
+      return json.loads(self._path.explain(ticket, request).json)
 
   def close(self) -> None:
     pass

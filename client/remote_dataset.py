@@ -197,6 +197,71 @@ class RemoteDataset(grain.IterDataset):
     self._iterators.add(it)
     return it
 
+  def explain(self, step: int, *, record_offset: int = 0,
+              stream_state: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What global batch `step` held: for each row of this host's slice, the
+    record position, epoch, source record, shard and record index in it (a
+    mixture: also the component), or that it is evaluation padding. The
+    JSON-safe dict of docs/client.md ("What a step held"). `step` is the
+    data's step (a cursor's; after skips, `state.trained_steps` maps back).
+    A stream dataset's rows list their packed segments, traced from the
+    position where `step` starts: `stream_state` (a cursor's, saved at
+    `step`), or found from the stream's start by the servers (O(step)).
+
+    Raises:
+      InvalidRequestError: a negative step, or one whose records lie past int64.
+      EndOfDataError: a step past the end of a finite dataset.
+    """
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+      raise InvalidRequestError(f"explain needs a step >= 0, got {step!r}")
+    if record_offset + (step + 1) * self.global_batch_size > contract.MAX_RECORD_POSITION:
+      raise InvalidRequestError(
+          f"step {step} of global batch size {self.global_batch_size} lies past the "
+          "wire's largest record position (2**63 - 1)")
+    backend = make_backend(self.targets, transport=TransportOptions(connections_per_target=1),
+                           retry=self.retry, security=self.security)
+    try:
+      (info,) = backend.describe(self.dataset)
+      position = ""
+      if info.stream:
+        from grain_elevator.client import stream_iterator  # pylint: disable=g-import-not-at-top
+        if stream_state is not None:
+          position = contract.position_text(stream_state)
+        elif step:
+          position = stream_iterator.fast_forward(backend, self, info, 0, "", step,
+                                                  CancelToken())
+      return backend.explain(pb.ExplainRequest(request=pb.BatchRequest(
+          dataset=self.dataset, global_batch_size=self.global_batch_size,
+          shard_index=self.shard_index, shard_count=self.shard_count, start_step=step,
+          num_steps=1, record_offset=record_offset, stream_state=position,
+          config_fingerprint=info.config_fingerprint)))
+    finally:
+      backend.close()
+
+  def summary(self, start: int, end: int, *, record_offset: int = 0) -> dict[str, Any]:
+    """Records per mixture component (or of the dataset) in the whole global
+    batches [start, end), computed from the contract, not logged: the JSON
+    of docs/client.md ("Counts over a range of steps")."""
+    for name, value in (("start", start), ("end", end)):
+      if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise InvalidRequestError(f"summary needs a {name} step >= 0, got {value!r}")
+    if end <= start:
+      raise InvalidRequestError(f"summary needs start < end, got {start}:{end}")
+    if record_offset + end * self.global_batch_size > contract.MAX_RECORD_POSITION:
+      raise InvalidRequestError(
+          f"step {end} of global batch size {self.global_batch_size} lies past the wire's "
+          "largest record position (2**63 - 1)")
+    backend = make_backend(self.targets, transport=TransportOptions(connections_per_target=1),
+                           retry=self.retry, security=self.security)
+    try:
+      (info,) = backend.describe(self.dataset)
+      return backend.explain(pb.ExplainRequest(summary=True, request=pb.BatchRequest(
+          dataset=self.dataset, global_batch_size=self.global_batch_size, shard_count=1,
+          start_step=start, num_steps=end - start, record_offset=record_offset,
+          config_fingerprint=info.config_fingerprint)))
+    finally:
+      backend.close()
+
   def stats(self) -> stats_lib.Stats:
     """Whether the trainer waits on data: `Stats` summed over this dataset's
     live iterators (client/stats.py)."""
@@ -234,6 +299,7 @@ class _RemoteIterator(grain.DatasetIterator):
     self._tune = window_lib.Autotune(self._window) if self._window.adaptive else None
     self._structure = self._info.element_spec.structure
     self._step = 0  # next step the trainer receives
+    self._skips: state_lib.Skips = ()  # steps skipped ([a, b) ranges), for the cursor
     self._requested = 0  # first step not yet requested
     self._chunks: collections.deque[_Chunk] = collections.deque()
     self._lock = threading.Lock()
@@ -345,11 +411,29 @@ class _RemoteIterator(grain.DatasetIterator):
                           sum(getattr(x, "nbytes", 0) for x in leaves))
     return tree.unflatten(self._structure, leaves)
 
+  def skip(self, num_steps: int) -> None:
+    """Drops the next `num_steps` global batches (rollback-and-skip), in
+    O(1): the cursor records the range, so every host and every later
+    checkpoint continues the same stream. InvalidRequestError for a count
+    below 0, or one past the end of a finite dataset."""
+    with self._lock:
+      if self._closed:
+        raise ElevatorError(f"{self._ds} iterator is closed")
+      g = self._ds.global_batch_size
+      contract.check_skip(self._step, num_steps, g, self._offset, self._total,
+                          self._ds.dataset)
+      skips = state_lib.add_skip(self._skips, self._step, num_steps)
+      self._cancel_all()
+      if self._tune is not None:
+        self._tune.restart()
+      self._skips = skips
+      self._step = self._requested = self._step + num_steps
+
   # -- checkpointing --------------------------------------------------------
 
   def get_state(self) -> dict[str, Any]:
-    return state_lib.make(state_lib.Cursor(self._step, self._offset), self._info,
-                          self._ds.global_batch_size)
+    return state_lib.make(state_lib.Cursor(self._step, self._offset, skips=self._skips),
+                          self._info, self._ds.global_batch_size)
 
   def set_state(self, state: dict[str, Any]) -> None:
     cursor = state_lib.check(state, self._info, self._ds.global_batch_size)
@@ -358,6 +442,7 @@ class _RemoteIterator(grain.DatasetIterator):
       if self._tune is not None:
         self._tune.restart()
       self._step = self._requested = cursor.step
+      self._skips = cursor.skips
       self._offset = cursor.record_offset
       self._total = self._info.total_steps(self._ds.global_batch_size, self._offset)
 

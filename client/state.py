@@ -15,6 +15,16 @@ records: its state also holds "stream_state", the position of its Grain
 pipeline where the next global batch starts (Grain's own iterator state,
 JSON: an upstream position and a few counters, never elements; at step 0
 the dataset's first position, DatasetInfo.stream_start). A new G continues from that position, steps counted afresh.
+
+Skips (rollback-and-skip after a loss spike): "skips" lists the ranges of
+global steps [a, b) a job skipped, oldest first, so that a resume from any
+later checkpoint, on any host count and replica, continues the same stream,
+and the trainer's own step count maps back to the data's (`trained_steps`).
+Every range ends at or before "step", except that the last may hold it
+(a <= step < b): a skip still to be made, as `elevator cursor skip` writes
+it into a saved state; the iterator that loads it moves to b (1:1 datasets
+in O(1), a stream dataset with one Skip call to the server). A state without
+"version" is one from before skips (version 1) and loads as it always did.
 """
 
 from __future__ import annotations
@@ -29,6 +39,12 @@ from grain_elevator.proto.spec import DatasetInfo
 
 # Fields that define the record stream; G, H and h deliberately are not among them.
 _STREAM_KEYS = ("dataset", "seed", "config_fingerprint")
+# The cursor's format: 2 added "skips". A state without "version" is 1.
+CURSOR_VERSION = 2
+# Skip ranges one state holds (each a separate rollback; adjacent ones merge).
+MAX_SKIP_RANGES = 64
+
+Skips = tuple[tuple[int, int], ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +56,63 @@ class Cursor:
   step: int
   record_offset: int = 0
   stream_state: str = ""
+  skips: Skips = ()  # ranges [a, b) of steps skipped; the last may still be to make
+
+  @property
+  def pending(self) -> int | None:
+    """Where a skip still to be made ends (the step the iterator moves to),
+    or None."""
+    if self.skips and self.skips[-1][0] <= self.step < self.skips[-1][1]:
+      return self.skips[-1][1]
+    return None
+
+
+def add_skip(skips: Skips, step: int, num_steps: int) -> Skips:
+  """`skips` with [step, step + num_steps) added (merged with a range
+  ending at `step`, or extending one still to be made that holds it)."""
+  if num_steps == 0:
+    return skips
+  if skips and skips[-1][0] <= step <= skips[-1][1]:
+    a, b = skips[-1]
+    merged = (a, max(b, step) + num_steps)
+    return skips[:-1] + (merged,)
+  if len(skips) >= MAX_SKIP_RANGES:
+    raise InvalidRequestError(
+        f"a cursor holds at most {MAX_SKIP_RANGES} skip ranges, and this one has "
+        f"{len(skips)}: skip from the end of the last one, or start from a fresh state")
+  return skips + ((step, step + num_steps),)
+
+
+def with_skip(state: dict[str, Any], num_steps: int) -> dict[str, Any]:
+  """A saved state that skips `num_steps` more global batches from its step
+  (`elevator cursor skip`): the range is written as a skip still to be
+  made, which the iterator loading it makes (1:1 datasets in O(1), a stream
+  dataset with one server call). Needs no server; checks what it can
+  without one (the state's own fields, and a count that fits the wire)."""
+  if not isinstance(state, dict) or not isinstance(state.get("step"), int):
+    raise InvalidRequestError("not a grain-elevator state: no integer 'step' (is this the "
+                              "data iterator's state, as a Grain checkpoint saves it?)")
+  step = _int(state, "step")
+  version = _int(state, "version", 1, minimum=1)
+  if version > CURSOR_VERSION:
+    raise InvalidRequestError(f"this state is of cursor version {version}, newer than this "
+                              f"grain-elevator's {CURSOR_VERSION}")
+  skips = _skips(state.get("skips", []), step)
+  g = _int(state, "global_batch_size", minimum=1)
+  contract.check_skip(step, num_steps, g, _int(state, "record_offset", 0),
+                      dataset=str(state.get("dataset", "")))
+  skips = add_skip(skips, step, num_steps)
+  out = {**state, "version": CURSOR_VERSION}
+  if skips:
+    out["skips"] = [list(r) for r in skips]
+  return out
+
+
+def trained_steps(state: dict[str, Any]) -> int:
+  """Batches a job resumed from `state` has been given: its step less the
+  steps skipped before it (the trainer's own step count, if it counts
+  from 0 with this dataset at one G)."""
+  return state["step"] - sum(min(b, state["step"]) - a for a, b in state.get("skips", ()))
 
 
 def make(cursor: Cursor, info: DatasetInfo, global_batch_size: int) -> dict[str, Any]:
@@ -50,7 +123,10 @@ def make(cursor: Cursor, info: DatasetInfo, global_batch_size: int) -> dict[str,
       "global_batch_size": global_batch_size,
       "seed": info.seed,
       "config_fingerprint": info.cursor_fingerprint(cursor.step),
+      "version": CURSOR_VERSION,
   }
+  if cursor.skips:
+    state["skips"] = [list(r) for r in cursor.skips]
   if cursor.record_offset:
     state["record_offset"] = cursor.record_offset
   if info.stream:
@@ -77,6 +153,12 @@ def check(state: Any, info: DatasetInfo, global_batch_size: int) -> Cursor:
         f"not a grain-elevator state: missing {', '.join(missing)} (got keys "
         f"{sorted(state)})")
   step = _int(state, "step")
+  version = _int(state, "version", 1, minimum=1)
+  if version > CURSOR_VERSION:
+    raise InvalidRequestError(
+        f"this state is of cursor version {version}, saved by a newer grain-elevator; this "
+        f"one reads versions up to {CURSOR_VERSION}")
+  skips = _skips(state.get("skips", []), step)
   expected = make(Cursor(step), info, global_batch_size)
   diffs = [f"{k}: saved {state[k]!r}, this stream has {expected[k]!r}"
            for k in _STREAM_KEYS if state[k] != expected[k]]
@@ -93,7 +175,7 @@ def check(state: Any, info: DatasetInfo, global_batch_size: int) -> Cursor:
   offset = _int(state, "record_offset", 0)
   saved_g = _int(state, "global_batch_size", minimum=1)
   if info.stream:
-    return _stream_cursor(state, info, saved_g, global_batch_size, step, offset)
+    return _stream_cursor(state, info, saved_g, global_batch_size, step, offset, skips)
   if "stream_state" in state:
     raise InvalidRequestError(f"this state has a stream_state, but dataset {info.name!r} is "
                               "not a stream dataset")
@@ -106,15 +188,46 @@ def check(state: Any, info: DatasetInfo, global_batch_size: int) -> Cursor:
         f"state step {step} is past the end of dataset {info.name!r}, which has "
         f"{steps} steps of global batch size {saved_g}"
         + (f" after record {offset}" if offset else ""))
+  cursor = Cursor(step, offset, skips=skips)
+  if cursor.pending is not None:  # a skip to make: O(1), the steps are arithmetic
+    contract.check_skip(step, cursor.pending - step, saved_g, offset, steps, info.name)
+    cursor = dataclasses.replace(cursor, step=cursor.pending)
   if saved_g == global_batch_size:
-    return Cursor(step, offset)
-  # A new G: steps count afresh from the record reached (the end, at most).
-  return Cursor(0, min(offset + step * saved_g, info.stream_length))
+    return cursor
+  # A new G: steps count afresh from the record reached (the end, at most),
+  # and the skips, named in the old steps, are behind it.
+  return Cursor(0, min(offset + cursor.step * saved_g, info.stream_length))
+
+
+def _skips(value: Any, step: int) -> Skips:
+  """A state's "skips", checked: ranges [a, b) with 0 <= a < b, in order,
+  apart, at most MAX_SKIP_RANGES, each ending at or before `step` but for
+  the last, which may hold it (a skip still to be made)."""
+  if not isinstance(value, list) or len(value) > MAX_SKIP_RANGES:
+    raise InvalidRequestError(f"state skips must be a list of at most {MAX_SKIP_RANGES} "
+                              "[first, end) step ranges")
+  out: list[tuple[int, int]] = []
+  for i, r in enumerate(value):
+    if (not isinstance(r, list) or len(r) != 2
+        or not all(isinstance(x, int) and not isinstance(x, bool) for x in r)
+        or not 0 <= r[0] < r[1] or r[1] > contract.MAX_RECORD_POSITION):
+      raise InvalidRequestError(f"state skips[{i}] must be [first, end) with "
+                                f"0 <= first < end, got {r!r}")
+    if out and r[0] <= out[-1][1]:
+      raise InvalidRequestError(f"state skips[{i}] {r!r} does not come after the range "
+                                f"before it, {list(out[-1])}")
+    last = i == len(value) - 1
+    if r[0] > step or (r[1] > step and not last):
+      raise InvalidRequestError(
+          f"state skips[{i}] {r!r} lies ahead of the state's step {step}: a skip starts "
+          "at the step where it is made")
+    out.append((r[0], r[1]))
+  return tuple(out)
 
 
 
 def _stream_cursor(state: dict[str, Any], info: DatasetInfo, saved_g: int,
-                   global_batch_size: int, step: int, offset: int) -> Cursor:
+                   global_batch_size: int, step: int, offset: int, skips: Skips) -> Cursor:
   """A stream dataset's cursor: its position, checked for shape only (the
   server refuses one that is not a position of its pipeline)."""
   if offset:
@@ -128,6 +241,12 @@ def _stream_cursor(state: dict[str, Any], info: DatasetInfo, saved_g: int,
     raise InvalidRequestError(f"state stream_state must be a Grain iterator state (a JSON "
                               f"object) or null, got {type(position).__name__}")
   text = contract.position_text(position) if position else ""
+  cursor = Cursor(step, stream_state=text, skips=skips)
   if saved_g == global_batch_size:
-    return Cursor(step, stream_state=text)
+    return cursor  # a skip still to make: the iterator asks a server (one Skip call)
+  if cursor.pending is not None:
+    raise InvalidRequestError(
+        f"this state of stream dataset {info.name!r} holds a skip still to be made, of "
+        f"batches of {saved_g}: resume it under global_batch_size {saved_g} first (a "
+        "stream's batches depend on G), then change G at a later checkpoint")
   return Cursor(0, stream_state=text)  # a new G: steps count afresh from the position

@@ -34,13 +34,18 @@ from grain_elevator.client import stats as stats_lib
 from grain_elevator.client import window as window_lib
 from grain_elevator.client.backend import Backend
 from grain_elevator.client.transport.connection import CancelToken, Step
+from grain_elevator.proto import contract
 from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.proto import tree
 from grain_elevator.proto import wire
-from grain_elevator.proto.errors import ElevatorError, EndOfDataError
+from grain_elevator.proto.errors import ElevatorError, EndOfDataError, InvalidRequestError
+from grain_elevator.proto.limits import MAX_SKIP_STEPS
 from grain_elevator.proto.spec import DatasetInfo
 
 _END = object()  # the stream ended after the steps before it
+# Rows one Skip call fast-forwards past at most (G of them per step): each
+# call is one request under RetryPolicy.request_timeout_s.
+SKIP_ROWS_PER_CALL = 1 << 12
 
 
 class _Arrivals(list):
@@ -69,6 +74,8 @@ class StreamIterator(grain.DatasetIterator):
     self._window = window_lib.for_dataset(ds, info, window_lib.STREAM_REQUESTS)
     self._step = 0  # the next step the trainer receives
     self._position = info.stream_start  # where it starts
+    self._skips: state_lib.Skips = ()  # steps skipped ([a, b) ranges), for the cursor
+    self._skip_token: CancelToken | None = None  # a skip's server calls, while one runs
     self._cond = threading.Condition()
     self._queue: collections.deque[Any] = collections.deque()  # Steps, then _END or an error
     self._fetcher: threading.Thread | None = None
@@ -175,16 +182,48 @@ class StreamIterator(grain.DatasetIterator):
                           sum(getattr(x, "nbytes", 0) for x in item.leaves))
     return tree.unflatten(self._structure, item.leaves)
 
+  # -- skipping -------------------------------------------------------------
+
+  def skip(self, num_steps: int) -> None:
+    """Drops the next `num_steps` global batches (rollback-and-skip): the
+    server moves the stream's position past them without sending any (one
+    Skip call per SKIP_ROWS_PER_CALL rows), and the cursor records the
+    range. InvalidRequestError for a count below 0, or one past the end of
+    a finite stream (the iterator then stays where it was)."""
+    if self._closed:
+      raise ElevatorError(f"{self._ds} iterator is closed")
+    contract.check_skip(self._step, num_steps, self._ds.global_batch_size,
+                        dataset=self._ds.dataset)
+    skips = state_lib.add_skip(self._skips, self._step, num_steps)
+    self._stop()
+    position = self._fast_forward(self._step, self._position, num_steps)
+    self._step, self._position, self._skips = self._step + num_steps, position, skips
+
+  def _fast_forward(self, step: int, position: str, num_steps: int) -> str:
+    """The position `num_steps` global batches after `position` (at `step`)."""
+    token = self._skip_token = CancelToken()
+    try:
+      return fast_forward(self._backend, self._ds, self._info, step, position, num_steps,
+                          token)
+    finally:
+      self._skip_token = None
+
   # -- checkpointing --------------------------------------------------------
 
   def get_state(self) -> dict[str, Any]:
-    return state_lib.make(state_lib.Cursor(self._step, stream_state=self._position),
-                          self._info, self._ds.global_batch_size)
+    return state_lib.make(
+        state_lib.Cursor(self._step, stream_state=self._position, skips=self._skips),
+        self._info, self._ds.global_batch_size)
 
   def set_state(self, state: dict[str, Any]) -> None:
     cursor = state_lib.check(state, self._info, self._ds.global_batch_size)
     self._stop()
-    self._step, self._position = cursor.step, cursor.stream_state
+    step, position = cursor.step, cursor.stream_state
+    if cursor.pending is not None:  # a skip written into the state: make it now
+      position = self._fast_forward(step, position or self._info.stream_start,
+                                    cursor.pending - step)
+      step = cursor.pending
+    self._step, self._position, self._skips = step, position, cursor.skips
 
   # -- lifecycle ------------------------------------------------------------
 
@@ -192,6 +231,9 @@ class StreamIterator(grain.DatasetIterator):
     if self._closed:
       return
     self._closed = True
+    token = self._skip_token
+    if token is not None:
+      token.cancel()
     self._stop()
     self._backend.close()
 
@@ -203,3 +245,27 @@ class StreamIterator(grain.DatasetIterator):
 
   def __str__(self) -> str:
     return f"{self._ds} @ step {self._step}"
+
+
+def fast_forward(backend: Backend, ds: Any, info: DatasetInfo, step: int, position: str,
+                 num_steps: int, token: CancelToken) -> str:
+  """The position of stream dataset `ds` (a RemoteDataset) `num_steps`
+  global batches after `position` (where `step` starts), found by the
+  servers without sending any batch: one Skip call per SKIP_ROWS_PER_CALL
+  rows. InvalidRequestError if the stream ends first."""
+  per_call = max(1, min(MAX_SKIP_STEPS, SKIP_ROWS_PER_CALL // ds.global_batch_size))
+  end = step + num_steps
+  while step < end:
+    n = min(per_call, end - step)
+    request = pb.BatchRequest(
+        dataset=ds.dataset, global_batch_size=ds.global_batch_size,
+        shard_index=ds.shard_index, shard_count=ds.shard_count, start_step=step,
+        num_steps=n, config_fingerprint=info.config_fingerprint, stream_state=position)
+    try:
+      position = backend.skip(request, token)
+    except EndOfDataError as e:
+      raise InvalidRequestError(
+          f"{ds}: a skip of {num_steps} steps from step {end - num_steps} passes the "
+          f"end of the stream ({e}); the iterator stays at step {end - num_steps}") from None
+    step += n
+  return position

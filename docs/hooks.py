@@ -53,7 +53,8 @@ ROOT_PAGES = {"README.md": "index.md", "BENCHMARKS.md": "benchmarks.md"}
 # Constants the pages name, by the module that defines them.
 CONSTANTS = {
     "grain_elevator.proto.limits": ["MAX_REQUEST_BYTES", "LONG_STREAM_STEPS",
-                                   "MAX_STREAM_STATE_BYTES"],
+                                   "MAX_STREAM_STATE_BYTES", "MAX_SKIP_STEPS",
+                                   "MAX_EXPLAIN_ROWS", "MAX_SUMMARY_ROWS"],
     "grain_elevator.proto.rows": ["MIN_ROW_BYTES"],
     "grain_elevator.proto.wire": ["MIN_COMPRESSED_BYTES", "ZSTD_LEVEL"],
     "grain_elevator.proto.framing": ["MAGIC"],
@@ -94,6 +95,9 @@ CONSTANTS = {
         "HEAD_HANDSHAKE_TIMEOUT_S", "MAX_HEAD_HANDSHAKES", "HEAD_LOG_PERIOD_S"],
     "grain_elevator.client.transport.connection": ["MAX_CONTROL_MESSAGE_BYTES"],
     "grain_elevator.client.transport.retry": ["RETRIABLE", "REFUSED"],
+    "grain_elevator.client.state": ["CURSOR_VERSION", "MAX_SKIP_RANGES"],
+    "grain_elevator.server.data.provenance": ["EXPLAIN_VERSION"],
+    "grain_elevator.client.stream_iterator": ["SKIP_ROWS_PER_CALL"],
     "grain_elevator.client.window": ["REQUEST_BYTES", "WINDOW_BYTES", "MAX_STEPS_PER_REQUEST"],
     "grain_elevator.tools.convert.text": ["MAX_JSON_VALUES"],
 }

@@ -33,6 +33,8 @@ MAX_SHARD_COUNT = 1 << 20
 MASK_KEY = "_mask"
 # Length Grain gives a stream that repeats forever (`repeat(None)`).
 FOREVER_LENGTH = sys.maxsize
+# The largest record position a request can name (int64 on the wire).
+MAX_RECORD_POSITION = (1 << 63) - 1
 
 
 def check_geometry(global_batch_size: int, shard_index: int, shard_count: int) -> None:
@@ -102,6 +104,29 @@ def check_steps(start_step: int, num_steps: int, stream_length: int,
         f"steps [{start_step}, {start_step + num_steps}) reach past the end: the "
         f"stream has {end} steps of global batch size {global_batch_size}{after} "
         f"({last})")
+
+
+def check_skip(step: int, num_steps: Any, global_batch_size: int, record_offset: int = 0,
+               total: int | None = None, dataset: str = "") -> None:
+  """Raises InvalidRequestError unless skipping `num_steps` global batches
+  from `step` lands on a step that exists: a whole number >= 0, whose
+  record position fits int64 (the wire's), at most `total` (the steps of a
+  finite dataset, None for one that repeats forever or is a stream)."""
+  name = f"dataset {dataset!r}: " if dataset else ""
+  if not isinstance(num_steps, int) or isinstance(num_steps, bool) or num_steps < 0:
+    raise InvalidRequestError(f"{name}a skip must be a whole number of steps >= 0, "
+                              f"got {num_steps!r}")
+  end = step + num_steps
+  if record_offset + end * global_batch_size > MAX_RECORD_POSITION:
+    raise InvalidRequestError(
+        f"{name}a skip of {num_steps} steps from step {step} reaches step {end}, whose "
+        f"records (G={global_batch_size}) lie past 2**63 - 1, the wire's largest position")
+  if total is not None and end > total:
+    raise InvalidRequestError(
+        f"{name}a skip of {num_steps} steps from step {step} passes the end: the dataset "
+        f"has {total} steps of global batch size {global_batch_size}"
+        + (f" after record {record_offset}" if record_offset else "")
+        + f", so at most {max(0, total - step)} can be skipped from there")
 
 
 def stream_fingerprint(definition: Mapping[str, Any]) -> str:

@@ -138,6 +138,28 @@ class Batch(_message.Message):
     next_stream_state: str
     def __init__(self, step: _Optional[int] = ..., leaves: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., next_stream_state: _Optional[str] = ...) -> None: ...
 
+class SkipResponse(_message.Message):
+    __slots__ = ("next_step", "next_stream_state")
+    NEXT_STEP_FIELD_NUMBER: _ClassVar[int]
+    NEXT_STREAM_STATE_FIELD_NUMBER: _ClassVar[int]
+    next_step: int
+    next_stream_state: str
+    def __init__(self, next_step: _Optional[int] = ..., next_stream_state: _Optional[str] = ...) -> None: ...
+
+class ExplainRequest(_message.Message):
+    __slots__ = ("request", "summary")
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    SUMMARY_FIELD_NUMBER: _ClassVar[int]
+    request: BatchRequest
+    summary: bool
+    def __init__(self, request: _Optional[_Union[BatchRequest, _Mapping]] = ..., summary: _Optional[bool] = ...) -> None: ...
+
+class ExplainResponse(_message.Message):
+    __slots__ = ("json",)
+    JSON_FIELD_NUMBER: _ClassVar[int]
+    json: str
+    def __init__(self, json: _Optional[str] = ...) -> None: ...
+
 class BulkRequest(_message.Message):
     __slots__ = ("request", "auth_token")
     REQUEST_FIELD_NUMBER: _ClassVar[int]

@@ -44,6 +44,16 @@ class ElevatorStub:
                 request_serializer=grain__elevator_dot_proto_dot_elevator__pb2.BatchRequest.SerializeToString,
                 response_deserializer=grain__elevator_dot_proto_dot_elevator__pb2.Batch.FromString,
                 _registered_method=True)
+        self.Skip = channel.unary_unary(
+                '/grain_elevator.v1.Elevator/Skip',
+                request_serializer=grain__elevator_dot_proto_dot_elevator__pb2.BatchRequest.SerializeToString,
+                response_deserializer=grain__elevator_dot_proto_dot_elevator__pb2.SkipResponse.FromString,
+                _registered_method=True)
+        self.Explain = channel.unary_unary(
+                '/grain_elevator.v1.Elevator/Explain',
+                request_serializer=grain__elevator_dot_proto_dot_elevator__pb2.ExplainRequest.SerializeToString,
+                response_deserializer=grain__elevator_dot_proto_dot_elevator__pb2.ExplainResponse.FromString,
+                _registered_method=True)
 
 
 class ElevatorServicer:
@@ -64,6 +74,29 @@ class ElevatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Skip(self, request, context):
+        """A stream dataset only: the position after global batches [start_step,
+        start_step + num_steps) from the request's stream_state, found without
+        sending any of them (a skip, for rollback-and-skip after a loss spike).
+        A 1:1 dataset needs no call: its steps are found in O(1) from the step.
+        num_steps is at most 65536 per call (proto/limits.py MAX_SKIP_STEPS);
+        OUT_OF_RANGE if the stream ends first.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Explain(self, request, context):
+        """What global batch start_step held: for each row of host h of H's slice,
+        where it came from (docs/client.md, "What a step held", has the JSON
+        schema). num_steps must be 1; at most 8192 rows (MAX_EXPLAIN_ROWS).
+        With summary, the records per mixture component of whole global
+        batches [start_step, start_step + num_steps) instead.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ElevatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -76,6 +109,16 @@ def add_ElevatorServicer_to_server(servicer, server):
                     servicer.GetBatches,
                     request_deserializer=grain__elevator_dot_proto_dot_elevator__pb2.BatchRequest.FromString,
                     response_serializer=grain__elevator_dot_proto_dot_elevator__pb2.Batch.SerializeToString,
+            ),
+            'Skip': grpc.unary_unary_rpc_method_handler(
+                    servicer.Skip,
+                    request_deserializer=grain__elevator_dot_proto_dot_elevator__pb2.BatchRequest.FromString,
+                    response_serializer=grain__elevator_dot_proto_dot_elevator__pb2.SkipResponse.SerializeToString,
+            ),
+            'Explain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Explain,
+                    request_deserializer=grain__elevator_dot_proto_dot_elevator__pb2.ExplainRequest.FromString,
+                    response_serializer=grain__elevator_dot_proto_dot_elevator__pb2.ExplainResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -132,6 +175,60 @@ class Elevator:
             '/grain_elevator.v1.Elevator/GetBatches',
             grain__elevator_dot_proto_dot_elevator__pb2.BatchRequest.SerializeToString,
             grain__elevator_dot_proto_dot_elevator__pb2.Batch.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Skip(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/grain_elevator.v1.Elevator/Skip',
+            grain__elevator_dot_proto_dot_elevator__pb2.BatchRequest.SerializeToString,
+            grain__elevator_dot_proto_dot_elevator__pb2.SkipResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Explain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/grain_elevator.v1.Elevator/Explain',
+            grain__elevator_dot_proto_dot_elevator__pb2.ExplainRequest.SerializeToString,
+            grain__elevator_dot_proto_dot_elevator__pb2.ExplainResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -16,8 +16,22 @@ LONG_STREAM_STEPS: a request for more steps than this is a long stream; a
 worker lets long streams hold only half of its request slots
 (server/serving/admission.py), so a default client asks for at most half
 as many at once (client/window.py) and always finds the other half.
+
+MAX_SKIP_STEPS: the most global batches one Skip call fast-forwards a stream
+dataset by (it computes them all, sending none); a client splits a longer
+skip into calls of at most this many, each under its own deadline.
+
+MAX_EXPLAIN_ROWS: the most rows one Explain answer describes (a host's
+slice, a few hundred bytes of JSON a row), so that it fits a control
+message (client/transport/connection.py MAX_CONTROL_MESSAGE_BYTES).
+
+MAX_SUMMARY_ROWS: the most records one Explain summary counts (steps times
+G), arithmetic in chunks on the worker that answers it.
 """
 
 MAX_REQUEST_BYTES = 64 << 10
 LONG_STREAM_STEPS = 64
 MAX_STREAM_STATE_BYTES = MAX_REQUEST_BYTES // 4
+MAX_SKIP_STEPS = 1 << 16
+MAX_EXPLAIN_ROWS = 8192
+MAX_SUMMARY_ROWS = 1 << 28

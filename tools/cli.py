@@ -49,6 +49,78 @@ def _describe(args: argparse.Namespace) -> int:
   return 0
 
 
+def _cursor_skip(args: argparse.Namespace) -> int:
+  from grain_elevator.client import checkpoint  # pylint: disable=g-import-not-at-top
+  try:
+    saved = checkpoint.skip_saved(args.state, args.steps)
+  except (OSError, json.JSONDecodeError) as e:
+    print(f"elevator: error: cannot read or write the state {args.state}: {e}",
+          file=sys.stderr)
+    return 2
+  skips = saved.get("skips", [])
+  print(json.dumps({"state": str(args.state), "step": saved["step"], "skips": skips,
+                    "resumes_at_step": max([saved["step"]] + [b for _, b in skips[-1:]])}))
+  return 0
+
+
+def _explain(args: argparse.Namespace) -> int:
+  from grain_elevator.client import RemoteDataset, Security  # pylint: disable=g-import-not-at-top
+  target = args.target
+  if os.path.isfile(target) and not target.startswith("local:"):
+    target = f"local:{target}"  # a config: embedded mode
+  security = Security.from_files(auth_token_file=args.auth_token_file)
+  ds = RemoteDataset(target, args.dataset, args.batch_size, shard_index=args.host,
+                     shard_count=args.hosts, security=security)
+  if args.summary:
+    start, sep, end = args.summary.partition(":")
+    if not sep or not start.isdigit() or not end.isdigit():
+      print(f"elevator: error: --summary takes START:END (whole steps), got {args.summary!r}",
+            file=sys.stderr)
+      return 2
+    print(json.dumps(ds.summary(int(start), int(end), record_offset=args.record_offset),
+                     indent=1))
+    return 0
+  if args.step is None:
+    print("elevator: error: give --step K (or --summary START:END)", file=sys.stderr)
+    return 2
+  position = None
+  if args.state:  # a cursor saved at the step: a stream's position there
+    saved = json.loads(pathlib.Path(args.state).read_text())
+    if saved.get("step") != args.step:
+      print(f"elevator: error: {args.state} is a state at step {saved.get('step')!r}, not "
+            f"{args.step}", file=sys.stderr)
+      return 2
+    position = saved.get("stream_state")
+  explained = ds.explain(args.step, record_offset=args.record_offset, stream_state=position)
+  if args.json:
+    print(json.dumps(explained, indent=1))
+    return 0
+  print(f"dataset {explained['dataset']!r} ({explained['kind']}, fingerprint "
+        f"{explained['config_fingerprint']}), step {explained['step']}, G="
+        f"{explained['global_batch_size']}, host {explained['shard_index']} of "
+        f"{explained['shard_count']}:")
+  for row in explained["rows"]:
+    if row.get("padding"):
+      print(f"  row {row['global_row']}: padding (evaluation mode, past the end)")
+      continue
+    if "segments" in row:  # a stream dataset's packed row
+      print(f"  row {row['global_row']}:")
+      for seg in row["segments"]:
+        where = (f"{seg['shard']} record {seg['record']}" if "shard" in seg
+                 else seg.get("where", "record unknown"))
+        print(f"    slots {seg['slot']}..{seg['slot'] + seg['length'] - 1}: element "
+              f"{seg['element']} tokens {seg['token_offset']}.."
+              f"{seg['token_offset'] + seg['length'] - 1}: {where}")
+      continue
+    part = f"component {row['component']!r} position {row['component_position']}, " if (
+        "component" in row) else ""
+    where = (f"{row['shard']} record {row['record']}" if "shard" in row
+             else row.get("where", "?"))
+    print(f"  row {row['global_row']}: position {row['position']}, {part}epoch "
+          f"{row['epoch']}, source record {row['source_index']}: {where}")
+  return 0
+
+
 def _top(args: argparse.Namespace) -> int:
   from grain_elevator.tools import top  # pylint: disable=g-import-not-at-top
   try:
@@ -206,6 +278,44 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--auth-token-file", default=None,
                  help="file holding the bearer token of a server run with one")
   p.set_defaults(fn=_describe)
+
+  p = sub.add_parser("explain", help="what a global step held: where each row came from",
+                     description="For each row of a host's slice of global batch STEP: the "
+                                 "record position, epoch, source record and its shard and "
+                                 "record index (a mixture: the component too); evaluation "
+                                 "padding marked. Exits 2 with the error for a step that does "
+                                 "not exist.")
+  p.add_argument("target", help="HOST:PORT of a server, or a config file (embedded mode)")
+  p.add_argument("dataset", help="the dataset's name")
+  p.add_argument("-G", "--batch-size", type=int, required=True, help="the global batch size")
+  p.add_argument("--step", type=int, default=None,
+                 help="the global step (the cursor's, counting skipped steps)")
+  p.add_argument("--summary", default=None, metavar="START:END",
+                 help="instead: records per mixture component over global steps "
+                      "[START, END), computed (JSON)")
+  p.add_argument("--host", type=int, default=0, help="h, this host's index (default 0)")
+  p.add_argument("--hosts", type=int, default=1, help="H, the number of hosts (default 1)")
+  p.add_argument("--record-offset", type=int, default=0,
+                 help="the cursor's record_offset, after a change of G (default 0)")
+  p.add_argument("--state", default=None,
+                 help="a stream dataset: a state JSON saved at STEP, whose position the "
+                      "trace starts from (default: found from the stream's start, O(STEP))")
+  p.add_argument("--json", action="store_true", help="print the JSON (docs/client.md)")
+  p.add_argument("--auth-token-file", default=None,
+                 help="file holding the bearer token of a server run with one")
+  p.set_defaults(fn=_explain)
+
+  p = sub.add_parser("cursor", help="edit a saved iterator state (a cursor)")
+  cursor = p.add_subparsers(dest="cursor_command", required=True)
+  p = cursor.add_parser(
+      "skip", help="skip the next N global batches of a saved state (rollback-and-skip)",
+      description="Writes a skip of N global batches into a saved grain-elevator state, in "
+                  "place: a JSON file, or a Grain checkpoint item directory "
+                  "(process_*-of-*.json). A job restored from it drops the batches "
+                  "[step, step + N), on any number of hosts; no server is needed now.")
+  p.add_argument("state", help="the state's JSON file, or a Grain checkpoint item directory")
+  p.add_argument("--steps", type=int, required=True, help="global batches to skip (N >= 0)")
+  p.set_defaults(fn=_cursor_skip)
 
   p = sub.add_parser("top", help="a live view of a server's metrics (--metrics-port)")
   p.add_argument("target", help="HOST:METRICS_PORT, or the /metrics URL")

@@ -88,6 +88,8 @@ class GrpcConnection:
       self._channel = grpc.insecure_channel(target, options=options)
       self._name = f"{target} (gRPC)"
     self._describe = pb_grpc.ElevatorStub(self._channel).Describe
+    self._skip = pb_grpc.ElevatorStub(self._channel).Skip
+    self._explain = pb_grpc.ElevatorStub(self._channel).Explain
     # Batches are parsed by hand (decode_step): tensors become views of the
     # received bytes.
     self._get_batches = self._channel.unary_stream(
@@ -104,6 +106,33 @@ class GrpcConnection:
       raise _grpc_error(e) from e
     self.server = response.server
     return response
+
+  def skip(self, request: pb.BatchRequest, *, timeout_s: float,
+           token: CancelToken | None = None) -> pb.SkipResponse:
+    """A stream dataset's position after the steps of `request`, none of
+    them sent (Skip); the answer is a control message, bounded as Describe's."""
+    try:
+      future = self._skip.future(request, timeout=timeout_s, metadata=self._metadata)
+      if token is not None:
+        token.attach(future)
+      return future.result()
+    except grpc.RpcError as e:
+      if _over_limit(e):
+        raise BadReplyError(f"{self._name} sent a Skip answer over "
+                            f"{MAX_CONTROL_MESSAGE_BYTES} bytes (refused unread)") from e
+      raise _grpc_error(e) from e
+    except grpc.FutureCancelledError as e:
+      raise TransportError(grpc.StatusCode.CANCELLED, "cancelled") from e
+
+  def explain(self, request: pb.ExplainRequest, *, timeout_s: float) -> pb.ExplainResponse:
+    """What one step held (Explain); a control message, bounded as Describe's."""
+    try:
+      return self._explain(request, timeout=timeout_s, metadata=self._metadata)
+    except grpc.RpcError as e:
+      if _over_limit(e):
+        raise BadReplyError(f"{self._name} sent an Explain answer over "
+                            f"{MAX_CONTROL_MESSAGE_BYTES} bytes (refused unread)") from e
+      raise _grpc_error(e) from e
 
   def stream(self, request: pb.BatchRequest, *, timeout_s: float, token: CancelToken,
              max_frame_bytes: int, expect: Sequence[LeafSpec] | None = None,

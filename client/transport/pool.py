@@ -24,6 +24,7 @@ the trainer to the new pods.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -38,7 +39,7 @@ from grain_elevator.client.transport.buffers import BufferPool
 from grain_elevator.client.transport.bulk_connection import BulkConnection
 from grain_elevator.client.transport.connection import (MAX_CONTROL_MESSAGE_BYTES,
                                                         BadReplyError, CancelToken, Step,
-                                                        TransportError)
+                                                        TransportError, check_position)
 from grain_elevator.client.transport.grpc_connection import GrpcConnection
 from grain_elevator.client.transport.host_memory import PAGEABLE, HostMemory
 from grain_elevator.client.transport.retry import REFUSED, RETRIABLE, Retrier
@@ -440,6 +441,51 @@ class ConnectionPool:
         lambda: f"dataset {request.dataset!r} step {request.start_step + len(out)}",
         attempt, self._data, cancelled=lambda: token.cancelled, progress=lambda: len(out),
         after_full=self._after_full)
+
+  def skip(self, request: pb.BatchRequest, token: CancelToken) -> str:
+    """The position after the steps of `request` (a stream dataset's; at
+    most MAX_SKIP_STEPS), none of them sent, from any replica; checked to be
+    one of its stream's."""
+    self._open_control()
+    info = self._infos.get(request.dataset)
+    if info is None:
+      (info,) = self.describe(request.dataset)
+
+    def attempt(slots: Slots | None) -> str:
+      assert slots is not None
+      answer = self._with_slot(slots, lambda s: s.conn.skip(
+          request, timeout_s=self.retry.request_timeout_s, token=token),
+          lambda: token.cancelled)
+      end = request.start_step + request.num_steps
+      if answer.next_step != end:
+        raise BadReplyError(f"a Skip of dataset {request.dataset!r} to step {end} was "
+                            f"answered for step {answer.next_step}")
+      check_position(answer.next_stream_state, request, end - 1, "a Skip answer",
+                     info.stream_start)
+      return answer.next_stream_state
+
+    return self._retrier.run(
+        lambda: f"Skip of dataset {request.dataset!r} from step {request.start_step}",
+        attempt, self._control, cancelled=lambda: token.cancelled,
+        after_full=self._after_full)
+
+  def explain(self, request: pb.ExplainRequest) -> dict[str, Any]:
+    """What one step held, from any replica (Explain's JSON, parsed)."""
+    self._open_control()
+    answer = self._retrier.run(
+        lambda: f"Explain of dataset {request.request.dataset!r} step "
+        f"{request.request.start_step}",
+        lambda slots: self._with_slot(slots, lambda s: s.conn.explain(
+            request, timeout_s=self.retry.request_timeout_s)),
+        self._control, after_full=self._after_full)
+    try:
+      explained = json.loads(answer.json)
+    except ValueError as e:
+      raise errors.InternalError(f"an Explain answer is not JSON: {e}") from None
+    if not isinstance(explained, dict) or not isinstance(
+        explained.get("components" if request.summary else "rows"), (dict, list)):
+      raise errors.InternalError("an Explain answer is not an explanation")
+    return explained
 
   def _expect(self, request: pb.BatchRequest) -> tuple[int, tuple[LeafSpec, ...]]:
     """What each step of `request` must be, from the dataset's element spec:

@@ -13,6 +13,7 @@ started, and shards are read only while they still have it
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import threading
 from typing import Any, Callable, Mapping, Sequence
@@ -195,6 +196,23 @@ class OpenedSource:
     return cls(checked, source, build_raw_records(config, source))
 
 
+def record_origins(source: Any, source_index: Callable[[Sequence[int]], list[int]],
+                   positions: Sequence[int]) -> list[dict[str, Any]]:
+  """For each stream position: its epoch, the source record behind it
+  (after the shuffle), and the shard and record index holding that."""
+  n = len(source)
+  locate = getattr(source, "locate", None)
+  out = []
+  for p, key in zip(positions, source_index(positions)):
+    row: dict[str, Any] = {"position": int(p), "epoch": int(p) // n, "source_index": int(key)}
+    if locate is not None:
+      row["shard"], row["record"] = locate(int(key))
+    else:
+      row["where"] = source.where(int(key))
+    out.append(row)
+  return out
+
+
 def open_dataset(config: DatasetConfig,
                  identities: Mapping[str, ShardIdentity | None] | None,
                  files: OptionFiles,
@@ -214,7 +232,7 @@ def open_dataset(config: DatasetConfig,
     num_records, fp = mixture.info.num_records, mixture.info.config_fingerprint
     head = apply_pipeline(config, records, one_to_one=False)
     fields = {"option_files": files.fingerprint_fields()} if files.files else {}
-    return stream.StreamDataset(config, records, head, num_records=num_records,
+    ds = stream.StreamDataset(config, records, head, num_records=num_records,
                                 fingerprint=contract.stream_fingerprint({
                                     **fields,
                                     "name": config.name, "source": fp,
@@ -224,6 +242,9 @@ def open_dataset(config: DatasetConfig,
                                     "batch_fn": config.batch_fn,
                                     "iter_options": config.iter_options}),
                                 check_files=_iter_files_check(files))
+    from grain_elevator.server.data import provenance  # pylint: disable=g-import-not-at-top
+    ds.origins = functools.partial(provenance.mixture_origins, mixture, global_batch_size=1)
+    return ds
   opened = OpenedSource.open(config, identities)
   head = apply_pipeline(config, opened.raw_records, one_to_one=False)
   if config.names_a_stream or stream.is_stream_pipeline(opened.raw_records, head):
@@ -237,6 +258,9 @@ def open_dataset(config: DatasetConfig,
                               fingerprint=_stream_fingerprint(config, opened, files),
                               check_files=_iter_files_check(files))
     ds.identities = opened.identities
+    index = shuffle_lib.SourceIndexMap(build_raw_records(config, range(opened.num_records)),
+                                       opened.num_records)
+    ds.origins = functools.partial(record_origins, opened.source, index)
     return ds
   return ElevatorDataset(config, identities, opened=opened, records=head, files=files)
 
@@ -426,6 +450,11 @@ class ElevatorDataset:
     mask[:real] = True
     leaves.insert(self._mask_index, mask)
     return leaves
+
+  def origins(self, positions: Sequence[int]) -> list[dict[str, Any]]:
+    """Where the records at these stream positions come from
+    (server/data/provenance.py)."""
+    return record_origins(self._source, self._source_index, positions)
 
   def component_rows(self, positions: list[int]) -> list[np.ndarray]:
     """Stacked rows at these stream positions, for a mixture (server/data/mixture.py)."""

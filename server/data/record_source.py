@@ -174,6 +174,11 @@ class BatchedArrayRecordSource(grain.sources.ArrayRecordDataSource):
   def _getitems(self, indices: Sequence[int]) -> Sequence[Any]:
     return self.read_raw(indices)
 
+  def locate(self, key: int) -> tuple[str, int]:
+    """(shard path, record index in it) of the source's record `key`."""
+    shard = int(np.searchsorted(self._key_ends, key, "right"))
+    return self._read_instructions[shard].filename, key - int(self._key_shift[shard])
+
   def where(self, key: int) -> str:
     """"shard F record P": where the source's record `key` is stored."""
     shard = int(np.searchsorted(self._key_ends, key, "right"))

@@ -109,6 +109,9 @@ class StreamDataset:
     self._head_factory: HeadFactory = lambda ds: ds.to_iter_dataset(
         grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
     self._head_elements_held = 0
+    # Record stream position -> where it is stored (server/data/provenance.py);
+    # set by whoever opened the records (dataset.py), None if nobody can say.
+    self.origins: Callable[[list[int]], list[dict[str, Any]]] | None = None
     first, start = self._first_batch()
     self._spec = ElementSpec.of(first)  # of one row
     self._leaves = self._spec.leaves
@@ -276,6 +279,23 @@ class StreamDataset:
           "(proto/limits.py): an iterator state should hold positions and counters, "
           "never elements")
     return out, state
+
+  def fast_forward(self, global_batch_size: int, state: str, num_steps: int
+                   ) -> tuple[int, str]:
+    """Moves past `num_steps` global batches of G from position `state`
+    without keeping any (a skip): (how many there were, fewer if the stream
+    ended first; the position after them). The batches are made, since a
+    packer's rows depend on every element before them, but never sent."""
+    it = self.open(global_batch_size, state)
+    done = 0
+    for done in range(num_steps):
+      try:
+        next(it)
+      except StopIteration:
+        break
+    else:
+      done = num_steps
+    return done, dumps(it.get_state())
 
   def batches(self, global_batch_size: int, state: str) -> Iterator[GlobalBatch]:
     """Global batches from position `state` to the stream's end."""

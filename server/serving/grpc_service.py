@@ -1,4 +1,4 @@
-"""The gRPC transport: Describe and GetBatches, adapted to the request path.
+"""The gRPC transport: Describe, GetBatches, Skip and Explain, adapted to the request path.
 
 What a call costs before its request has arrived is bounded, whatever the
 peer does (the bulk port's rules, server/serving/bulk.py, in gRPC's terms):
@@ -253,6 +253,27 @@ class GrpcService:
           yield message
 
 
+  def Skip(self, requests: Iterator[pb.BatchRequest],
+           context: grpc.ServicerContext) -> pb.SkipResponse:
+    """A stream dataset's position after the steps asked for, none sent."""
+    request = first_request(requests, context, pb.BatchRequest)
+    if request is None:
+      return pb.SkipResponse()  # the call is over: never sent
+    admitted = self._path.admitted(_token(context), context.cancel, steps=request.num_steps)
+    with _answering(context), admitted as ticket:
+      return self._path.skip(ticket, request, context.is_active)
+
+
+  def Explain(self, requests: Iterator[pb.ExplainRequest],
+              context: grpc.ServicerContext) -> pb.ExplainResponse:
+    """Where each row of a host's slice of one step came from (JSON)."""
+    request = first_request(requests, context, pb.ExplainRequest)
+    if request is None:
+      return pb.ExplainResponse()  # the call is over: never sent
+    with _answering(context), self._path.admitted(_token(context)) as ticket:
+      return self._path.explain(ticket, request)
+
+
 def _pass_through(message: bytes) -> bytes:
   return message
 
@@ -270,6 +291,14 @@ def add_to_server(service: GrpcService, server: grpc.Server) -> None:
           service.Describe,
           request_deserializer=None,  # bytes: first_request parses them
           response_serializer=pb.DescribeResponse.SerializeToString),
+      "Explain": grpc.stream_unary_rpc_method_handler(
+          service.Explain,
+          request_deserializer=None,
+          response_serializer=pb.ExplainResponse.SerializeToString),
+      "Skip": grpc.stream_unary_rpc_method_handler(
+          service.Skip,
+          request_deserializer=None,
+          response_serializer=pb.SkipResponse.SerializeToString),
       "GetBatches": grpc.stream_stream_rpc_method_handler(
           service.GetBatches,
           request_deserializer=None,

@@ -82,6 +82,14 @@ _BATCH_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.
 class _Off:
   """What a process without metrics records: nothing, cheaply."""
 
+  on = False  # whether what is recorded is kept (worth computing)
+
+  def records_served(self, dataset: str, component: str, count: int) -> None:
+    pass
+
+  def tokens_served(self, dataset: str, component: str, count: int) -> None:
+    pass
+
   def produced(self, dataset: str, seconds: float) -> None:
     pass
 
@@ -116,8 +124,17 @@ class _Off:
 class _Recording(_Off):
   """A worker's metrics, written to its files in $PROMETHEUS_MULTIPROC_DIR."""
 
+  on = True
+
   def __init__(self) -> None:
     import prometheus_client as prom  # pylint: disable=g-import-not-at-top
+    self._records = prom.Counter(
+        "elevator_records_served", "Records in the rows sent, by dataset and mixture "
+        "component (the dataset's own name for one that is not a mixture; padding rows not "
+        "counted); for a stream dataset, its rows.", ["dataset", "component"])
+    self._tokens = prom.Counter(
+        "elevator_tokens_served", "Tokens in the rows sent: the non-padding slots of a "
+        "packed batch's segment ids (leaves named *segment_ids).", ["dataset", "component"])
     self._batches = prom.Counter("elevator_batches", "Steps served (produced or cached).",
                                  ["dataset"])
     self._hits = prom.Counter("elevator_batch_cache_hits",
@@ -152,6 +169,12 @@ class _Recording(_Off):
 
   def produced(self, dataset: str, seconds: float) -> None:
     self._seconds.labels(dataset).observe(seconds)
+
+  def records_served(self, dataset: str, component: str, count: int) -> None:
+    self._records.labels(dataset, component).inc(count)
+
+  def tokens_served(self, dataset: str, component: str, count: int) -> None:
+    self._tokens.labels(dataset, component).inc(count)
 
   def served(self, dataset: str, *, cached: bool) -> None:
     self._batches.labels(dataset).inc()

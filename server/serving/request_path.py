@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import hmac
+import json
 import logging
 import time
 from typing import Any, Callable, Iterator
@@ -42,7 +43,10 @@ from grain_elevator.proto.errors import (Cancelled, DataLossError, ElevatorError
                                          UnauthenticatedError)
 from grain_elevator.proto.throttle import Throttled
 from grain_elevator.proto.spec import DatasetInfo
+from grain_elevator.proto.limits import MAX_SKIP_STEPS
+from grain_elevator.server.data import cancellation
 from grain_elevator.server.data import collate as collate_lib
+from grain_elevator.server.data import provenance
 from grain_elevator.server.data import stream as stream_lib
 from grain_elevator.server.data.dataset import Datasets
 from grain_elevator.server.data.served import ServedDataset
@@ -200,6 +204,7 @@ class RequestPath:
         return
       leaves = self._produce(ds, r, step, stack=True)
       metrics.current().served(ds.info.name, cached=False)
+      _account(ds, r, step)
       yield step, leaves, ""
 
   def encoded_steps(self, ticket: Ticket, r: pb.BatchRequest,
@@ -223,6 +228,7 @@ class RequestPath:
           step, self._produce(ds, r, step, stack=False), r.compression))
       recorded.served(info.name, cached=cached)
       recorded.cache_bytes(self.cache.bytes)
+      _account(ds, r, step)
       yield parts
 
   def _stream_steps(self, ds: StreamDataset, r: pb.BatchRequest,
@@ -258,7 +264,10 @@ class RequestPath:
         if produced:
           recorded.produced(name, time.perf_counter() - began)
         recorded.served(name, cached=not produced)
-        yield step, [a[rows.start:rows.stop] for a in leaves], state
+        host = [a[rows.start:rows.stop] for a in leaves]
+        if recorded.on:
+          _account_stream(ds, host)
+        yield step, host, state
         step += 1
         where = _step(name, step, state)
     finally:
@@ -266,6 +275,67 @@ class RequestPath:
     if step < r.start_step + r.num_steps and is_active():
       raise EndOfDataError(f"dataset {name!r}: the stream ends before step {step} "
                            f"(asked for steps up to {r.start_step + r.num_steps - 1})")
+
+  def skip(self, ticket: Ticket, r: pb.BatchRequest,
+           is_active: Callable[[], bool] = lambda: True) -> pb.SkipResponse:
+    """A stream dataset's position after steps [start, start+num) of `r`,
+    from r.stream_state, with none of them sent (Skip; at most
+    MAX_SKIP_STEPS). EndOfDataError if the stream ends first."""
+    _check(ticket)
+    ds = self.validate(r)
+    name = ds.info.name
+    if not ds.info.stream:
+      raise InvalidRequestError(
+          f"dataset {name!r} is not a stream dataset: a client skips its steps in O(1), "
+          "without asking a server")
+    if r.num_steps > MAX_SKIP_STEPS:
+      raise InvalidRequestError(
+          f"dataset {name!r}: a Skip moves at most {MAX_SKIP_STEPS} steps per call, "
+          f"asked for {r.num_steps}; split it")
+    start = ds.info.stream_start
+    if r.stream_state:
+      try:
+        start = stream_lib.parse_position(r.stream_state, start, name)
+      except InvalidRequestError as e:
+        _failures.warning((name, "position"), "%s", e)
+        raise
+    with cancellation.producing_for(is_active):
+      done, position = _named(name, _step(name, r.start_step, start), ds.fast_forward,
+                              r.global_batch_size, start, r.num_steps)
+    if done < r.num_steps:
+      raise EndOfDataError(
+          f"dataset {name!r}: a skip of {r.num_steps} steps from step {r.start_step} "
+          f"passes the end of the stream, which ends after step {r.start_step + done - 1}")
+    return pb.SkipResponse(next_step=r.start_step + r.num_steps, next_stream_state=position)
+
+  def explain(self, ticket: Ticket, e: pb.ExplainRequest) -> pb.ExplainResponse:
+    """Where each row of host h's slice of global batch start_step came
+    from (server/data/provenance.py), as JSON; validated as a request for
+    that one step is. With `summary`, the records per component of the
+    request's whole global batches instead."""
+    _check(ticket)
+    r = e.request
+    if e.summary:
+      ds = self.validate(r)
+      summary = _named(ds.info.name, _step(ds.info.name, r.start_step), provenance.summary,
+                       ds, r.start_step, r.num_steps, r.global_batch_size, r.record_offset)
+      return pb.ExplainResponse(json=json.dumps(summary, separators=(",", ":")))
+    if r.num_steps != 1:
+      raise InvalidRequestError(f"Explain covers one step: num_steps must be 1, got "
+                                f"{r.num_steps}")
+    ds = self.validate(r)
+    name = ds.info.name
+    if ds.info.stream:  # traced from the position where the step starts
+      start = ds.info.stream_start
+      if r.stream_state:
+        start = stream_lib.parse_position(r.stream_state, start, name)
+      explained = _named(name, _step(name, r.start_step, start), provenance.explain_stream,
+                         ds, r.global_batch_size, r.shard_index, r.shard_count,
+                         r.start_step, start)
+      return pb.ExplainResponse(json=json.dumps(explained, separators=(",", ":")))
+    explained = _named(name, _step(name, r.start_step), provenance.explain, ds, r.start_step,
+                       r.global_batch_size, r.shard_index, r.shard_count, r.record_offset)
+    return pb.ExplainResponse(json=json.dumps(explained, separators=(",", ":")))
 
   @staticmethod
   def _produce(ds: ServedDataset, r: pb.BatchRequest, step: int, *,
@@ -278,6 +348,36 @@ class RequestPath:
                     record_offset=r.record_offset, stack=stack)
     metrics.current().produced(ds.info.name, time.perf_counter() - start)
     return leaves
+
+def _account(ds: ServedDataset, r: pb.BatchRequest, step: int) -> None:
+  """Counts the records of host h's slice of `step` by mixture component
+  (server/data/provenance.py), where metrics are kept."""
+  recorded = metrics.current()
+  if not recorded.on:
+    return
+  rows = contract.host_positions(step, r.global_batch_size, r.shard_index, r.shard_count,
+                                 r.record_offset)
+  for component, n in provenance.counts(ds, rows.start, rows.stop,
+                                        r.global_batch_size).items():
+    if component != "_padding":
+      recorded.records_served(ds.info.name, component or ds.info.name, n)
+
+
+def _account_stream(ds: StreamDataset, leaves: list[np.ndarray]) -> None:
+  """A stream's host rows: its rows that are elements (the mask's, in
+  evaluation mode), and its tokens (the segment ids' non-padding slots)."""
+  recorded = metrics.current()
+  name = ds.info.name
+  paths = [l.path for l in ds.info.element_spec.leaves]
+  rows = len(leaves[0]) if leaves else 0
+  if contract.MASK_KEY in paths:
+    rows = int(np.count_nonzero(leaves[paths.index(contract.MASK_KEY)]))
+  recorded.records_served(name, name, rows)
+  tokens = sum(int(np.count_nonzero(a)) for p, a in zip(paths, leaves)
+               if p.endswith("segment_ids"))
+  if tokens:
+    recorded.tokens_served(name, name, tokens)
+
 
 def _check(ticket: Ticket) -> None:
   if not isinstance(ticket, Ticket):

@@ -1,0 +1,243 @@
+"""What a step held: where each row of a host's slice came from (`elevator explain`).
+
+Every row of a 1:1 dataset or a mixture is a pure function of the config,
+G, the step and the host (the contract, proto/contract.py), so its origin is
+computed, not logged: the record position in the dataset's stream, its
+epoch, the source record behind it (after the shuffle) and the shard and
+record index where that is stored; for a mixture also the component and the
+position in the component's stream; in evaluation mode, rows past the
+stream's end are marked as padding. The JSON this returns is documented in
+docs/client.md ("What a step held"); EXPLAIN_VERSION numbers its format.
+
+A stream dataset's rows are made by its pipeline from a position, and a
+packer mixes several elements into a row, so a row's origin is traced: the
+same pipeline is run a second time from the same position on a head whose
+1-D integer leaves (token sequences) are replaced by codes, each naming
+its head element and its offset in it (`_tag`). A packer that decides by
+lengths alone (first-fit, concat-then-split, chunking) moves the codes
+exactly as it moved the tokens, so each row's codes give its segments: the
+element, the offset of its first token in it, and how many. Every other leaf
+of the traced batch must equal the served one (segment ids, positions, the
+mask), else the pipeline decides by values and explaining it is refused.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+
+from grain_elevator.proto import contract
+from grain_elevator.proto import tree
+from grain_elevator.proto.errors import InvalidRequestError
+from grain_elevator.proto.limits import MAX_EXPLAIN_ROWS, MAX_SUMMARY_ROWS
+
+EXPLAIN_VERSION = 1
+# Positions located per numpy call while counting (bounds a summary's memory).
+_CHUNK = 1 << 20
+# A traced token's code: (element index) * _STRIDE + (offset in it) + 1; 0 is padding.
+_STRIDE = 1 << 32
+
+
+def explain(ds: Any, step: int, global_batch_size: int, shard_index: int, shard_count: int,
+            record_offset: int = 0) -> dict[str, Any]:
+  """The rows of host h of H's slice of global batch `step`, each with its
+  origin (a JSON-safe dict). `ds`: an ElevatorDataset or a MixtureDataset,
+  the steps already validated by the request path."""
+  info = ds.info
+  rows = global_batch_size // shard_count
+  if rows > MAX_EXPLAIN_ROWS:
+    raise InvalidRequestError(
+        f"dataset {info.name!r}: a host slice of {rows} rows is more than one explanation "
+        f"holds ({MAX_EXPLAIN_ROWS}, MAX_EXPLAIN_ROWS); explain it in parts with more hosts "
+        f"(--hosts {-(-global_batch_size // MAX_EXPLAIN_ROWS)} or more, each a --host)")
+  positions = contract.host_positions(step, global_batch_size, shard_index, shard_count,
+                                      record_offset)
+  first_row = contract.host_rows(global_batch_size, shard_index, shard_count).start
+  real = [p for p in positions if p < info.stream_length]
+  components = getattr(ds, "components", None)
+  origins = (mixture_origins(ds, real, global_batch_size) if components is not None
+             else ds.origins(real))
+  out_rows: list[dict[str, Any]] = []
+  for i, p in enumerate(positions):
+    row: dict[str, Any] = {"row": i, "global_row": first_row + i}
+    if i < len(origins):
+      row.update(origins[i])
+    else:  # evaluation mode: past the stream's end, a zero row masked out
+      row.update({"position": p, "padding": True})
+    out_rows.append(row)
+  return {
+      "version": EXPLAIN_VERSION, "dataset": info.name,
+      "config_fingerprint": info.config_fingerprint, "kind": (
+          "mixture" if components is not None else "records"),
+      "step": step, "global_batch_size": global_batch_size, "shard_index": shard_index,
+      "shard_count": shard_count, "record_offset": record_offset, "rows": out_rows}
+
+
+def mixture_origins(ds: Any, positions: list[int], global_batch_size: int
+                    ) -> list[dict[str, Any]]:
+  """Each mixture position's component, its position in the component's
+  stream, and that record's origin there."""
+  if not positions:
+    return []
+  component, index = ds.locate(np.asarray(positions, np.int64), global_batch_size)
+  out: list[dict[str, Any]] = [{} for _ in positions]
+  for j, name in enumerate(ds.names):
+    where = np.flatnonzero(component == j)
+    if not len(where):
+      continue
+    for i, origin in zip(where.tolist(), ds.components[j].origins(index[where].tolist())):
+      q = origin.pop("position")
+      out[i] = {"position": positions[i], "component": name, "component_position": q,
+                **origin}
+  return out
+
+
+def explain_stream(ds: Any, global_batch_size: int, shard_index: int, shard_count: int,
+                   step: int, position: str) -> dict[str, Any]:
+  """Host h's rows of a stream dataset's global batch `step`, which starts
+  at `position`: each row's segments (module docstring). `ds`: a StreamDataset."""
+  info = ds.info
+  g = global_batch_size
+  rows = contract.host_rows(g, shard_index, shard_count)
+  if len(rows) > MAX_EXPLAIN_ROWS:
+    raise InvalidRequestError(
+        f"dataset {info.name!r}: a host slice of {len(rows)} rows is more than one "
+        f"explanation holds ({MAX_EXPLAIN_ROWS}); explain it in parts with more hosts")
+  served = ds.next_batch(ds.open(g, position), g)
+  if served is None:
+    raise InvalidRequestError(f"dataset {info.name!r}: the stream ends before step {step}")
+  traced_it = iter(ds.pipeline(g, head=lambda head: head.map_with_index(_tag).to_iter_dataset()))
+  if position:
+    from grain_elevator.server.data import grain_private  # pylint: disable=g-import-not-at-top
+    traced_it.set_state(grain_private.state_from_json(json.loads(position)))
+  traced, _, paths = tree.flatten(next(traced_it))
+  tagged = _tagged_paths(ds.head, paths)
+  if not tagged:
+    raise InvalidRequestError(
+        f"dataset {info.name!r}: explain traces token sequences (1-D integer leaves) "
+        "through a stream's pipeline, and this one's elements have none")
+  for path, real, got in zip(paths, served[0], traced):
+    if path not in tagged and not np.array_equal(np.asarray(got), real):
+      raise InvalidRequestError(
+          f"dataset {info.name!r}: its pipeline cannot be traced: leaf {path!r} differs "
+          "when its tokens are replaced by codes (it decides by token values, not lengths)")
+  codes = np.asarray(traced[paths.index(tagged[0])])
+  mask = (np.asarray(served[0][paths.index(contract.MASK_KEY)])
+          if contract.MASK_KEY in paths else None)
+  length_preserving = len(ds.head) == len(ds.records)
+  out_rows = []
+  for i, r in enumerate(rows):
+    row: dict[str, Any] = {"row": i, "global_row": r}
+    if mask is not None and not mask[r]:
+      row["padding"] = True
+    else:
+      row["segments"] = _segments(codes[r])
+    out_rows.append(row)
+  if length_preserving and ds.origins is not None:  # element index = record position
+    elements = sorted({s["element"] for row in out_rows for s in row.get("segments", ())})
+    found = dict(zip(elements, ds.origins(elements)))
+    for row in out_rows:
+      for s in row.get("segments", ()):
+        s.update(found[s["element"]])
+  return {
+      "version": EXPLAIN_VERSION, "dataset": info.name,
+      "config_fingerprint": info.config_fingerprint, "kind": "stream", "step": step,
+      "global_batch_size": g, "shard_index": shard_index, "shard_count": shard_count,
+      "stream_state": position, "traced_leaf": tagged[0], "rows": out_rows}
+
+
+def _tag(index: int, element: Any) -> Any:
+  """`element` with each 1-D integer leaf replaced by its codes."""
+  leaves, structure, _ = tree.flatten(element)
+  out = []
+  for leaf in leaves:
+    a = np.asarray(leaf)
+    if a.ndim == 1 and a.dtype.kind in "iu":
+      a = np.int64(index) * _STRIDE + np.arange(1, len(a) + 1, dtype=np.int64)
+    out.append(a)
+  return tree.unflatten(structure, out)
+
+
+def _tagged_paths(head: Any, batch_paths: list[str]) -> list[str]:
+  """The batch's leaves that carry codes: those named as a head element's
+  1-D integer leaves."""
+  for i in range(min(len(head), 64)):
+    element = head[i]
+    if element is not None:
+      leaves, _, paths = tree.flatten(element)
+      names = {p for p, l in zip(paths, leaves)
+               if np.asarray(l).ndim == 1 and np.asarray(l).dtype.kind in "iu"}
+      return [p for p in batch_paths if p in names]
+  return []
+
+
+def _segments(codes: np.ndarray) -> list[dict[str, Any]]:
+  """A traced row's runs of consecutive tokens of one element: where each
+  starts in the row (slot), the element, the offset in it, the length."""
+  out: list[dict[str, Any]] = []
+  for slot, code in enumerate(codes.tolist()):
+    if code == 0:
+      continue
+    element, offset = divmod(code - 1, _STRIDE)
+    last = out[-1] if out else None
+    if (last is not None and last["element"] == element
+        and last["slot"] + last["length"] == slot
+        and last["token_offset"] + last["length"] == offset):
+      last["length"] += 1
+    else:
+      out.append({"slot": slot, "element": element, "token_offset": offset, "length": 1})
+  return out
+
+
+def counts(ds: Any, first: int, stop: int, global_batch_size: int) -> dict[str, int]:
+  """Records at stream positions [first, stop) of a 1:1 dataset or mixture,
+  by component ("" for a dataset that is not a mixture), and "" past the
+  stream's end counted as padding ("_padding"), in chunks of _CHUNK."""
+  info = ds.info
+  out: dict[str, int] = {}
+  real_stop = min(stop, max(first, info.stream_length))
+  if stop > real_stop:
+    out["_padding"] = stop - real_stop
+  components = getattr(ds, "components", None)
+  if components is None:
+    if real_stop > first:
+      out[""] = real_stop - first
+    return out
+  for start in range(first, real_stop, _CHUNK):
+    which, _ = ds.locate(np.arange(start, min(real_stop, start + _CHUNK), dtype=np.int64),
+                         global_batch_size)
+    for j, n in enumerate(np.bincount(which, minlength=len(ds.names)).tolist()):
+      if n:
+        out[ds.names[j]] = out.get(ds.names[j], 0) + n
+  return out
+
+
+def summary(ds: Any, start: int, num_steps: int, global_batch_size: int,
+            record_offset: int = 0) -> dict[str, Any]:
+  """Records per mixture component in whole global batches [start, start +
+  num_steps): computed from the contract, not logged."""
+  info = ds.info
+  if info.stream:
+    raise InvalidRequestError(
+        f"dataset {info.name!r} is a stream dataset: a summary over steps is not built for "
+        "it (explain its steps one by one)")
+  rows = num_steps * global_batch_size
+  if rows > MAX_SUMMARY_ROWS:
+    raise InvalidRequestError(
+        f"dataset {info.name!r}: a summary of {num_steps} steps of {global_batch_size} is "
+        f"{rows} records, over the {MAX_SUMMARY_ROWS} one summary computes "
+        "(MAX_SUMMARY_ROWS); split the range")
+  first = record_offset + start * global_batch_size
+  found = counts(ds, first, first + rows, global_batch_size)
+  padding = found.pop("_padding", 0)
+  total = sum(found.values())
+  return {
+      "version": EXPLAIN_VERSION, "dataset": info.name,
+      "config_fingerprint": info.config_fingerprint,
+      "kind": "mixture" if getattr(ds, "components", None) is not None else "records",
+      "steps": [start, start + num_steps], "global_batch_size": global_batch_size,
+      "record_offset": record_offset, "records": total, "padding_rows": padding,
+      "components": {name or info.name: {"records": n, "share": n / total if total else 0.0}
+                     for name, n in sorted(found.items())}}

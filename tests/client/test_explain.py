@@ -1,0 +1,323 @@
+"""What step k held (`RemoteDataset.explain`, `elevator explain`), proved by
+construction: read the records an explanation names, run the dataset's
+pipeline on them, and rebuild the served rows bit for bit; for a 1:1
+dataset over two epochs, a mixture and an evaluation run, served and
+embedded, on 1, 2 and 4 hosts."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import textwrap
+
+import grain
+import numpy as np
+import pytest
+from array_record.python import array_record_data_source
+
+from grain_elevator.client import EndOfDataError, InvalidRequestError, RemoteDataset
+from grain_elevator.pipelines import examples, text
+from grain_elevator.proto import contract
+from grain_elevator.tools import cli
+from grain_elevator.tools import text_corpus
+from grain_elevator.tools import tokenizer as tokenizer_lib
+from grain_elevator.tools.launcher import LocalServer
+
+IMAGE = {"height": 4, "width": 4, "channels": 3}
+G = 12  # 1000 records: the last evaluation batch has 8 padding rows
+
+CONFIG = textwrap.dedent("""\
+    [datasets.twice]         # 1:1, shuffled, two epochs
+    paths = ["shards/*.array_record"]
+    pipeline = "grain_elevator.pipelines.examples:decode_images"
+    seed = 71
+    num_epochs = 2
+    [datasets.twice.options]
+    height = 4
+    width = 4
+    channels = 3
+
+    [datasets.a]
+    paths = ["shards/train-00000*.array_record"]
+    pipeline = "grain_elevator.pipelines.examples:decode_images"
+    seed = 72
+    [datasets.a.options]
+    height = 4
+    width = 4
+    channels = 3
+    [datasets.b]
+    paths = ["shards/train-00002*.array_record"]
+    pipeline = "grain_elevator.pipelines.examples:decode_images"
+    seed = 73
+    [datasets.b.options]
+    height = 4
+    width = 4
+    channels = 3
+    [datasets.mix]           # a mixture whose weights change at step 5
+    [[datasets.mix.schedule]]
+    step = 0
+    weights = { a = 0.5, b = 0.5 }
+    [[datasets.mix.schedule]]
+    step = 5
+    weights = { a = 0.2, b = 0.8 }
+
+    [datasets.eval]          # evaluation mode: 1000 records, the last batch padded
+    paths = ["shards/*.array_record"]
+    pipeline = "grain_elevator.pipelines.examples:decode_images"
+    seed = 74
+    drop_remainder = false
+    [datasets.eval.options]
+    height = 4
+    width = 4
+    channels = 3
+    """)
+
+EVAL_STEPS = -(-1000 // G)  # the conftest's 1000 records
+LENGTH = 32
+
+STREAMS = textwrap.dedent("""\
+    [datasets.lm]            # packed text: tokenize, chunk, first-fit pack, padded rows
+    paths = ["text/*.array_record"]
+    pipeline = "grain_elevator.pipelines.text:tokenize"
+    iter_pipeline = "grain_elevator.pipelines.text:chunk_and_pack"
+    batch_fn = "grain.experimental:batch_and_pad"
+    seed = 75
+    num_epochs = 0
+    [datasets.lm.options]
+    tokenizer = "tokenizer.json"
+    field = "text"
+    [datasets.lm.iter_options]
+    length = 32
+    num_packing_bins = 4
+
+    [datasets.lm_once]       # packed text, one epoch, evaluation mode: the last batch padded
+    paths = ["text/*.array_record"]
+    pipeline = "grain_elevator.pipelines.text:tokenize"
+    iter_pipeline = "grain_elevator.pipelines.text:chunk_and_pack"
+    seed = 76
+    drop_remainder = false
+    [datasets.lm_once.options]
+    tokenizer = "tokenizer.json"
+    field = "text"
+    [datasets.lm_once.iter_options]
+    length = 32
+    num_packing_bins = 4
+    """)
+
+
+@pytest.fixture(scope="module")
+def explain_config(data_dir: pathlib.Path, tmp_path_factory) -> pathlib.Path:
+  root = tmp_path_factory.mktemp("explain")
+  (root / "shards").symlink_to(data_dir / "shards")
+  text_corpus.write_jsonl_shards(str(root / "text"), 40, num_shards=2, seed=7)
+  tokenizer_lib.train(root / "tokenizer.json", vocab_size=384)
+  (root / "elevator.toml").write_text(CONFIG + "\n" + STREAMS)
+  return root / "elevator.toml"
+
+
+@pytest.fixture(scope="module")
+def explain_server(explain_config):
+  with LocalServer(str(explain_config), workers=2) as s:
+    yield s
+
+
+def _rebuilt(row: dict) -> dict:
+  """The row an explanation names, made from its record alone."""
+  raw = array_record_data_source.ArrayRecordDataSource([row["shard"]])[row["record"]]
+  return examples.decode_images(grain.MapDataset.source([raw]), **IMAGE)[0]
+
+
+def _served(target: str, name: str, step: int, h: int, n: int) -> dict:
+  with RemoteDataset(target, name, G, shard_index=h, shard_count=n) as ds:
+    it = iter(ds)
+    it.skip(step)
+    return next(it)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name,steps", [("twice", (0, 83, 165)), ("mix", (0, 4, 5, 9)),
+                                        ("eval", (0, EVAL_STEPS - 1))])
+@pytest.mark.parametrize("hosts", [1, 2, 4])
+def test_the_named_records_rebuild_the_served_rows(explain_server, explain_config, name,
+                                                   steps, hosts):
+  for target in (explain_server.target, f"local:{explain_config}"):
+    for step in steps:
+      for h in range(hosts):
+        explained = RemoteDataset(target, name, G, shard_index=h,
+                                  shard_count=hosts).explain(step)
+        served = _served(explain_server.target, name, step, h, hosts)
+        assert json.loads(json.dumps(explained)) == explained
+        assert explained["step"] == step and len(explained["rows"]) == G // hosts
+        for i, row in enumerate(explained["rows"]):
+          assert row["row"] == i and row["global_row"] == h * G // hosts + i
+          if row.get("padding"):
+            assert name == "eval" and not served[contract.MASK_KEY][i]
+            assert not served["image"][i].any()
+            continue
+          if name == "eval":
+            assert served[contract.MASK_KEY][i]
+          if name == "twice":
+            assert row["epoch"] == row["position"] // 1000
+          if name == "mix":
+            assert row["component"] in ("a", "b")
+          want = _rebuilt(row)
+          for key in ("id", "label", "image"):
+            assert np.asarray(want[key]).tobytes() == served[key][i].tobytes(), (
+                f"{name} step {step} host {h}/{hosts} row {i} {key}")
+
+
+def test_the_last_eval_batch_has_padding_and_both_epochs_show(explain_server):
+  last = RemoteDataset(explain_server.target, "eval", G).explain(EVAL_STEPS - 1)
+  pads = [r for r in last["rows"] if r.get("padding")]
+  assert len(pads) == EVAL_STEPS * G - 1000
+  epochs = {r["epoch"] for r in RemoteDataset(explain_server.target, "twice", G).explain(83)["rows"]}
+  assert epochs == {0, 1}
+
+
+def test_bad_steps_get_precise_errors(explain_server, explain_config):
+  for target in (explain_server.target, f"local:{explain_config}"):
+    ds = RemoteDataset(target, "eval", G)
+    with pytest.raises(EndOfDataError, match="past the end"):
+      ds.explain(EVAL_STEPS)
+    with pytest.raises(InvalidRequestError, match="step >= 0"):
+      ds.explain(-1)
+    with pytest.raises(InvalidRequestError, match="2\\*\\*63 - 1"):
+      ds.explain(1 << 61)
+    with pytest.raises(InvalidRequestError, match="passes the end of the stream"):
+      RemoteDataset(target, "lm_once", G).explain(10_000)
+
+
+def test_the_cli_explains_a_step(explain_server, explain_config, capsys):
+  assert cli.main(["explain", str(explain_config), "mix", "-G", str(G), "--step", "6",
+                   "--host", "1", "--hosts", "2", "--json"]) == 0
+  local = json.loads(capsys.readouterr().out)
+  assert cli.main(["explain", explain_server.target, "mix", "-G", str(G), "--step", "6",
+                   "--host", "1", "--hosts", "2", "--json"]) == 0
+  assert json.loads(capsys.readouterr().out) == local
+  assert cli.main(["explain", explain_server.target, "eval", "-G", str(G), "--step",
+                   str(EVAL_STEPS - 1)]) == 0
+  text = capsys.readouterr().out
+  assert "padding" in text and "record" in text
+  assert cli.main(["explain", explain_server.target, "eval", "-G", str(G), "--step",
+                   str(EVAL_STEPS)]) == 2
+  assert "past the end" in capsys.readouterr().err
+  assert cli.main(["explain", explain_server.target, "lm", "-G", str(G), "--step", "2"]) == 0
+  assert "slots 0.." in capsys.readouterr().out
+
+
+def _stream_steps(config: pathlib.Path, name: str, limit: int = 1000
+                  ) -> list[tuple[dict, dict]]:
+  """Embedded mode's (state where the step starts, batch) for each step, to
+  the stream's end or `limit`."""
+  with RemoteDataset.embedded(str(config), name, G) as ds:
+    it = iter(ds)
+    out = []
+    while len(out) < limit:
+      state = it.get_state()
+      try:
+        out.append((state, next(it)))
+      except StopIteration:
+        break
+    return out
+
+
+def _tokens(config: pathlib.Path, shard: str, record: int) -> np.ndarray:
+  raw = array_record_data_source.ArrayRecordDataSource([shard])[record]
+  ds = text.tokenize(grain.MapDataset.source([raw]),
+                     tokenizer=str(config.parent / "tokenizer.json"), field="text")
+  return ds[0]["tokens"]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", ["lm", "lm_once"])
+@pytest.mark.parametrize("hosts", [1, 2, 4])
+def test_the_named_segments_rebuild_the_packed_rows(explain_server, explain_config, name,
+                                                    hosts):
+  """Each row's segments, read from their records and tokenized, are the
+  served row's tokens, slot for slot; the rest of the row is padding."""
+  steps = _stream_steps(explain_config, name, 6 if name == "lm" else 1000)
+  picks = [0, 5] if name == "lm" else [0, len(steps) - 1]  # lm_once: its padded end too
+  for target in (explain_server.target, f"local:{explain_config}"):
+    for step in picks:
+      state, batch = steps[step]
+      for h in range(hosts):
+        ds = RemoteDataset(target, name, G, shard_index=h, shard_count=hosts)
+        explained = ds.explain(step, stream_state=state["stream_state"])
+        if h == 0 and step:  # found from the stream's start by the server: the same
+          assert ds.explain(step)["rows"] == explained["rows"]
+        assert explained["kind"] == "stream" and len(explained["rows"]) == G // hosts
+        for i, row in enumerate(explained["rows"]):
+          r = h * G // hosts + i
+          assert row["global_row"] == r
+          if row.get("padding"):
+            assert name == "lm_once" and not batch[contract.MASK_KEY][r]
+            assert not batch["tokens"][r].any()
+            continue
+          rebuilt = np.zeros(LENGTH, batch["tokens"].dtype)
+          ids = np.zeros(LENGTH, batch["tokens_segment_ids"].dtype)
+          for k, seg in enumerate(row["segments"]):
+            at, n = seg["slot"], seg["length"]
+            assert seg["position"] == seg["element"]  # the head is 1:1 over the records
+            toks = _tokens(explain_config, seg["shard"], seg["record"])
+            rebuilt[at:at + n] = toks[seg["token_offset"]:seg["token_offset"] + n]
+            ids[at:at + n] = k + 1
+          assert rebuilt.tobytes() == batch["tokens"][r].tobytes(), f"{name} {step} row {r}"
+          assert ids.tobytes() == batch["tokens_segment_ids"][r].tobytes()
+        if name == "lm_once" and step == len(steps) - 1 and hosts == 1:
+          assert any(row.get("padding") for row in explained["rows"])
+
+
+def test_a_summary_counts_what_explain_names_step_by_step(explain_server, explain_config):
+  """`summary(START, END)` per component equals the rows of every step's
+  explanation, counted; a 1:1 dataset's is its own; padding is apart."""
+  for target in (explain_server.target, f"local:{explain_config}"):
+    got = RemoteDataset(target, "mix", G).summary(3, 8)  # across the schedule's change at 5
+    named: dict[str, int] = {}
+    for step in range(3, 8):
+      for row in RemoteDataset(target, "mix", G).explain(step)["rows"]:
+        named[row["component"]] = named.get(row["component"], 0) + 1
+    assert {k: v["records"] for k, v in got["components"].items()} == named
+    assert got["records"] == 5 * G and got["steps"] == [3, 8]
+    last = RemoteDataset(target, "eval", G).summary(0, EVAL_STEPS)
+    assert last["records"] == 1000 and last["padding_rows"] == EVAL_STEPS * G - 1000
+    assert last["components"] == {"eval": {"records": 1000, "share": 1.0}}
+  with pytest.raises(EndOfDataError):
+    RemoteDataset(explain_server.target, "eval", G).summary(0, EVAL_STEPS + 1)
+  with pytest.raises(InvalidRequestError, match="start < end"):
+    RemoteDataset(explain_server.target, "eval", G).summary(4, 4)
+
+
+def test_the_cli_summary(explain_server, capsys):
+  assert cli.main(["explain", explain_server.target, "mix", "-G", str(G),
+                   "--summary", "0:10"]) == 0
+  got = json.loads(capsys.readouterr().out)
+  assert sum(c["records"] for c in got["components"].values()) == 10 * G
+  assert cli.main(["explain", explain_server.target, "mix", "-G", str(G),
+                   "--summary", "ten"]) == 2
+
+
+@pytest.mark.timeout(300)
+def test_metrics_count_records_per_component_and_tokens(explain_config):
+  """elevator_records_served{dataset,component} and elevator_tokens_served
+  hold what the clients received, by mixture component."""
+  from grain_elevator.server import Server, ServerOptions  # pylint: disable=g-import-not-at-top
+  from grain_elevator.tools import top  # pylint: disable=g-import-not-at-top
+  from helpers import wait_for  # pylint: disable=g-import-not-at-top
+  with Server(str(explain_config), ServerOptions(port=0, workers=2, metrics_port=0)) as server:
+    with RemoteDataset(server.target, "mix", G, prefetch=0) as ds:  # one step a request
+      it = iter(ds)
+      for _ in range(8):
+        next(it)
+    with RemoteDataset(server.target, "lm", G, shard_index=1, shard_count=2) as ds:
+      it = iter(ds)
+      tokens = sum(int(np.count_nonzero(next(it)["tokens_segment_ids"])) for _ in range(4))
+    def scrape():
+      return top.scrape(f"127.0.0.1:{server.metrics_port}", timeout_s=60)
+    wait_for(lambda: scrape()[("elevator_inflight_requests", ())] == 0, "the requests to end")
+    m = scrape()
+  want = RemoteDataset(f"local:{explain_config}", "mix", G).summary(0, 8)["components"]
+  for name, c in want.items():
+    key = ("elevator_records_served_total", (("component", name), ("dataset", "mix")))
+    assert m[key] == c["records"]
+  got = m[("elevator_tokens_served_total", (("component", "lm"), ("dataset", "lm")))]
+  assert got >= tokens > 0  # its fetch thread may have read a chunk ahead

@@ -1,0 +1,259 @@
+"""Rollback-and-skip: `iterator.skip(n)` drops the next n global batches,
+the cursor records the range, and a resume from any later checkpoint, on
+any host count, continues the oracle's stream with those steps removed; for
+1:1 datasets, mixtures and packed stream datasets, served and embedded."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import textwrap
+
+import numpy as np
+import pytest
+
+from grain_elevator.client import (InvalidRequestError, RemoteDataset, StreamMismatchError,
+                                   TransportOptions)
+from grain_elevator.client import checkpoint
+from grain_elevator.client import state as state_lib
+from grain_elevator.tools import cli
+from grain_elevator.tools import text_corpus
+from grain_elevator.tools import tokenizer as tokenizer_lib
+from grain_elevator.tools.launcher import LocalServer
+from helpers import assert_streams_equal
+
+G = 4
+AT, SKIP, SAVED = 100, 50, 120  # skip 50 at step 100, save after 120 batches given
+
+CONFIG = textwrap.dedent("""\
+    [datasets.forever]       # 1:1, shuffled, repeating
+    paths = ["shards/*.array_record"]
+    pipeline = "grain_elevator.pipelines.examples:decode_images"
+    seed = 61
+    num_epochs = 0
+    [datasets.forever.options]
+    height = 4
+    width = 4
+    channels = 3
+
+    [datasets.once]          # 1:1, one epoch of 1000 records: 250 steps of 4
+    paths = ["shards/*.array_record"]
+    pipeline = "grain_elevator.pipelines.examples:decode_images"
+    seed = 62
+    [datasets.once.options]
+    height = 4
+    width = 4
+    channels = 3
+
+    [datasets.a]
+    paths = ["shards/train-00000*.array_record"]
+    pipeline = "grain_elevator.pipelines.examples:decode_images"
+    seed = 63
+    num_epochs = 0
+    [datasets.a.options]
+    height = 4
+    width = 4
+    channels = 3
+    [datasets.b]
+    paths = ["shards/train-00001*.array_record"]
+    pipeline = "grain_elevator.pipelines.examples:decode_images"
+    seed = 64
+    num_epochs = 0
+    [datasets.b.options]
+    height = 4
+    width = 4
+    channels = 3
+    [datasets.mix]           # a mixture of two 1:1 datasets
+    mixture = { a = 0.7, b = 0.3 }
+
+    [datasets.lm]            # packed text: tokenize, chunk, first-fit pack
+    paths = ["text/*.array_record"]
+    pipeline = "grain_elevator.pipelines.text:tokenize"
+    iter_pipeline = "grain_elevator.pipelines.text:chunk_and_pack"
+    batch_fn = "grain.experimental:batch_and_pad"
+    seed = 65
+    num_epochs = 0
+    [datasets.lm.options]
+    tokenizer = "tokenizer.json"
+    field = "text"
+    [datasets.lm.iter_options]
+    length = 32
+    num_packing_bins = 4
+
+    [datasets.lm_once]       # packed text, one epoch: a finite stream
+    paths = ["text/*.array_record"]
+    pipeline = "grain_elevator.pipelines.text:tokenize"
+    iter_pipeline = "grain_elevator.pipelines.text:chunk_and_pack"
+    seed = 66
+    [datasets.lm_once.options]
+    tokenizer = "tokenizer.json"
+    field = "text"
+    [datasets.lm_once.iter_options]
+    length = 32
+    num_packing_bins = 4
+    """)
+
+SHAPES = ("forever", "mix", "lm")
+
+
+@pytest.fixture(scope="module")
+def skip_config(data_dir: pathlib.Path, tmp_path_factory) -> pathlib.Path:
+  root = tmp_path_factory.mktemp("skips")
+  (root / "shards").symlink_to(data_dir / "shards")
+  text_corpus.write_jsonl_shards(str(root / "text"), 60, num_shards=2, seed=5)
+  tokenizer_lib.train(root / "tokenizer.json", vocab_size=384)
+  (root / "elevator.toml").write_text(CONFIG)
+  return root / "elevator.toml"
+
+
+@pytest.fixture(scope="module")
+def skip_server(skip_config):
+  with LocalServer(str(skip_config), workers=2) as s:
+    yield s
+
+
+_oracles: dict[tuple[str, str], list] = {}
+
+
+def oracle(config: pathlib.Path, name: str, steps: int) -> list:
+  """Embedded mode's first `steps` global batches, without any skip."""
+  key = (str(config), name)
+  if len(_oracles.get(key, ())) < steps:
+    with RemoteDataset.embedded(str(config), name, G) as ds:
+      it = iter(ds)
+      _oracles[key] = [next(it) for _ in range(steps)]
+  return _oracles[key][:steps]
+
+
+def _rows(batch: dict, h: int, n: int) -> dict:
+  return {k: v[h * G // n:(h + 1) * G // n] for k, v in batch.items()}
+
+
+def _take(it, k: int) -> list:
+  return [next(it) for _ in range(k)]
+
+
+def _dataset(target: str, name: str, h: int = 0, n: int = 1) -> RemoteDataset:
+  return RemoteDataset(target, name, G, shard_index=h, shard_count=n,
+                       transport=TransportOptions(steps_per_request=8))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", SHAPES)
+def test_a_skip_saved_later_resumes_on_another_host_count(skip_server, skip_config, name):
+  """Skip 50 at step 100, save after 120 batches given, resume on 2 hosts:
+  the oracle's stream with steps 100-149 removed."""
+  want = oracle(skip_config, name, AT + SKIP + (SAVED - AT) + 8)
+  with _dataset(skip_server.target, name) as ds:
+    it = iter(ds)
+    assert_streams_equal(_take(it, AT), want[:AT])
+    it.skip(SKIP)
+    assert_streams_equal(_take(it, SAVED - AT), want[AT + SKIP:SAVED + SKIP])
+    saved = json.loads(json.dumps(it.get_state()))
+  assert saved["step"] == SAVED + SKIP and saved["skips"] == [[AT, AT + SKIP]]
+  assert state_lib.trained_steps(saved) == SAVED
+  for target in (skip_server.target, f"local:{skip_config}"):
+    for h in (0, 1):
+      with _dataset(target, name, h, 2) as ds:
+        it = iter(ds)
+        it.set_state(saved)
+        assert it.get_state() == saved  # the skip stays recorded
+        got = _take(it, 8)
+      assert assert_streams_equal(got, [_rows(b, h, 2) for b in want[SAVED + SKIP:]]) == 8
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", SHAPES)
+def test_a_skip_written_into_a_saved_cursor_is_made_on_resume(skip_server, skip_config, name,
+                                                              tmp_path, capsys):
+  """`elevator cursor skip STATE --steps 50` on a state saved at step 100:
+  restored on 4 hosts, each continues at step 150; the made skip is kept."""
+  want = oracle(skip_config, name, AT + SKIP + 4)
+  with _dataset(skip_server.target, name) as ds:
+    it = iter(ds)
+    _take(it, AT)
+    state = it.get_state()
+  path = tmp_path / "state.json"
+  path.write_text(json.dumps(state))
+  assert cli.main(["cursor", "skip", str(path), "--steps", str(SKIP)]) == 0
+  assert json.loads(capsys.readouterr().out)["resumes_at_step"] == AT + SKIP
+  edited = json.loads(path.read_text())
+  assert edited["step"] == AT and edited["skips"][-1] == [AT, AT + SKIP]
+  for h in range(4):
+    with _dataset(skip_server.target, name, h, 4) as ds:
+      it = iter(ds)
+      it.set_state(edited)
+      assert it.get_state()["step"] == AT + SKIP
+      got = _take(it, 4)
+    assert assert_streams_equal(got, [_rows(b, h, 4) for b in want[AT + SKIP:]]) == 4
+
+
+def test_a_grain_checkpoint_directory_is_edited_for_every_host(tmp_path):
+  """Every host's file of a Grain checkpoint item gets the same skip."""
+  state = {"step": 7, "dataset": "forever", "global_batch_size": G, "seed": 61,
+           "config_fingerprint": "f"}
+  for i in range(2):
+    (tmp_path / f"process_{i}-of-2.json").write_text(json.dumps(state))
+  checkpoint.skip_saved(tmp_path, 3)
+  assert checkpoint.load_state(tmp_path)["skips"] == [[7, 10]]
+  checkpoint.skip_saved(tmp_path, 2)  # a second skip before the resume extends the first
+  assert checkpoint.load_state(tmp_path)["skips"] == [[7, 12]]
+
+
+def test_a_cursor_with_skips_of_another_stream_is_refused(skip_server):
+  with _dataset(skip_server.target, "forever") as ds:
+    it = iter(ds)
+    next(it)
+    it.skip(5)
+    saved = json.loads(json.dumps(it.get_state()))
+  with _dataset(skip_server.target, "mix") as ds:
+    with pytest.raises(StreamMismatchError, match="dataset"):
+      iter(ds).set_state(saved)
+
+
+def test_bad_skips_get_precise_errors(skip_server):
+  with _dataset(skip_server.target, "once") as ds:
+    it = iter(ds)
+    for bad, why in ((-1, "whole number of steps >= 0"), (1.5, "whole number"),
+                     (1 << 62, "past 2\\*\\*63 - 1"), (251, "passes the end.*250 steps")):
+      with pytest.raises(InvalidRequestError, match=why):
+        it.skip(bad)
+    first = next(it)  # nothing moved
+    it.skip(248)
+    assert it.get_state()["skips"] == [[1, 249]]
+    next(it)
+    with pytest.raises(StopIteration):
+      next(it)
+    saved = it.get_state()
+  assert np.array_equal(first["image"], next(iter(_dataset(skip_server.target, "once")))["image"])
+  with _dataset(skip_server.target, "once") as ds:
+    it = iter(ds)
+    for state, why in (({**saved, "skips": [[1, 300]], "step": 2}, "passes the end"),
+                       ({**saved, "skips": [[5, 9]], "step": 2}, "ahead of the state's step"),
+                       ({**saved, "skips": [[1, 3], [2, 4]]}, "does not come after"),
+                       ({**saved, "skips": "1-3"}, "must be a list"),
+                       ({**saved, "version": 3}, "newer grain-elevator")):
+      with pytest.raises(InvalidRequestError, match=why):
+        it.set_state(state)
+    old = {k: v for k, v in saved.items() if k not in ("version", "skips")}
+    it.set_state({**old, "step": 3})  # a cursor from before skips still loads
+    assert it.get_state()["step"] == 3 and "skips" not in it.get_state()
+
+
+@pytest.mark.timeout(300)
+def test_a_skip_past_the_end_of_a_finite_stream_is_refused_and_moves_nothing(
+    skip_server, skip_config):
+  with RemoteDataset.embedded(str(skip_config), "lm_once", G) as ds:
+    total = sum(1 for _ in iter(ds))
+  want = oracle(skip_config, "lm_once", 3)
+  with _dataset(skip_server.target, "lm_once") as ds:
+    it = iter(ds)
+    next(it)
+    with pytest.raises(InvalidRequestError, match="passes the end of the stream"):
+      it.skip(total)
+    assert it.get_state()["step"] == 1
+    assert_streams_equal(_take(it, 2), want[1:3])
+    it.skip(total - 4)  # to the last step exactly
+    next(it)
+    with pytest.raises(StopIteration):
+      next(it)
