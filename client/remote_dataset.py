@@ -290,7 +290,7 @@ class _RemoteIterator(grain.DatasetIterator):
     super().__init__()
     self._ds = ds
     self._backend = backend
-    self._closed = False
+    self._closed = True  # until constructed: __del__ closes only a whole iterator
     self._info = info
     self._offset = 0  # records before step 0: nonzero once G changed at a checkpoint
     self._total = self._info.total_steps(ds.global_batch_size)
@@ -308,6 +308,7 @@ class _RemoteIterator(grain.DatasetIterator):
     tune, window = self._tune, self._window  # not self: the meter must not keep it alive
     self._meter = stats_lib.meter_for(
         ds, backend, (lambda: tune.prefetch) if tune is not None else (lambda: window.prefetch))
+    self._closed = False
     closing.start()  # where a dropped iterator gets closed
 
   def stats(self) -> stats_lib.Stats:
@@ -449,9 +450,10 @@ class _RemoteIterator(grain.DatasetIterator):
   # -- lifecycle ------------------------------------------------------------
 
   def _stop_pool(self) -> None:
-    if self._pool is not None:
-      self._pool.shutdown(wait=True, cancel_futures=True)
-      self._pool = None
+    # getattr: an iterator whose construction failed part-way is closed too.
+    pool, self._pool = getattr(self, "_pool", None), None
+    if pool is not None:
+      pool.shutdown(wait=True, cancel_futures=True)
 
   def close(self) -> None:
     if self._closed:
