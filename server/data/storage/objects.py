@@ -277,6 +277,17 @@ _objects: Objects | None = None
 _objects_lock = threading.Lock()
 
 
+def store_of(url: str, settings: StorageSettings | None = None) -> tuple[Any, str]:
+  """(obstore store, key) of `url`, configured as the server's reads are:
+  what tools that write objects (the converters) write through."""
+  return objects()._store(url, settings or StorageSettings())  # pylint: disable=protected-access
+
+
+def reason(e: BaseException) -> str:
+  """A storage error as a message may show it: never a body or a signed query."""
+  return _reason(e)
+
+
 def objects() -> Objects:
   """This process's Objects."""
   global _objects
