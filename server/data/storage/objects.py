@@ -37,6 +37,9 @@ from grain_elevator.server.data.storage.settings import StorageSettings
 # in ~20-50 ms whatever the size up to a few MB, so hundreds in flight keep
 # a worker's reads going at its bandwidth rather than at one batch per round trip.
 MAX_IN_FLIGHT = 128
+# Of those, reads made ahead of need (read_ahead.py) hold at most this many:
+# the rest are kept for the reads of the step being made now.
+AHEAD_IN_FLIGHT = MAX_IN_FLIGHT * 3 // 4
 # Objects listed for one glob at most: a prefix that names a whole bucket
 # by mistake is refused rather than listed for minutes.
 MAX_LISTED = 1_000_000
@@ -127,6 +130,7 @@ class Objects:
     self._loop: asyncio.AbstractEventLoop | None = None
     self._loop_pid = -1
     self._semaphore: asyncio.Semaphore | None = None
+    self._ahead: asyncio.Semaphore | None = None
 
   def _store(self, url: str, settings: StorageSettings) -> tuple[Any, str]:
     scheme, bucket, key = urls.split(url)
@@ -143,7 +147,7 @@ class Objects:
         loop = asyncio.new_event_loop()
         threading.Thread(target=loop.run_forever, daemon=True, name="elevator-storage").start()
         self._loop, self._loop_pid = loop, os.getpid()
-        self._semaphore = None
+        self._semaphore = self._ahead = None
       return self._loop
 
   def _run(self, coro: Any) -> Any:
@@ -203,7 +207,15 @@ class Objects:
     """`fetch` without waiting: a future of each range's bytes (or of the
     error `fetch` would raise), all requested concurrently from now."""
     loop = self._event_loop()
-    return [asyncio.run_coroutine_threadsafe(self._fetch_one(*r), loop) for r in ranges]
+    return [asyncio.run_coroutine_threadsafe(self._fetch_ahead(*r), loop) for r in ranges]
+
+  async def _fetch_ahead(self, obj: ObjectRef, begin: int, end: int) -> bytes:
+    """A read made ahead of need: at most AHEAD_IN_FLIGHT of them hold a
+    slot, so a step's own reads always find one free."""
+    if self._ahead is None:  # made in the loop's thread, which alone uses it
+      self._ahead = asyncio.Semaphore(AHEAD_IN_FLIGHT)
+    async with self._ahead:
+      return await self._fetch_one(obj, begin, end)
 
   async def _fetch_all(self, ranges: Sequence[tuple[ObjectRef, int, int]]) -> list[bytes]:
     tasks = [asyncio.ensure_future(self._fetch_one(*r)) for r in ranges]

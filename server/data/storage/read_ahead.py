@@ -122,6 +122,7 @@ class ReadAhead:
       self._sweep(now)
       new: dict[ObjectRef, set[tuple[int, int]]] = {}  # extents to fetch, per object
       new_bytes: dict[ObjectRef, int] = {}  # their coalesced bytes, per object
+      first: dict[tuple[ObjectRef, int, int], int] = {}  # extent -> first group needing it
       accepted: list[tuple[Hashable, Needs]] = []
       for tag, needs in groups:
         if tag in self._groups or len(self._groups) + len(accepted) >= MAX_GROUPS:
@@ -135,14 +136,25 @@ class ReadAhead:
           break
         for obj, extents in adds.items():
           new.setdefault(obj, set()).update(extents)
+          for e in extents:
+            first.setdefault((obj, *e), len(accepted))
         new_bytes.update(sizes)
         accepted.append((tag, needs))
-      fetches: list[_Entry] = []
+      fetches: list[tuple[int, _Entry]] = []  # (the first group that needs it, entry)
       for obj, extents in new.items():
-        for begin, end in coalesce(sorted(extents)):
+        ordered = sorted(extents)
+        i = 0
+        for begin, end in coalesce(ordered):
           entry = _Entry(obj, begin, end, concurrent.futures.Future())
+          group = len(accepted)
+          while i < len(ordered) and ordered[i][1] <= end:
+            group = min(group, first[(obj, *ordered[i])])
+            i += 1
           if self._add(entry):
-            fetches.append(entry)
+            fetches.append((group, entry))
+      # Requested in the order of the groups that need them, the first first:
+      # the first step's ranges are not queued behind the later steps'.
+      fetches.sort(key=lambda f: f[0])
       for tag, needs in accepted:
         entries = {id(e): e for obj, extents in needs for e in
                    (self._find(obj, *x) for x in extents) if e is not None}
@@ -150,11 +162,11 @@ class ReadAhead:
           entry.uses += 1
         self._groups[tag] = (now, list(entries.values()))
       held_bytes = self._bytes
-    futures = objects_lib.objects().fetch_later([(e.obj, e.begin, e.end) for e in fetches])
-    for entry, future in zip(fetches, futures):
+    futures = objects_lib.objects().fetch_later([(e.obj, e.begin, e.end) for _, e in fetches])
+    for (_, entry), future in zip(fetches, futures):
       future.add_done_callback(lambda f, e=entry: _settle(e.future, f))
     if fetches:
-      self.counts.storage_bytes(dataset, fetched=sum(e.size for e in fetches), planned=True)
+      self.counts.storage_bytes(dataset, fetched=sum(e.size for _, e in fetches), planned=True)
     self.counts.read_ahead_bytes(held_bytes)
     return len(accepted)
 
