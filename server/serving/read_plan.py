@@ -26,6 +26,7 @@ read_ahead.STALE_S, and `elevator_storage_fetched_bytes_total` against
 from __future__ import annotations
 
 import collections
+import itertools
 import threading
 from typing import Any, Hashable, Iterable
 
@@ -37,6 +38,9 @@ from grain_elevator.server.data.storage import read_ahead
 # comes when the client's window moves past the chunks of every other
 # worker, so two cover the wait with one to spare.
 AHEAD_CHUNKS = 2
+# Steps one request plans at most (a long stream's request asks for
+# thousands): planning costs a moment per step, and the budget bounds the bytes.
+MAX_STEPS = 192
 # Streams (dataset, fingerprint, G, host, offset, request size) whose
 # stride is kept.
 MAX_STREAMS = 4096
@@ -71,9 +75,9 @@ class ReadPlanner:
     n = max(1, r.num_steps)
     end = contract.total_steps(stream_length, r.global_batch_size, r.record_offset,
                                drop_remainder)
-    steps = list(range(r.start_step, min(r.start_step + n, end)))
-    if r.start_step % n:
-      return steps
+    steps = list(range(r.start_step, min(r.start_step + n, end, r.start_step + MAX_STEPS)))
+    if r.start_step % n or n > MAX_STEPS // (AHEAD_CHUNKS + 1):
+      return steps  # no chunk, or a long stream's request: its own first steps only
     chunk = r.start_step // n
     stride = self._stride((*stream, n), chunk)
     for j in range(1, AHEAD_CHUNKS + 1):
@@ -95,8 +99,9 @@ class ReadPlanner:
     if needs_of is None or info.stream:
       return 0
     ahead = read_ahead.current()
-    if ahead.budget_bytes <= 0:
-      return 0
+    if ahead.budget_bytes <= 0 or needs_of(r.start_step, r.global_batch_size, r.shard_index,
+                                           r.shard_count, r.record_offset) is None:
+      return 0  # off, or nothing of this dataset is in a bucket
     stream = (info.name, info.config_fingerprint, r.global_batch_size, r.shard_index,
               r.shard_count, r.record_offset)
     groups = []
@@ -114,8 +119,8 @@ class ReadPlanner:
   def release(self, ds: Any, r: pb.BatchRequest, steps: Iterable[int]) -> None:
     """These steps of `r` are made (or will not be, by this request): what
     was read ahead for them is let go of."""
-    if ds.info.stream:
-      return
     ahead = read_ahead.current()
-    for step in steps:
+    if ds.info.stream or not ahead.holds_groups:
+      return
+    for step in itertools.islice(steps, MAX_STEPS):  # a request planned no more
       ahead.release(self._tag(ds.info, r, step))

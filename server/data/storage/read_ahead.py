@@ -105,6 +105,12 @@ class ReadAhead:
     with self._lock:
       return self._bytes
 
+  @property
+  def holds_groups(self) -> bool:
+    """Whether any group is planned (read without the lock: a hint that
+    lets steps of local datasets skip `release`)."""
+    return bool(self._groups)
+
   def planned(self, tag: Hashable) -> bool:
     with self._lock:
       return tag in self._groups
