@@ -170,6 +170,8 @@ def _make_tokenizer(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+  if args.storage == "s3":
+    return _bench_storage(args)
   from grain_elevator.tools.bench import run  # pylint: disable=g-import-not-at-top
   report = run.run(
       data_dir=args.data, workload_names=args.workloads.split(","),
@@ -188,6 +190,27 @@ def _bench(args: argparse.Namespace) -> int:
       print(f"wrote {args.plot}")
     except ImportError:
       print("no plot: pip install 'grain-elevator[bench]' for matplotlib", file=sys.stderr)
+  return 0
+
+
+def _bench_storage(args: argparse.Namespace) -> int:
+  import tempfile  # pylint: disable=g-import-not-at-top
+  from grain_elevator.tools.bench import buckets  # pylint: disable=g-import-not-at-top
+  names = args.workloads.split(",") if args.workloads != "small,large" else list(buckets.WORKLOADS)
+  root = pathlib.Path(args.data or os.path.join(tempfile.gettempdir(), "grain-elevator-bench"))
+  try:
+    report = buckets.run(root, names, workers=max(int(w) for w in args.workers.split(",")),
+                         repeats=args.repeats, seconds=args.seconds, warmup_s=args.warmup,
+                         latency_ms=args.storage_latency_ms,
+                         records={"small": args.small_records, "image": args.image_records})
+  except ValueError as e:
+    print(f"elevator: error: {e}", file=sys.stderr)
+    return 2
+  for name, wl in report["workloads"].items():
+    print("\n".join(buckets.table(name, wl, report["repeats"])))
+  if args.json:
+    pathlib.Path(args.json).write_text(json.dumps(report, indent=1))
+    print(f"wrote {args.json}")
   return 0
 
 
@@ -378,6 +401,14 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--plot", default=None, help="also draw a PNG here (needs matplotlib)")
   p.add_argument("--no-tfdata", action="store_true",
                  help="skip (e) tf.data service even when TensorFlow is installed")
+  p.add_argument("--storage", choices=["local", "s3"], default="local",
+                 help="s3: read the small and image workloads from an S3 server (moto, "
+                      "needs grain-elevator[test]) behind a proxy adding --storage-latency-ms "
+                      "a request, against the same server on local files, local Grain's "
+                      "per-record reads and a whole-shard cache (tools/bench/buckets.py; "
+                      "--workers: its largest; default records: 20,000 small, 1,000 image)")
+  p.add_argument("--storage-latency-ms", type=float, default=20.0,
+                 help="with --storage s3: latency the proxy adds to each request (default 20)")
   p.set_defaults(fn=_bench)
 
   p = sub.add_parser("bench-feed",

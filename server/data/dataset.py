@@ -456,6 +456,28 @@ class ElevatorDataset:
     (server/data/provenance.py)."""
     return record_origins(self._source, self._source_index, positions)
 
+  def read_needs(self, step: int, global_batch_size: int, shard_index: int,
+                 shard_count: int, record_offset: int = 0) -> list[Any] | None:
+    """What producing host h's rows of `step` reads from a bucket: per
+    object, its chunks' extents (server/serving/read_plan.py plans them);
+    None for shards on local disk (ServedDataset)."""
+    if self.component_needs([]) is None:
+      return None
+    positions = contract.host_positions(step, global_batch_size, shard_index, shard_count,
+                                        record_offset)
+    real = min(len(positions), max(0, self.info.stream_length - positions.start))
+    if self.config.drop_remainder and real < len(positions):
+      return []  # past the stream: the step is refused, nothing is read
+    return self.component_needs(list(positions[:real]))
+
+  def component_needs(self, positions: list[int]) -> list[Any] | None:
+    """What reading the records at these stream positions needs from a
+    bucket: per object, its chunks' extents; None for local shards."""
+    needs = getattr(self._source, "needs", None)
+    if needs is None:
+      return None
+    return needs(self._source_index(positions)) if positions else []
+
   def component_rows(self, positions: list[int]) -> list[np.ndarray]:
     """Stacked rows at these stream positions, for a mixture (server/data/mixture.py)."""
     return self._rows(positions, stack=True)

@@ -162,6 +162,26 @@ class MixtureDataset:
       component[rows], index[rows] = c, offsets[i][c] + k
     return component, index
 
+  def read_needs(self, step: int, global_batch_size: int, shard_index: int,
+                 shard_count: int, record_offset: int = 0) -> list[Any] | None:
+    """What producing host h's rows of `step` reads from buckets: per
+    object, its chunks' extents, over the components; None where none is in
+    a bucket (ServedDataset)."""
+    if all(ds.component_needs([]) is None for ds in self.components):
+      return None
+    if record_offset and len(self._segments) > 1:
+      return []  # refused when asked for (host_batch_leaves)
+    positions = contract.host_positions(step, global_batch_size, shard_index, shard_count,
+                                        record_offset)
+    component, index = self.locate(np.arange(positions.start, positions.stop, dtype=np.int64),
+                                   global_batch_size)
+    out: list[Any] = []
+    for j, ds in enumerate(self.components):
+      rows = np.flatnonzero(component == j)
+      if len(rows):
+        out += ds.component_needs(index[rows].tolist()) or []
+    return out
+
   def host_batch_leaves(self, step: int, global_batch_size: int, shard_index: int,
                         shard_count: int, *, record_offset: int = 0,
                         stack: bool = True) -> list[np.ndarray]:

@@ -4,8 +4,10 @@ The sibling of record_source.py's BatchedArrayRecordSource, with the same
 surface (`len`, `__getitem__`, `_getitems`, `read_raw`, `where`): Grain's
 shuffle, repeat and mix run over it unchanged, so a bucket and a local copy
 of the same shards give the same stream. A batch's records are planned
-shard by shard (shards/object_reader.py), and all their byte ranges go out
-at once (storage/objects.py), pinned to each object's recorded identity.
+shard by shard (shards/object_reader.py): the chunks the read-ahead holds
+for it come from there (storage/read_ahead.py, planned before the batch was
+asked for), and all the other byte ranges go out at once
+(storage/objects.py), pinned to each object's recorded identity.
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ from grain_elevator.server.data.shards import identity as identity_lib
 from grain_elevator.server.data.shards.chunks import CorruptShard, UnsupportedShard
 from grain_elevator.server.data.shards.object_reader import (Fetched, ObjectShardReader,
                                                              open_object_shard)
+from grain_elevator.server.data.shards.object_reader import coalesce
 from grain_elevator.server.data.storage import objects as objects_lib
+from grain_elevator.server.data.storage import read_ahead
 from grain_elevator.server.data.storage.settings import StorageSettings
 
 # Shards opened at once (each one or two ranged reads of its tail).
@@ -47,6 +51,7 @@ class ObjectRecordSource:
                identities: Mapping[str, Any] | None = None, dataset: str = ""):
     self._urls = list(urls)
     self._storage = storage or StorageSettings()
+    self.dataset = dataset
     if identities is None:
       identities = identity_lib.shard_identities(self._urls, dataset=dataset,
                                                  storage=self._storage)
@@ -100,25 +105,47 @@ class ObjectRecordSource:
     shard = int(np.searchsorted(self._key_ends, key, "right"))
     return f"shard {self._urls[shard]} record {key - int(self._key_starts[shard])}"
 
+  def needs(self, indices: Sequence[int]) -> list[tuple[objects_lib.ObjectRef, list[tuple[int, int]]]]:
+    """What a read of the records at `indices` needs: per object, its
+    chunks' extents (what read_ahead.py plans)."""
+    return [(self._readers[shard].obj, self._readers[shard].extents(positions))
+            for shard, (positions, _) in sorted(self._split(indices).items())]
+
   def plan(self, indices: Sequence[int]) -> list[tuple[objects_lib.ObjectRef, int, int]]:
-    """Every byte range the records at `indices` need, over all shards."""
-    out = []
-    for shard, (positions, _) in self._split(indices).items():
-      reader = self._readers[shard]
-      out += [(reader.obj, a, b) for a, b in reader.plan(positions)]
-    return out
+    """Every byte range an unplanned read of the records at `indices` makes."""
+    return [(obj, a, b) for obj, extents in self.needs(indices) for a, b in coalesce(extents)]
 
   def read_raw(self, indices: Sequence[int]) -> Sequence[bytes]:
-    """The records' bytes as stored; their ranges fetched concurrently."""
+    """The records' bytes as stored: their chunks from the read-ahead where
+    it holds them, the others fetched now, concurrently."""
     groups = self._split(indices)
-    plans = {s: self._readers[s].plan(positions) for s, (positions, _) in groups.items()}
-    ranges = [(self._readers[s].obj, a, b) for s, plan in plans.items() for a, b in plan]
-    data = iter(objects_lib.objects().fetch(ranges))
+    ahead = read_ahead.current()
+    views: dict[int, dict[int, memoryview]] = {}
+    fetches: list[tuple[int, int, int, list[tuple[int, int]]]] = []  # shard, range, its chunks
+    needed = 0
+    for shard, (positions, _) in groups.items():
+      reader = self._readers[shard]
+      extents = reader.extents(positions)
+      needed += sum(b - a for a, b in extents)
+      views[shard], missing = ahead.take(reader.obj, extents)
+      chunks = iter(missing)
+      for a, b in coalesce(missing):
+        inside, chunk = [], next(chunks)
+        while True:  # the missing extents in [a, b), in order
+          inside.append(chunk)
+          if chunk[1] >= b:
+            break
+          chunk = next(chunks)
+        fetches.append((shard, a, b, inside))
+    data = objects_lib.objects().fetch([(self._readers[s].obj, a, b) for s, a, b, _ in fetches])
+    for (shard, begin, _, inside), got in zip(fetches, data):
+      for a, b in inside:
+        views[shard][a] = memoryview(got)[a - begin:b - begin]
+    ahead.counts.storage_bytes(self.dataset, fetched=sum(len(d) for d in data), needed=needed)
     out: list[bytes] = [b""] * len(indices)
     for shard, (positions, where) in groups.items():
-      fetched = Fetched({a: next(data) for a, _ in plans[shard]})
       try:
-        records = self._readers[shard].read(positions, fetched)
+        records = self._readers[shard].read(positions, Fetched(views[shard]))
       except CorruptShard as e:
         raise DataLossError(f"shard {self._urls[shard]} is corrupt: {e}") from e
       for record, i in zip(records, where):

@@ -7,7 +7,7 @@ else of either.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -30,3 +30,9 @@ class ServedDataset(Protocol):
     """Host `shard_index` of `shard_count`'s rows of global batch `step`
     (counted from `record_offset`), one leaf each; `stack=False` may leave
     big rows as RowStacks for the socket to gather."""
+
+  def read_needs(self, step: int, global_batch_size: int, shard_index: int,
+                 shard_count: int, record_offset: int = 0) -> list[Any] | None:
+    """What producing host h's rows of `step` reads from buckets: per
+    object, its chunks' extents, planned ahead by server/serving/read_plan.py;
+    None when nothing is read from a bucket."""

@@ -16,6 +16,7 @@ import typing
 from typing import Any
 
 from grain_elevator.proto.errors import ConfigError
+from grain_elevator.server.data.storage.read_ahead import DEFAULT_READ_AHEAD_MB
 from grain_elevator.server.process import cgroup
 from grain_elevator.server.serving.admission import STALL_GRACE_S
 
@@ -127,6 +128,10 @@ class ServerOptions:
             "trainers reading the same stream get each step produced once, and as much "
             "again for stream datasets' global batches shared by their hosts; 0: off; "
             "auto: 1/16 of the container's memory limit, at most 512", none="auto")
+  read_ahead_mb: int = _option(
+      DEFAULT_READ_AHEAD_MB, "MiB each worker may hold of bucket reads made ahead of their "
+      "steps (a request's steps and the next ones it will be asked for, docs/buckets.md); "
+      "0: off, each step reads its own ranges when made")
 
   def __post_init__(self) -> None:
     for name in ("port", "bulk_port", "metrics_port", "health_port"):
@@ -149,6 +154,8 @@ class ServerOptions:
     for name in ("write_timeout_s", "idle_timeout_s"):
       if not getattr(self, name) > 0:
         raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+    if self.read_ahead_mb < 0:
+      raise ConfigError(f"read_ahead_mb must be >= 0, got {self.read_ahead_mb}")
     if self.batch_cache_mb is not None and self.batch_cache_mb < 0:
       raise ConfigError(f"batch_cache_mb must be >= 0, got {self.batch_cache_mb}")
     if self.workers is not None and self.workers < 1:

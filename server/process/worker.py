@@ -24,6 +24,8 @@ from grain_elevator.server.data import config as config_lib
 from grain_elevator.server.data import dataset as dataset_lib
 from grain_elevator.server.data import parallel_head
 from grain_elevator.server.data.shards import identity as shard_identity
+from grain_elevator.server.data.storage import objects as storage_objects
+from grain_elevator.server.data.storage import read_ahead
 from grain_elevator.server.data.stream import StreamDataset
 from grain_elevator.server.process import descriptors
 from grain_elevator.server.process import lifeline
@@ -84,6 +86,8 @@ def build_servers(datasets: dataset_lib.Datasets, opts: ServerOptions, index: in
   if index == 0:
     logging.getLogger("grain_elevator.server").info("each worker may hold %s", budget)
   token = auth.read_token(opts.auth_token_file) if opts.auth_token_file else None
+  storage_objects.set_counts(metrics.current())
+  read_ahead.configure(opts.read_ahead_mb << 20, metrics.current())
   path = RequestPath(datasets, auth_token=token,
                      max_concurrent=opts.max_concurrent_requests,
                      max_message_bytes=opts.max_message_bytes,

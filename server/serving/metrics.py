@@ -29,6 +29,15 @@ Workers record (labels in braces):
   elevator_head_fallbacks_total{owner,worker}  of the tasks `owner` dealt to `worker`,
                                                those it computed itself: that worker
                                                died, hung or failed them
+  elevator_storage_fetched_bytes_total{dataset,planned}
+                                               bytes read from buckets: planned ahead
+                                               (server/serving/read_plan.py) or by the
+                                               step that needed them
+  elevator_storage_needed_bytes_total{dataset} bytes of the chunks steps needed; fetched
+                                               over needed is the read amplification
+  elevator_storage_request_seconds             histogram: one ranged read, its retries
+                                               included (server/data/storage/objects.py)
+  elevator_read_ahead_bytes                    bytes the workers' read-ahead holds
 
 The supervisor adds:
   elevator_workers                             live worker processes
@@ -77,6 +86,9 @@ _SAMPLE_EVERY_S = 1.0
 # Producing a step takes ~0.1 ms (small rows) to ~1 s (big image batches).
 _BATCH_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
                   2.5, 5.0, 10.0)
+# A bucket's ranged read: ~1 ms (a local emulator) to seconds (retries).
+_STORAGE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                    10.0, 30.0)
 
 
 class _Off:
@@ -118,6 +130,16 @@ class _Off:
     pass
 
   def head_fallback(self, owner: int, worker: int) -> None:
+    pass
+
+  def storage_bytes(self, dataset: str, *, fetched: int = 0, needed: int = 0,
+                    planned: bool = False) -> None:
+    pass
+
+  def storage_request(self, seconds: float) -> None:
+    pass
+
+  def read_ahead_bytes(self, nbytes: int) -> None:
     pass
 
 
@@ -166,6 +188,18 @@ class _Recording(_Off):
     self._head_fallbacks = prom.Counter(
         "elevator_head_fallbacks", "Tasks owner dealt to worker and computed itself (that "
         "worker died, hung or failed them).", ["owner", "worker"])
+    self._storage_fetched = prom.Counter(
+        "elevator_storage_fetched_bytes", "Bytes read from buckets, planned ahead or not.",
+        ["dataset", "planned"])
+    self._storage_needed = prom.Counter(
+        "elevator_storage_needed_bytes", "Bytes of the chunks steps needed from buckets.",
+        ["dataset"])
+    self._storage_seconds = prom.Histogram(
+        "elevator_storage_request_seconds", "One ranged read from a bucket, retries included.",
+        buckets=_STORAGE_BUCKETS)
+    self._read_ahead = prom.Gauge("elevator_read_ahead_bytes",
+                                  "Bytes the workers' read-ahead holds.",
+                                  multiprocess_mode="livesum")
 
   def produced(self, dataset: str, seconds: float) -> None:
     self._seconds.labels(dataset).observe(seconds)
@@ -199,11 +233,25 @@ class _Recording(_Off):
 
   def stream_session_evicted(self) -> None:
     self._evictions.inc()
+
   def head_task(self, owner: int, worker: int) -> None:
     self._head_tasks.labels(str(owner), str(worker)).inc()
 
   def head_fallback(self, owner: int, worker: int) -> None:
     self._head_fallbacks.labels(str(owner), str(worker)).inc()
+
+  def storage_bytes(self, dataset: str, *, fetched: int = 0, needed: int = 0,
+                    planned: bool = False) -> None:
+    if fetched:
+      self._storage_fetched.labels(dataset, "true" if planned else "false").inc(fetched)
+    if needed:
+      self._storage_needed.labels(dataset).inc(needed)
+
+  def storage_request(self, seconds: float) -> None:
+    self._storage_seconds.observe(seconds)
+
+  def read_ahead_bytes(self, nbytes: int) -> None:
+    self._read_ahead.set(nbytes)
 
 
 _current: _Off = _Off()

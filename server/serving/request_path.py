@@ -13,9 +13,11 @@ a `Ticket`, and only `admit` issues one, after authenticating.
      requests whose client does not read yield their slot (admission.py);
   3. validate: dataset, fingerprint, geometry, steps, compression, and the
      batch size limit, all before a record is read;
-  4. produce each step's rows (errors name the dataset and step), or take
-     the encoded step from the worker's cache of steps served lately, which
-     trainers reading the same stream share (batch_cache.py);
+  4. plan the reads from buckets of the request's steps and of the chunks
+     this worker will be asked for next (read_plan.py), then produce each
+     step's rows (errors name the dataset and step), or take the encoded
+     step from the worker's cache of steps served lately, which trainers
+     reading the same stream share (batch_cache.py);
   5. map errors to statuses: every failure leaves as an `ElevatorError`,
      whose class and code the transports send (proto/errors.py).
 
@@ -56,6 +58,7 @@ from grain_elevator.server.process.options import (DEFAULT_MAX_MESSAGE_BYTES,
 from grain_elevator.server.serving import metrics
 from grain_elevator.server.serving.admission import Admission, Ticket
 from grain_elevator.server.serving.batch_cache import BatchCache
+from grain_elevator.server.serving.read_plan import ReadPlanner
 from grain_elevator.server.serving.stream_sessions import StreamSessions
 
 log = logging.getLogger("grain_elevator.server")
@@ -82,6 +85,7 @@ class RequestPath:
     # Stream datasets' global batches, shared by their hosts (the same budget).
     self.streams = StreamSessions(batch_cache_bytes)
     self.server_info = server_info or pb.ServerInfo(num_workers=1)
+    self.planner = ReadPlanner(self.server_info.num_workers)
     self.admission = Admission(max_concurrent, write_timeout_s=write_timeout_s)
     self._expected_token = auth_token.encode() if auth_token else None
     self._max_message_bytes = max_message_bytes
@@ -199,13 +203,19 @@ class RequestPath:
     if ds.info.stream:
       yield from self._stream_steps(ds, r, is_active)
       return
-    for step in range(r.start_step, r.start_step + r.num_steps):
-      if not is_active():  # the client went away: stop computing
-        return
-      leaves = self._produce(ds, r, step, stack=True)
-      metrics.current().served(ds.info.name, cached=False)
-      _account(ds, r, step)
-      yield step, leaves, ""
+    self._plan(ds, r)
+    made = r.start_step
+    try:
+      for step in range(r.start_step, r.start_step + r.num_steps):
+        if not is_active():  # the client went away: stop computing
+          return
+        leaves = self._produce(ds, r, step, stack=True)
+        made = self._made(ds, r, step)
+        metrics.current().served(ds.info.name, cached=False)
+        _account(ds, r, step)
+        yield step, leaves, ""
+    finally:
+      self.planner.release(ds, r, range(made, r.start_step + r.num_steps))
 
   def encoded_steps(self, ticket: Ticket, r: pb.BatchRequest,
                     is_active: Callable[[], bool] = lambda: True) -> Iterator[list[Any]]:
@@ -220,16 +230,22 @@ class RequestPath:
       return
     stream = (info.name, info.config_fingerprint, r.global_batch_size, r.shard_index,
               r.shard_count, r.record_offset, r.compression)
+    self._plan(ds, r)
     recorded = metrics.current()
-    for step in range(r.start_step, r.start_step + r.num_steps):
-      if not is_active():
-        return
-      parts, cached = self.cache.get((*stream, step), lambda: wire.encode_batch_parts(
-          step, self._produce(ds, r, step, stack=False), r.compression))
-      recorded.served(info.name, cached=cached)
-      recorded.cache_bytes(self.cache.bytes)
-      _account(ds, r, step)
-      yield parts
+    made = r.start_step
+    try:
+      for step in range(r.start_step, r.start_step + r.num_steps):
+        if not is_active():
+          return
+        parts, cached = self.cache.get((*stream, step), lambda: wire.encode_batch_parts(
+            step, self._produce(ds, r, step, stack=False), r.compression))
+        made = self._made(ds, r, step)
+        recorded.served(info.name, cached=cached)
+        recorded.cache_bytes(self.cache.bytes)
+        _account(ds, r, step)
+        yield parts
+    finally:
+      self.planner.release(ds, r, range(made, r.start_step + r.num_steps))
 
   def _stream_steps(self, ds: StreamDataset, r: pb.BatchRequest,
                     is_active: Callable[[], bool]
@@ -336,6 +352,22 @@ class RequestPath:
     explained = _named(name, _step(name, r.start_step), provenance.explain, ds, r.start_step,
                        r.global_batch_size, r.shard_index, r.shard_count, r.record_offset)
     return pb.ExplainResponse(json=json.dumps(explained, separators=(",", ":")))
+
+  def _plan(self, ds: ServedDataset, r: pb.BatchRequest) -> None:
+    """Plans the reads of `r`'s steps and the next chunks'; a failure to
+    plan only costs the read-ahead (the steps read what they need)."""
+    try:
+      self.planner.plan(ds, r)
+    except Exception:  # pylint: disable=broad-except
+      _failures.warning((ds.info.name, "plan"), "dataset %r: planning reads failed; reading "
+                        "them when asked for", ds.info.name, exc_info=True)
+
+  def _made(self, ds: ServedDataset, r: pb.BatchRequest, step: int) -> int:
+    """Step `step` of `r` is made: its read-ahead is let go of. Returns
+    the first step not made yet (a request that ends early lets go of the
+    rest: request_path's callers)."""
+    self.planner.release(ds, r, [step])
+    return step + 1
 
   @staticmethod
   def _produce(ds: ServedDataset, r: pb.BatchRequest, step: int, *,

@@ -17,6 +17,8 @@ from helpers import ROOT
 
 DEPLOY = ROOT / "deploy"
 K8S = sorted((DEPLOY / "k8s").glob("*.yaml"))
+# The variant that reads its shards from a bucket (no volume): applied instead of elevator.yaml.
+BUCKET_K8S = DEPLOY / "k8s" / "buckets" / "elevator.yaml"
 
 
 def _tool(name: str) -> str:
@@ -33,15 +35,15 @@ def test_hadolint_finds_nothing():
 
 
 def test_kubernetes_validate_strict():
-  result = subprocess.run([_tool("kubernetes-validate"), "--strict", *map(str, K8S)],
-                          capture_output=True, text=True, timeout=300)
+  result = subprocess.run([_tool("kubernetes-validate"), "--strict", *map(str, K8S),
+                           str(BUCKET_K8S)], capture_output=True, text=True, timeout=300)
   assert result.returncode == 0, result.stdout + result.stderr
-  assert result.stdout.count("passed") + result.stderr.count("passed") >= 5
+  assert result.stdout.count("passed") + result.stderr.count("passed") >= 11
 
 
-def _objects() -> dict[tuple[str, str], dict]:
+def _objects(paths: list[pathlib.Path] = K8S) -> dict[tuple[str, str], dict]:
   return {(doc["kind"], doc["metadata"]["name"]): doc
-          for path in K8S for doc in yaml.safe_load_all(path.read_text()) if doc}
+          for path in paths for doc in yaml.safe_load_all(path.read_text()) if doc}
 
 
 def test_the_manifests_agree_with_the_server_flags_and_each_other():
@@ -91,3 +93,33 @@ def test_the_pods_run_locked_down_and_are_reachable_only_as_intended():
   assert allowed == {p["containerPort"] for p in container["ports"]}
   service = objects[("Service", "grain-elevator")]["spec"]
   assert service["clusterIP"] == "None" and service["selector"] == labels
+
+
+def test_the_bucket_variant_is_the_volume_one_reading_a_bucket():
+  """deploy/k8s/buckets/elevator.yaml: the same server, ports, probes and
+  lockdown as elevator.yaml; its paths are bucket URLs the config loader
+  takes; no volume holds shards; credentials come from a service account."""
+  volume, bucket = _objects(), _objects([BUCKET_K8S])
+  pod = bucket[("Deployment", "grain-elevator")]["spec"]["template"]["spec"]
+  base_pod = volume[("Deployment", "grain-elevator")]["spec"]["template"]["spec"]
+  (container,), (base,) = pod["containers"], base_pod["containers"]
+  for key in ("args", "ports", "securityContext", "startupProbe", "readinessProbe",
+              "livenessProbe", "image"):
+    assert container[key] == base[key], key
+  assert pod["securityContext"] == base_pod["securityContext"]
+  assert {v["name"] for v in pod["volumes"]} == {"config", "tmp"}
+  assert {m["mountPath"] for m in container["volumeMounts"]} == {"/etc/elevator", "/tmp"}
+  assert not any(kind == "PersistentVolumeClaim" for kind, _ in bucket)
+  assert ("ServiceAccount", pod["serviceAccountName"]) in bucket
+  for kind in ("Service", "PodDisruptionBudget", "NetworkPolicy"):
+    assert bucket[(kind, "grain-elevator")]["spec"] == volume[(kind, "grain-elevator")]["spec"]
+  # Its config names the shards in a bucket (listed when the server starts).
+  import tomllib  # pylint: disable=g-import-not-at-top
+  from grain_elevator.server.data.storage import urls  # pylint: disable=g-import-not-at-top
+  config = tomllib.loads(bucket[("ConfigMap", "grain-elevator-config")]["data"]["elevator.toml"])
+  base_config = tomllib.loads(volume[("ConfigMap", "grain-elevator-config")]["data"][
+      "elevator.toml"])
+  paths = config["datasets"]["train"].pop("paths")
+  assert paths and all(urls.is_url(p) and urls.split(p)[0] in ("gs", "s3") for p in paths)
+  base_config["datasets"]["train"].pop("paths")
+  assert config == base_config

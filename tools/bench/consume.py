@@ -75,7 +75,9 @@ def _grain_local(spec: dict[str, Any]) -> Callable[[], Any]:
     pipeline = images.train_pipeline
 
   def make():
-    ds = grain.MapDataset.source(grain.sources.ArrayRecordDataSource(spec["files"]))
+    source = (_bucket_source(spec["bucket_source"]) if spec.get("bucket_source")
+              else grain.sources.ArrayRecordDataSource(spec["files"]))
+    ds = grain.MapDataset.source(source)
     ds = ds.seed(1).shuffle().repeat(None)
     ds = pipeline(ds, **spec["options"])
     ds = ds.batch(spec["global_batch_size"])
@@ -86,6 +88,18 @@ def _grain_local(spec: dict[str, Any]) -> Callable[[], Any]:
       it_ds = it_ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=spec["mp_workers"]))
     return iter(it_ds)
   return make
+
+
+def _bucket_source(spec: dict[str, Any]) -> Any:
+  """A bucket read the ways local Grain reads one today (bench/bucket_sources.py)."""
+  import os  # pylint: disable=g-import-not-at-top
+  import tempfile  # pylint: disable=g-import-not-at-top
+  from grain_elevator.tools.bench import bucket_sources  # pylint: disable=g-import-not-at-top
+  os.environ.update(spec["env"])
+  if spec["kind"] == "per_record":
+    return bucket_sources.PerRecordSource(spec["urls"])
+  return bucket_sources.ShardCacheSource(
+      spec["urls"], tempfile.mkdtemp(dir=spec["cache_root"]), spec["limit_bytes"])
 
 
 def _elevator(spec: dict[str, Any]) -> Callable[[], Any]:
@@ -235,8 +249,10 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
   ttfb = time.perf_counter() - t0
   batch_bytes = size(first)
   deadline = time.perf_counter() + spec["warmup_s"]
+  pulled = 1  # batches taken from the system, warm-up and resume included
   while time.perf_counter() < deadline:
     next(it)
+    pulled += 1
   text = spec.get("pipeline") == "text"
   server0 = _server_cpu(server_pids)
   cpu0, t1 = tree_cpu(proc), time.perf_counter()
@@ -254,6 +270,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
   stats = getattr(it, "stats", None)  # a RemoteDataset iterator's: its window now
   window = stats().window if callable(stats) else None
   _close(it)
+  pulled += batches
   records = batches * spec["global_batch_size"]
   result = {
       "records_per_s": records / wall,
@@ -278,6 +295,8 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     result["resume_first_batch_s"] = None
   elif kind not in ("tcp", "floor"):
     result["resume_first_batch_s"] = _resume(make)
+    pulled += 1
+  result["records_total"] = pulled * spec["global_batch_size"]
   return result
 
 

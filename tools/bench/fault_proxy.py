@@ -14,9 +14,10 @@ requests whose method and path match (ranged GETs of shards, say).
 `gcs_xml=True`: the upstream is gcp-storage-emulator, which speaks GCS's
 JSON API, and the client obstore, which reads GCS through its XML API
 (list, HEAD, GET with ETag, Last-Modified and x-goog-generation headers,
-If-Match and `generation=` conditions). The proxy answers those calls from
-the emulator's JSON metadata and its download endpoint; the emulator's own
-XML GET sends none of those headers.
+If-Match and `generation=` conditions; PUT of a whole object and DELETE,
+which the converters use, but not multipart uploads). The proxy answers
+those calls from the emulator's JSON metadata and its download and upload
+endpoints; the emulator's own XML GET sends none of those headers.
 """
 
 from __future__ import annotations
@@ -49,6 +50,9 @@ class Stats:
 class _Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
   daemon_threads = True
   allow_reuse_address = True
+  # A worker opens up to MAX_IN_FLIGHT connections at once (server/data/storage/
+  # objects.py): a listen backlog of 5 would drop their SYNs, each a second lost.
+  request_queue_size = 256
   proxy: "FaultProxy"
 
 
@@ -247,6 +251,20 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     key = urllib.parse.unquote(parts[1]) if len(parts) > 1 else ""
     if self.command == "GET" and not key:
       return self._gcs_list(bucket, query)
+    if self.command == "PUT" and key and not url.query:  # a whole object (no multipart)
+      status, _, data = self._forward_raw(
+          "POST", f"/upload/storage/v1/b/{urllib.parse.quote(bucket, safe='')}/o?uploadType="
+          f"media&name={urllib.parse.quote(key, safe='')}", body or b"",
+          {"Content-Type": "application/octet-stream"})
+      if status != 200:
+        return status, [], b""
+      meta = json.loads(data)
+      return 200, [("ETag", f'"{meta["md5Hash"]}"'),
+                   ("x-goog-generation", meta["generation"])], b""
+    if self.command == "DELETE" and key:
+      status, _, _ = self._forward_raw(
+          "DELETE", f"/storage/v1/b/{bucket}/o/{urllib.parse.quote(key, safe='')}", None, {})
+      return (204 if status in (200, 204) else status), [], b""
     if self.command not in ("GET", "HEAD"):
       return 501, [], b""
     status, meta = self._json(f"/storage/v1/b/{bucket}/o/{urllib.parse.quote(key, safe='')}")

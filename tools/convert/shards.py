@@ -17,7 +17,9 @@ the result appear all at once:
   failed or killed run leaves no OUT_DIR (a killed one may leave the hidden
   folder, which the next run names);
 * an OUT_DIR that holds shards is replaced only with ``overwrite``, and only
-  when it holds nothing but what a conversion writes.
+  when it holds nothing but what a conversion writes;
+* an OUT_DIR in a bucket (gs://, s3://, az://) is staged in a local folder
+  and uploaded a whole shard an object, the config last (bucket_out.py).
 
 The same functions make up the Beam pipeline (beam.py), whose output is
 therefore byte-identical.
@@ -38,7 +40,9 @@ import time
 import uuid
 from typing import Any, Callable, Iterator, Protocol, Sequence
 
+from grain_elevator.server.data.storage import urls
 from grain_elevator.tools.convert import snippet as snippet_lib
+from grain_elevator.tools.convert.bucket_out import BucketStaging
 from grain_elevator.tools.convert.errors import ConvertError
 
 # Without --shards: one shard per this many input bytes (at least one).
@@ -50,6 +54,11 @@ CONFIG_FILE = "elevator.toml"
 LABELS_FILE = "labels.txt"
 _SHARD_RE = re.compile(r".+-\d{5}-of-\d{5}\.array_record")
 _OURS = (CONFIG_FILE, LABELS_FILE)
+
+
+def written_by_conversion(name: str) -> bool:
+  """Whether a file (or object) of OUT_DIR is one a conversion writes."""
+  return bool(_SHARD_RE.fullmatch(name)) or name in _OURS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -288,7 +297,7 @@ class Staging:
     if not self.overwrite:
       raise ConvertError(f"OUT_DIR {self.out_dir} already holds {len(shards)} shard(s) "
                          f"({shards[0]}, ...); pass --overwrite to replace them")
-    foreign = [e for e in entries if not (_SHARD_RE.fullmatch(e) or e in _OURS)]
+    foreign = [e for e in entries if not written_by_conversion(e)]
     if foreign:
       raise ConvertError(f"OUT_DIR {self.out_dir} holds files a conversion does not "
                          f"write ({', '.join(foreign[:3])}); --overwrite replaces the "
@@ -333,12 +342,22 @@ def finish(source: Source, staging: Staging, the_plan: Plan,
   pattern = shard_glob(the_plan.prefix, len(the_plan.tasks))
   header = (f"{the_plan.records} records in {len(the_plan.tasks)} shards, "
             f"from `elevator convert {source.kind}`",)
-  config = snippet_lib.render(name, [pattern], serving, header)
+  # A local config names its shards relative to itself; one in a bucket, by URL.
+  in_config = staging.url(pattern) if isinstance(staging, BucketStaging) else pattern
+  config = snippet_lib.render(name, [in_config], serving, header)
   with open(os.path.join(staging.tmp_dir, CONFIG_FILE), "w", encoding="utf-8") as f:
     f.write(config)
-  printed = snippet_lib.render(name, [os.path.join(staging.out_dir, pattern)], serving,
-                               header)
+  printed = snippet_lib.render(name, [staging.url(pattern) if isinstance(staging, BucketStaging)
+                                      else os.path.join(staging.out_dir, pattern)],
+                               serving, header)
   return printed, config
+
+
+def open_staging(out_dir: str, *, overwrite: bool = False) -> Staging | BucketStaging:
+  """OUT_DIR's staging: a local folder, or a bucket's prefix (bucket_out.py)."""
+  if urls.is_url(out_dir):
+    return BucketStaging(out_dir, overwrite=overwrite)
+  return Staging(out_dir, overwrite=overwrite)
 
 
 def default_name(out_dir: str) -> str:
@@ -413,7 +432,7 @@ def convert(source: Source, out_dir: str, *, num_shards: int | None = None,
   if workers < 1:
     raise ConvertError(f"--workers must be >= 1, got {workers}")
   name = name or default_name(out_dir)
-  staging = Staging(out_dir, overwrite=overwrite)
+  staging = open_staging(out_dir, overwrite=overwrite)
   staging.check()
   for left in staging.leftovers():
     log(f"note: {left} was left by an interrupted conversion; delete it")

@@ -38,6 +38,19 @@ COALESCE_GAP_BYTES = 4 << 10
 MAX_RANGE_BYTES = 16 << 20
 
 
+def coalesce(extents: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+  """Sorted extents as read requests: neighbours that touch or lie within
+  COALESCE_GAP_BYTES are one range, of at most MAX_RANGE_BYTES (an extent
+  larger than that is a range of its own)."""
+  out: list[list[int]] = []
+  for begin, end in extents:
+    if out and begin - out[-1][1] <= COALESCE_GAP_BYTES and end - out[-1][0] <= MAX_RANGE_BYTES:
+      out[-1][1] = max(out[-1][1], end)
+    else:
+      out.append([begin, end])
+  return [(a, b) for a, b in out]
+
+
 class Fetched:
   """Byte ranges of one object, by start: what a batch's reads got."""
 
@@ -119,18 +132,16 @@ class ObjectShardReader(ShardReader):
   def _read_record(self, begin: int, end: int) -> bytes | None:
     return None  # the chunk's bytes are in memory already: read_chunk's path
 
+  def extents(self, indices: Sequence[int]) -> list[tuple[int, int]]:
+    """The extents [begin, end) of the chunks the records at `indices`
+    need, each once, sorted: the bytes a read of them needs."""
+    self._check_indices(indices)
+    return [self.extent(c) for c in sorted(set(self.chunks_of(indices).tolist()))]
+
   def plan(self, indices: Sequence[int]) -> list[tuple[int, int]]:
     """The byte ranges the records at `indices` need: their chunks'
     extents, sorted, neighbours coalesced."""
-    self._check_indices(indices)
-    out: list[list[int]] = []
-    for c in sorted(set(self.chunks_of(indices).tolist())):
-      begin, end = self.extent(c)
-      if out and begin - out[-1][1] <= COALESCE_GAP_BYTES and end - out[-1][0] <= MAX_RANGE_BYTES:
-        out[-1][1] = end
-      else:
-        out.append([begin, end])
-    return [(a, b) for a, b in out]
+    return coalesce(self.extents(indices))
 
   def read(self, indices: Sequence[int], fetched: Fetched | None = None) -> list[bytes]:
     """The records at `indices`, from `fetched` (the ranges `plan` named;

@@ -11,16 +11,20 @@ retries. Messages name the URL and the HTTP status, never a response body
 or a credential.
 
 Fetches run on one event loop per process (a daemon thread), at most
-MAX_IN_FLIGHT at once: a batch's ranges over all its shards go out together.
+MAX_IN_FLIGHT at once: a batch's ranges over all its shards go out together,
+and the read-ahead's (read_ahead.py) beside them. Each request's time is
+reported to `counts` (the server's metrics; nothing by default).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import os
 import re
 import threading
+import time
 from typing import Any, Sequence
 
 from grain_elevator.proto.errors import (ConfigError, DataLossError, ServiceUnavailableError,
@@ -29,9 +33,13 @@ from grain_elevator.server.data.storage import settings as settings_lib
 from grain_elevator.server.data.storage import urls
 from grain_elevator.server.data.storage.settings import StorageSettings
 
-# Range reads in flight at once in one process (a worker): enough to hide a
-# bucket's ~20-50 ms per request behind a batch's reads.
-MAX_IN_FLIGHT = 64
+# Range reads in flight at once in one process (a worker): a bucket answers
+# in ~20-50 ms whatever the size up to a few MB, so hundreds in flight keep
+# a worker's reads going at its bandwidth rather than at one batch per round trip.
+MAX_IN_FLIGHT = 128
+# Of those, reads made ahead of need (read_ahead.py) hold at most this many:
+# the rest are kept for the reads of the step being made now.
+AHEAD_IN_FLIGHT = MAX_IN_FLIGHT * 3 // 4
 # Objects listed for one glob at most: a prefix that names a whole bucket
 # by mistake is refused rather than listed for minutes.
 MAX_LISTED = 1_000_000
@@ -46,6 +54,23 @@ class ObjectRef:
   size: int
   etag: str | None
   version: str | None  # GCS generation; an S3 version id where versioning is on
+
+
+class Counts:
+  """What storage reads report (the server's metrics implement it): the
+  seconds of each ranged request. Here: nothing."""
+
+  def storage_request(self, seconds: float) -> None:
+    pass
+
+
+_counts: Counts = Counts()
+
+
+def set_counts(counts: Counts) -> None:
+  """Where this process's reads report (a worker: its metrics)."""
+  global _counts
+  _counts = counts
 
 
 class _Failure(Exception):
@@ -105,6 +130,7 @@ class Objects:
     self._loop: asyncio.AbstractEventLoop | None = None
     self._loop_pid = -1
     self._semaphore: asyncio.Semaphore | None = None
+    self._ahead: asyncio.Semaphore | None = None
 
   def _store(self, url: str, settings: StorageSettings) -> tuple[Any, str]:
     scheme, bucket, key = urls.split(url)
@@ -115,15 +141,17 @@ class Objects:
     except Exception as e:  # a bad endpoint or region
       raise ConfigError(f"{url}: cannot set up the {scheme}:// client: {_reason(e)}") from e
 
-  def _run(self, coro: Any) -> Any:
+  def _event_loop(self) -> asyncio.AbstractEventLoop:
     with self._lock:
       if self._loop is None or self._loop_pid != os.getpid():
         loop = asyncio.new_event_loop()
         threading.Thread(target=loop.run_forever, daemon=True, name="elevator-storage").start()
         self._loop, self._loop_pid = loop, os.getpid()
-        self._semaphore = None
-      loop = self._loop
-    return asyncio.run_coroutine_threadsafe(coro, loop).result()
+        self._semaphore = self._ahead = None
+      return self._loop
+
+  def _run(self, coro: Any) -> Any:
+    return asyncio.run_coroutine_threadsafe(coro, self._event_loop()).result()
 
   # -- at start ----------------------------------------------------------------
 
@@ -174,9 +202,22 @@ class Objects:
       return []
     return self._run(self._fetch_all(ranges))
 
+  def fetch_later(self, ranges: Sequence[tuple[ObjectRef, int, int]]
+                  ) -> list[concurrent.futures.Future]:
+    """`fetch` without waiting: a future of each range's bytes (or of the
+    error `fetch` would raise), all requested concurrently from now."""
+    loop = self._event_loop()
+    return [asyncio.run_coroutine_threadsafe(self._fetch_ahead(*r), loop) for r in ranges]
+
+  async def _fetch_ahead(self, obj: ObjectRef, begin: int, end: int) -> bytes:
+    """A read made ahead of need: at most AHEAD_IN_FLIGHT of them hold a
+    slot, so a step's own reads always find one free."""
+    if self._ahead is None:  # made in the loop's thread, which alone uses it
+      self._ahead = asyncio.Semaphore(AHEAD_IN_FLIGHT)
+    async with self._ahead:
+      return await self._fetch_one(obj, begin, end)
+
   async def _fetch_all(self, ranges: Sequence[tuple[ObjectRef, int, int]]) -> list[bytes]:
-    if self._semaphore is None:
-      self._semaphore = asyncio.Semaphore(MAX_IN_FLIGHT)
     tasks = [asyncio.ensure_future(self._fetch_one(*r)) for r in ranges]
     try:
       return list(await asyncio.gather(*tasks))
@@ -194,13 +235,17 @@ class Objects:
       options["if_match"] = obj.etag
     elif obj.version is not None:
       options["version"] = obj.version
-    assert self._semaphore is not None
+    if self._semaphore is None:  # made in the loop's thread, which alone uses it
+      self._semaphore = asyncio.Semaphore(MAX_IN_FLIGHT)
     async with self._semaphore:
+      began = time.perf_counter()
       try:
         result = await obstore.get_async(store, key, options=options)
         data = await result.bytes_async()
       except Exception as e:  # pylint: disable=broad-except
         raise serving_error(obj, begin, _classify(e)) from e
+      finally:
+        _counts.storage_request(time.perf_counter() - began)
     if len(data) != end - begin:
       raise DataLossError(f"object {obj.url}: a read of bytes [{begin}, {end}) returned "
                           f"{len(data)} bytes")
@@ -242,6 +287,17 @@ def start_error(dataset: str, url: str, e: BaseException, what: str) -> ConfigEr
 
 _objects: Objects | None = None
 _objects_lock = threading.Lock()
+
+
+def store_of(url: str, settings: StorageSettings | None = None) -> tuple[Any, str]:
+  """(obstore store, key) of `url`, configured as the server's reads are:
+  what tools that write objects (the converters) write through."""
+  return objects()._store(url, settings or StorageSettings())  # pylint: disable=protected-access
+
+
+def reason(e: BaseException) -> str:
+  """A storage error as a message may show it: never a body or a signed query."""
+  return _reason(e)
 
 
 def objects() -> Objects:

@@ -11,6 +11,7 @@ from typing import Any, Iterator
 
 import pytest
 
+from grain_elevator.server.data.storage import read_ahead
 from grain_elevator.tools.bench import storage_servers
 from grain_elevator.tools.bench.fault_proxy import FaultProxy
 
@@ -76,3 +77,11 @@ def _no_faults_left(request) -> Iterator[None]:
   b.proxy.faults_only_for = None
   yield
   b.proxy.clear()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_read_ahead() -> Iterator[None]:
+  """Each test's embedded reads start with an empty read-ahead: what an
+  earlier test planned and never read is not this test's."""
+  read_ahead.configure(read_ahead.DEFAULT_READ_AHEAD_BYTES)
+  yield

@@ -1,0 +1,126 @@
+"""Reads by plan: a request's steps, and the chunks this worker will be
+asked for next, read from buckets before anyone asks.
+
+What host h of H receives for step k is a pure function of the config, G,
+h, H and k (proto/contract.py), so the records of any step are known in
+advance. Clients cut their requests at multiples of their size n (chunk c
+is steps [c*n, (c+1)*n)) and send chunk c to the worker that owns it
+(client/transport/slots.py's `owner_of`), which is a function of c, the
+replicas and the workers alone: a worker that serves chunk c of a stream
+will be asked for chunk c + s next, where s, its *stride*, is the number of
+workers of all the replicas (W with one replica). So on each request a
+worker plans, in order, the request's own steps (all their ranges go out at
+once, not a step at a time), then the steps of its next AHEAD_CHUNKS
+chunks: storage/read_ahead.py fetches what they need within its byte
+budget (`--read-ahead-mb`), and the reads of those steps take it when the
+requests come.
+
+The stride is learned per stream and host from the chunks a worker is
+asked for (the difference between the last two), and starts at the
+number of workers of this server (one replica). A guess that is wrong
+costs bytes, never exactness: what no request takes is dropped after
+read_ahead.STALE_S, and `elevator_storage_fetched_bytes_total` against
+`elevator_storage_needed_bytes_total` shows it (docs/operations.md).
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import threading
+from typing import Any, Hashable, Iterable
+
+from grain_elevator.proto import contract
+from grain_elevator.proto import elevator_pb2 as pb
+from grain_elevator.server.data.storage import read_ahead
+
+# Chunks planned beyond the request's own: the next chunk this worker owns
+# comes when the client's window moves past the chunks of every other
+# worker, so two cover the wait with one to spare.
+AHEAD_CHUNKS = 2
+# Steps one request plans at most (a long stream's request asks for
+# thousands): planning costs a moment per step, and the budget bounds the bytes.
+MAX_STEPS = 192
+# Streams (dataset, fingerprint, G, host, offset, request size) whose
+# stride is kept.
+MAX_STREAMS = 4096
+
+
+class ReadPlanner:
+  """One worker's planner (thread-safe: `_lock` guards the strides)."""
+
+  def __init__(self, num_workers: int = 1):
+    self._num_workers = max(1, num_workers)
+    self._lock = threading.Lock()
+    # stream -> (last chunk asked for, stride), least recently used first.
+    self._streams: collections.OrderedDict[Hashable, tuple[int, int]] = (
+        collections.OrderedDict())
+
+  def _stride(self, stream: Hashable, chunk: int) -> int:
+    with self._lock:
+      last, stride = self._streams.pop(stream, (None, self._num_workers))
+      if last is not None and chunk > last:
+        stride = chunk - last
+      self._streams[stream] = (max(chunk, last if last is not None else chunk), stride)
+      while len(self._streams) > MAX_STREAMS:
+        self._streams.popitem(last=False)
+      return stride
+
+  def steps_to_plan(self, r: pb.BatchRequest, stream_length: int, drop_remainder: bool,
+                    stream: Hashable) -> list[int]:
+    """The request's steps, then those of the chunks this worker is
+    expected to be asked for next, within the stream. A request that does
+    not start at a multiple of its size (a resumed client's first, cut to
+    the next multiple) gives no chunk: only its own steps are planned."""
+    n = max(1, r.num_steps)
+    end = contract.total_steps(stream_length, r.global_batch_size, r.record_offset,
+                               drop_remainder)
+    steps = list(range(r.start_step, min(r.start_step + n, end, r.start_step + MAX_STEPS)))
+    if r.start_step % n or n > MAX_STEPS // (AHEAD_CHUNKS + 1):
+      return steps  # no chunk, or a long stream's request: its own first steps only
+    chunk = r.start_step // n
+    stride = self._stride((*stream, n), chunk)
+    for j in range(1, AHEAD_CHUNKS + 1):
+      first = (chunk + j * stride) * n
+      steps += range(first, min(first + n, end))
+    return steps
+
+  @staticmethod
+  def _tag(info: Any, r: pb.BatchRequest, step: int) -> Hashable:
+    """A step's group in the read-ahead: the same for every request of it."""
+    return (info.name, info.config_fingerprint, r.global_batch_size, r.shard_index,
+            r.shard_count, r.record_offset, step)
+
+  def plan(self, ds: Any, r: pb.BatchRequest) -> int:
+    """Plans the reads of `r`'s steps and the next chunks' (a dataset with
+    nothing in buckets plans nothing). Returns the groups planned now."""
+    info = ds.info
+    needs_of = getattr(ds, "read_needs", None)
+    if needs_of is None or info.stream:
+      return 0
+    ahead = read_ahead.current()
+    if ahead.budget_bytes <= 0 or needs_of(r.start_step, r.global_batch_size, r.shard_index,
+                                           r.shard_count, r.record_offset) is None:
+      return 0  # off, or nothing of this dataset is in a bucket
+    stream = (info.name, info.config_fingerprint, r.global_batch_size, r.shard_index,
+              r.shard_count, r.record_offset)
+    groups = []
+    for step in self.steps_to_plan(r, info.stream_length, info.drop_remainder, stream):
+      tag = self._tag(info, r, step)
+      if ahead.planned(tag):
+        continue
+      needs = needs_of(step, r.global_batch_size, r.shard_index, r.shard_count,
+                       r.record_offset)
+      if needs is None:
+        return 0  # nothing of this dataset is in a bucket
+      groups.append((tag, needs))
+    return ahead.plan(info.name, groups)
+
+  def release(self, ds: Any, r: pb.BatchRequest, steps: Iterable[int]) -> None:
+    """These steps of `r` are made (or will not be, by this request): what
+    was read ahead for them is let go of."""
+    ahead = read_ahead.current()
+    if ds.info.stream or not ahead.holds_groups:
+      return
+    for step in itertools.islice(steps, MAX_STEPS):  # a request planned no more
+      ahead.release(self._tag(ds.info, r, step))

@@ -1,0 +1,181 @@
+"""Reads by plan, against real protocol servers on 127.0.0.1 behind the
+fault proxy: a worker fetches the chunks its next steps need before they are
+asked for (a later request is served whole while storage is down), within
+its byte budget, and drops what no step took; the rows stay those of the
+same shards on local disk."""
+
+from __future__ import annotations
+
+import pathlib
+import textwrap
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+
+from grain_elevator.client import RemoteDataset
+from grain_elevator.pipelines import examples
+from grain_elevator.proto import elevator_pb2 as pb
+from grain_elevator.proto import elevator_pb2_grpc as pb_grpc
+from grain_elevator.server import Server, ServerOptions
+from grain_elevator.server.data import dataset as dataset_lib
+from grain_elevator.server.data.object_source import ObjectRecordSource
+from grain_elevator.server.data.storage import read_ahead
+from grain_elevator.tools import top
+from helpers import proto_leaves, wait_for
+
+G = 8
+N = 2  # steps per request
+CONFIG = textwrap.dedent("""\
+    [datasets.img]
+    paths = ["{where}/*.array_record"]
+    pipeline = "grain_elevator.pipelines.examples:decode_images"
+    seed = 5
+    num_epochs = 2
+    [datasets.img.options]
+    height = 32
+    width = 32
+    channels = 3
+    {storage}
+    """)
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory) -> pathlib.Path:
+  root = tmp_path_factory.mktemp("ahead-data")
+  examples.write_image_shards(str(root), num_records=240, num_shards=3, height=32, width=32,
+                              channels=3)
+  return root
+
+
+@pytest.fixture(scope="module")
+def configs(bucket, shards: pathlib.Path) -> dict[str, str]:
+  """local: the shards on disk; bucket: the same in the bucket, whose reads
+  give up after 3 s of faults (so a read that storage must serve during
+  an outage fails fast)."""
+  bucket.upload(shards, "ahead")
+  out = {}
+  for name, where, storage in (("local", str(shards), ""),
+                               ("bucket", bucket.url("ahead"),
+                                "[datasets.img.storage]\nretry_s = 3")):
+    path = shards / f"{bucket.kind}-{name}.toml"
+    path.write_text(CONFIG.format(where=where, storage=storage))
+    out[name] = str(path)
+  return out
+
+
+@pytest.fixture
+def bucket_env(bucket, monkeypatch) -> None:
+  for k, v in bucket.env().items():
+    monkeypatch.setenv(k, v)
+
+
+def _request(stub: Any, step: int, fingerprint: str) -> list[list[np.ndarray]]:
+  request = pb.BatchRequest(dataset="img", global_batch_size=G, shard_index=0, shard_count=1,
+                            start_step=step, num_steps=N, config_fingerprint=fingerprint)
+  return [proto_leaves(b) for b in stub.GetBatches(request, timeout=60)]
+
+
+def _oracle(config: str, first: int, n: int) -> list[list[np.ndarray]]:
+  with RemoteDataset.embedded(config, "img", G) as ds:
+    it = iter(ds)
+    it.set_state({**it.get_state(), "step": first})
+    return [[np.asarray(v) for v in next(it).values()] for _ in range(n)]
+
+
+def _assert_rows(got: list[list[np.ndarray]], want: list[list[np.ndarray]], where: str) -> None:
+  assert len(got) == len(want), where
+  for k, (a, b) in enumerate(zip(got, want)):
+    assert len(a) == len(b) and all(x.tobytes() == y.tobytes() for x, y in zip(a, b)), (
+        f"{where}: step {k} differs from the local copy's")
+
+
+def _metric(m: top.Samples, name: str, **labels: str) -> float:
+  return sum(v for (n, got), v in m.items()
+             if n == name and all(dict(got).get(k) == v2 for k, v2 in labels.items()))
+
+
+def test_a_worker_fetches_the_next_chunks_before_they_are_asked_for(bucket, bucket_env,
+                                                                    configs):
+  """Chunk 0's request plans chunks 1 and 2 (one worker: stride 1); once
+  their bytes have arrived, storage goes down, and chunk 1 is served whole
+  and exact: none of its bytes were read when it was asked for."""
+  want = _oracle(configs["local"], 0, 2 * N)
+  opts = ServerOptions(port=0, workers=1, metrics_port=0, bulk=False)
+  with Server(configs["bucket"], opts) as server:
+    scrape = lambda: top.scrape(f"127.0.0.1:{server.metrics_port}", timeout_s=60)
+    with grpc.insecure_channel(server.target) as channel:
+      stub = pb_grpc.ElevatorStub(channel)
+      (info,) = stub.Describe(pb.DescribeRequest(global_batch_size=G), timeout=60).datasets
+      sent_before = bucket.proxy.stats.body_bytes
+      _assert_rows(_request(stub, 0, info.config_fingerprint), want[:N], "chunk 0")
+      m = scrape()
+      planned = _metric(m, "elevator_storage_fetched_bytes_total", planned="true")
+      assert planned > 0
+      assert _metric(m, "elevator_storage_fetched_bytes_total", planned="false") == 0
+      # What was planned has been sent to the worker: storage may go down.
+      wait_for(lambda: bucket.proxy.stats.body_bytes - sent_before >= planned,
+               "the planned ranges to arrive")
+      bucket.proxy.outage(600)
+      _assert_rows(_request(stub, N, info.config_fingerprint), want[N:], "chunk 1, storage down")
+      m = scrape()
+      assert _metric(m, "elevator_storage_fetched_bytes_total", planned="false") == 0
+      needed = _metric(m, "elevator_storage_needed_bytes_total", dataset="img")
+      assert 0 < needed <= planned
+      assert _metric(m, "elevator_storage_request_seconds_count") > 0
+    bucket.proxy.clear()
+
+
+def _source(bucket) -> ObjectRecordSource:
+  return ObjectRecordSource([bucket.url(f"ahead/train-0000{s}-of-00003.array_record")
+                             for s in range(3)])
+
+
+def _local(shards: pathlib.Path) -> dataset_lib.BatchedArrayRecordSource:
+  return dataset_lib.BatchedArrayRecordSource(sorted(str(p) for p in
+                                                     shards.glob("*.array_record")))
+
+
+def test_the_read_ahead_stays_within_its_budget(bucket, bucket_env, configs, shards):
+  """Groups past the budget are not planned; what storage sent for the
+  plan is within it; every read is exact, planned or not."""
+  source, local = _source(bucket), _local(shards)
+  batches = [list(range(k, 240, 12))[:G] for k in range(12)]  # 12 reads of 8 records
+  one = sum(b - a for _, extents in source.needs(batches[0]) for a, b in extents)
+  budget = 3 * one + one // 2
+  ahead = read_ahead.configure(budget)
+  sent_before = bucket.proxy.stats.body_bytes
+  planned = ahead.plan("img", [(k, source.needs(b)) for k, b in enumerate(batches)])
+  assert 1 <= planned < len(batches)
+  assert ahead.bytes <= budget
+  assert ahead.planned(planned - 1) and not ahead.planned(planned)
+  for k, b in enumerate(batches):
+    assert list(source.read_raw(b)) == [local[i] for i in b], f"read {k}"
+    ahead.release(k)
+  assert ahead.bytes == 0
+  assert bucket.proxy.stats.body_bytes - sent_before <= budget + sum(
+      b - a for k in range(planned, len(batches)) for _, extents in source.needs(batches[k])
+      for a, b in extents)
+
+
+def test_what_no_step_takes_is_dropped_when_stale(bucket, bucket_env, configs, shards):
+  """A group never released is dropped stale_s after it was planned; its
+  bytes no longer count against the budget, and a read of it fetches for
+  itself, exactly."""
+  source, local = _source(bucket), _local(shards)
+  records = list(range(0, 240, 30))
+  needs = source.needs(records)
+  size = sum(b - a for _, extents in needs for a, b in extents)
+  ahead = read_ahead.configure(size + size // 2, stale_s=0.2)
+  assert ahead.plan("img", [("gone", needs)]) == 1
+  assert ahead.bytes >= size
+  assert ahead.plan("img", [("next", needs)]) == 1  # the same chunks: held already
+  wait_for(lambda: ahead.plan("img", []) == 0 and ahead.bytes == 0,
+           "the stale groups to be dropped")
+  assert not ahead.planned("gone") and not ahead.planned("next")
+  views, missing = ahead.take(needs[0][0], needs[0][1])
+  assert not views and missing == list(needs[0][1])
+  gets_before = bucket.proxy.stats.ranged_gets
+  assert list(source.read_raw(records)) == [local[i] for i in records]
+  assert bucket.proxy.stats.ranged_gets > gets_before

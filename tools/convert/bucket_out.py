@@ -1,0 +1,110 @@
+"""OUT_DIR in a bucket (`elevator convert ... s3://bucket/out/`): a staging
+with `shards.Staging`'s surface whose folder is local and whose commit
+uploads.
+
+The shards are written into a local temporary folder, as for a local
+OUT_DIR; once every one is complete, each is uploaded as one object (a PUT,
+multipart for a large file), which a bucket shows only once it is whole, so
+no reader ever lists a partial shard. The shards go first and the config
+(elevator.toml, its paths the shards' URLs) last: a config in the bucket
+means its shards are there. With `overwrite`, objects of an earlier
+conversion that this one did not write are deleted after the upload. A
+failed or interrupted run leaves its local folder removed and, in the
+bucket, at most some whole shards and no config.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import uuid
+
+from grain_elevator.server.data.storage import objects as objects_lib
+from grain_elevator.server.data.storage import urls
+from grain_elevator.tools.convert.errors import ConvertError
+
+
+
+class BucketStaging:
+  """shards.Staging for an OUT_DIR that is a gs://, s3:// or az:// URL."""
+
+  def __init__(self, out_url: str, *, overwrite: bool = False, token: str | None = None):
+    scheme, bucket, key = urls.split(out_url)
+    key = key.strip("/")
+    self._prefix = key + "/" if key else ""
+    self.out_dir = urls.join(scheme, bucket, key)
+    self.overwrite = overwrite
+    self.token = token or uuid.uuid4().hex[:8]
+    self.tmp_dir = os.path.join(tempfile.gettempdir(), f"elevator-convert-{self.token}.tmp")
+    try:
+      self._store, _ = objects_lib.store_of(self.out_dir + "/")
+    except Exception as e:  # a ConfigError: no obstore, a bad endpoint
+      raise ConvertError(f"OUT_DIR {self.out_dir}: {e}") from e
+
+  def url(self, name: str) -> str:
+    return f"{self.out_dir}/{name}"
+
+  def _existing(self) -> list[str]:
+    """What is under OUT_DIR now, as names relative to it."""
+    import obstore  # pylint: disable=g-import-not-at-top
+    try:
+      return sorted(meta["path"][len(self._prefix):]
+                    for page in obstore.list(self._store, prefix=self._prefix or None,
+                                             chunk_size=1000)
+                    for meta in page)
+    except Exception as e:  # pylint: disable=broad-except
+      raise ConvertError(f"cannot list OUT_DIR {self.out_dir}/: "
+                         f"{objects_lib.reason(e)}") from e
+
+  def leftovers(self) -> list[str]:
+    return []  # a run's staging folder is local and removed whatever happens
+
+  def check(self) -> None:
+    """Raises unless OUT_DIR may be written: holding nothing, or
+    (overwrite) only what a conversion writes."""
+    from grain_elevator.tools.convert import shards as shards_lib  # pylint: disable=g-import-not-at-top
+    names = self._existing()
+    if not names:
+      return
+    shards = [n for n in names if n.endswith(".array_record")]
+    if not shards:
+      raise ConvertError(f"OUT_DIR {self.out_dir}/ is not empty (it holds "
+                         f"{', '.join(names[:3])}{', ...' if len(names) > 3 else ''}); "
+                         "name a new or empty prefix")
+    if not self.overwrite:
+      raise ConvertError(f"OUT_DIR {self.out_dir}/ already holds {len(shards)} shard(s) "
+                         f"({shards[0]}, ...); pass --overwrite to replace them")
+    foreign = [n for n in names if not shards_lib.written_by_conversion(n)]
+    if foreign:
+      raise ConvertError(f"OUT_DIR {self.out_dir}/ holds objects a conversion does not "
+                         f"write ({', '.join(foreign[:3])}); --overwrite replaces the "
+                         "whole prefix, so move them away first")
+
+  def create(self) -> str:
+    os.makedirs(self.tmp_dir)
+    return self.tmp_dir
+
+  def commit(self) -> None:
+    """Uploads the shards, then the side files, then the config; deletes
+    what an earlier conversion left that this one did not write."""
+    import obstore  # pylint: disable=g-import-not-at-top
+    from grain_elevator.tools.convert.shards import CONFIG_FILE  # pylint: disable=g-import-not-at-top
+    self.check()  # again: something may have appeared meanwhile
+    before = set(self._existing())
+    names = sorted(os.listdir(self.tmp_dir),
+                   key=lambda n: (n == CONFIG_FILE, not n.endswith(".array_record"), n))
+    try:
+      for name in names:
+        with open(os.path.join(self.tmp_dir, name), "rb") as f:
+          obstore.put(self._store, self._prefix + name, f)
+      for name in sorted(before - set(names)):
+        obstore.delete(self._store, self._prefix + name)
+    except Exception as e:  # pylint: disable=broad-except
+      raise ConvertError(f"cannot upload to OUT_DIR {self.out_dir}/: "
+                         f"{objects_lib.reason(e)}") from e
+    finally:
+      shutil.rmtree(self.tmp_dir, ignore_errors=True)
+
+  def abort(self) -> None:
+    shutil.rmtree(self.tmp_dir, ignore_errors=True)
