@@ -29,7 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any
+from typing import Any, Callable
 
 from grain_elevator.tools.bench import harness
 from grain_elevator.tools.bench import images as images_bench
@@ -106,8 +106,10 @@ def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def run(data: pathlib.Path, names: list[str], workers: list[int], sleeping_workers: list[int],
         rounds: int, seconds: float, warmup_s: float, records: int | None = None,
-        sleep_us: float | None = None, glibc: bool = False) -> dict[str, Any]:
-  """report[workload]["W=n"]: the server's pipeline and each setting's runs."""
+        sleep_us: float | None = None, glibc: bool = False,
+        save: Callable[[dict[str, Any]], None] = lambda report: None) -> dict[str, Any]:
+  """report[workload]["W=n"]: the server's pipeline and each setting's runs;
+  `save(report)` after each block, so a run cut short keeps what it measured."""
   report: dict[str, Any] = {}
   for name in names:
     config, step_bytes, options, base_spec = _prepare(data, name, records)
@@ -135,6 +137,7 @@ def run(data: pathlib.Path, names: list[str], workers: list[int], sleeping_worke
                                    rounds, seconds, warmup_s)
         report[name][key].update(workers=wk, pipeline=f"sleeping {us:g} µs/record" if slow
                                  else "real")
+        save(report)
     finally:
       sender.kill()
       sender.wait()
@@ -228,13 +231,14 @@ def main(argv: list[str] | None = None) -> int:
   a = p.parse_args(argv)
   if a.explore:
     EXPLORE.update(json.loads(a.explore))
+  def save(report: dict[str, Any]) -> None:
+    if a.json:
+      pathlib.Path(a.json).write_text(json.dumps(report, indent=1))
   report = run(pathlib.Path(a.data), a.workloads.split(","), a.workers, a.sleeping_workers,
-               a.rounds, a.seconds, a.warmup, a.records, a.sleep_us_per_record, a.glibc)
+               a.rounds, a.seconds, a.warmup, a.records, a.sleep_us_per_record, a.glibc, save)
   print(table(report))
   print()
   print(summary(report))
-  if a.json:
-    pathlib.Path(a.json).write_text(json.dumps(report, indent=1))
   return 0
 
 

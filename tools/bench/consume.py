@@ -253,7 +253,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
   while time.perf_counter() < deadline:
     next(it)
     pulled += 1
-  text = spec.get("pipeline") == "text"
+  text = spec.get("pipeline") == "text" and kind != "tcp"  # a TCP sender sends bytes, not tokens
   server0 = _server_cpu(server_pids)
   cpu0, t1 = tree_cpu(proc), time.perf_counter()
   batches, nbytes, tokens, slots = 0, 0, 0, 0
