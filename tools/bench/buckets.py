@@ -14,10 +14,10 @@ S3 server (moto, storage_servers.py) behind the fault proxy at
 Each run reports records/s, the trainer's CPU, the server's cores, the read
 amplification, and first-batch and resume latency. Read amplification is
 bytes fetched ÷ the stored bytes of the records read. For a server, from
-its metrics over the run: `elevator_storage_fetched_bytes_total` less the
-growth of `elevator_read_ahead_bytes` (what its plans hold for steps not
-made yet) ÷ `elevator_storage_needed_bytes_total`, which counts every step
-it made, those in the client's window included. For local Grain: the bytes
+its metrics over the run: `elevator_storage_fetched_bytes_total` ÷
+`elevator_storage_needed_bytes_total`, which counts every step it made,
+those in the client's window included (plans for steps not made when the
+run ends count as fetched: short runs overstate it). For local Grain: the bytes
 the proxy sent ÷ the records the trainer pulled (bench/consume.py's
 `records_total`). moto runs on the same cores as everything
 else, and costs CPU per request: the notes say how much.
@@ -169,10 +169,9 @@ def run_workload(root: pathlib.Path, name: str, *, workers: int, repeats: int, s
         out = {**r, "storage_bytes": sent, "storage_requests": gets, "amplification": None,
                "requests_per_record": None}
         if s.key in ports:  # the server's own counts (its metrics)
-          (needed0, fetched0, held0), (needed, fetched, held) = (marks[s.key],
-                                                                 _server_bytes(ports[s.key]))
-          used = (fetched - fetched0) - (held - held0)  # not what plans hold for later steps
-          out["amplification"] = used / max(1.0, needed - needed0)
+          (needed0, fetched0, _), (needed, fetched, _) = (marks[s.key],
+                                                          _server_bytes(ports[s.key]))
+          out["amplification"] = (fetched - fetched0) / max(1.0, needed - needed0)
           out["requests_per_record"] = gets / max(1.0, (needed - needed0) / per_record)
         elif s.key != "local":  # local Grain: the records it pulled
           out["amplification"] = sent / (r["records_total"] * per_record)
