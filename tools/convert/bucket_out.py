@@ -64,22 +64,8 @@ class BucketStaging:
     """Raises unless OUT_DIR may be written: holding nothing, or
     (overwrite) only what a conversion writes."""
     from grain_elevator.tools.convert import shards as shards_lib  # pylint: disable=g-import-not-at-top
-    names = self._existing()
-    if not names:
-      return
-    shards = [n for n in names if n.endswith(".array_record")]
-    if not shards:
-      raise ConvertError(f"OUT_DIR {self.out_dir}/ is not empty (it holds "
-                         f"{', '.join(names[:3])}{', ...' if len(names) > 3 else ''}); "
-                         "name a new or empty prefix")
-    if not self.overwrite:
-      raise ConvertError(f"OUT_DIR {self.out_dir}/ already holds {len(shards)} shard(s) "
-                         f"({shards[0]}, ...); pass --overwrite to replace them")
-    foreign = [n for n in names if not shards_lib.written_by_conversion(n)]
-    if foreign:
-      raise ConvertError(f"OUT_DIR {self.out_dir}/ holds objects a conversion does not "
-                         f"write ({', '.join(foreign[:3])}); --overwrite replaces the "
-                         "whole prefix, so move them away first")
+    shards_lib.check_replaceable(f"{self.out_dir}/", self._existing(), self.overwrite,
+                                 where="prefix", things="objects")
 
   def create(self) -> str:
     os.makedirs(self.tmp_dir)

@@ -255,6 +255,28 @@ def write_shard(source: Source, task: ShardTask, folder: str,
   return ShardResult(task.index, task.name, records, nbytes, os.path.getsize(final), stats)
 
 
+def check_replaceable(out_dir: str, entries: list[str], overwrite: bool, *,
+                      where: str, things: str) -> None:
+  """Raises unless OUT_DIR, holding `entries` (names, sorted), may be
+  written: empty, or (overwrite) holding only what a conversion writes.
+  `where`/`things`: "folder"/"files", or "prefix"/"objects" for a bucket."""
+  if not entries:
+    return
+  shards = [e for e in entries if e.endswith(".array_record")]
+  if not shards:
+    raise ConvertError(f"OUT_DIR {out_dir} is not empty (it holds "
+                       f"{', '.join(entries[:3])}{', ...' if len(entries) > 3 else ''}); "
+                       f"name a new or empty {where}")
+  if not overwrite:
+    raise ConvertError(f"OUT_DIR {out_dir} already holds {len(shards)} shard(s) "
+                       f"({shards[0]}, ...); pass --overwrite to replace them")
+  foreign = [e for e in entries if not written_by_conversion(e)]
+  if foreign:
+    raise ConvertError(f"OUT_DIR {out_dir} holds {things} a conversion does not "
+                       f"write ({', '.join(foreign[:3])}); --overwrite replaces the "
+                       f"whole {where}, so move them away first")
+
+
 class Staging:
   """OUT_DIR's lifecycle: check it may be written, stage into a hidden
   folder beside it, then rename that folder into place, or remove it."""
@@ -286,22 +308,8 @@ class Staging:
       return
     if not os.path.isdir(self.out_dir):
       raise ConvertError(f"OUT_DIR {self.out_dir} exists and is not a folder")
-    entries = sorted(os.listdir(self.out_dir))
-    if not entries:
-      return
-    shards = [e for e in entries if e.endswith(".array_record")]
-    if not shards:
-      raise ConvertError(f"OUT_DIR {self.out_dir} is not empty (it holds "
-                         f"{', '.join(entries[:3])}{', ...' if len(entries) > 3 else ''}); "
-                         "name a new or empty folder")
-    if not self.overwrite:
-      raise ConvertError(f"OUT_DIR {self.out_dir} already holds {len(shards)} shard(s) "
-                         f"({shards[0]}, ...); pass --overwrite to replace them")
-    foreign = [e for e in entries if not written_by_conversion(e)]
-    if foreign:
-      raise ConvertError(f"OUT_DIR {self.out_dir} holds files a conversion does not "
-                         f"write ({', '.join(foreign[:3])}); --overwrite replaces the "
-                         "whole folder, so move them away first")
+    check_replaceable(self.out_dir, sorted(os.listdir(self.out_dir)), self.overwrite,
+                      where="folder", things="files")
 
   def create(self) -> str:
     os.makedirs(self.tmp_dir)
