@@ -120,16 +120,16 @@ $(BEAM_STAMP): pyproject.toml
 	$(BEAM_VENV)/bin/python -m pip install --quiet $(BEAM_PACKAGES)
 	@# The converter's sources, live, without building the package (an editable
 	@# install would rebuild server/data/shards/_riegeli*.so in place under running tests):
-	@# grain_elevator.{tools,pipelines,proto} are this checkout's folders; of proto the
+	@# grain_elevator.{tools,pipelines,proto,server} are this checkout's folders; of proto the
 	@# converter loads only modules that import neither the gRPC stubs nor grpc
-	@# (varint.py, dtypes.py, rows.py).
+	@# (varint.py, dtypes.py, rows.py), of server only data/storage/urls.py (plain re).
 	mkdir -p $(BEAM_VENV)/src/grain_elevator
 	echo $(CURDIR)/$(BEAM_VENV)/src > "$$($(BEAM_VENV)/bin/python -c \
 	  'import sysconfig; print(sysconfig.get_path("purelib"))')/grain_elevator_src.pth"
 	touch $(BEAM_STAMP)
 
 beam-venv: $(BEAM_STAMP)
-	@for d in tools pipelines proto; do ln -sfn $(CURDIR)/$$d $(BEAM_VENV)/src/grain_elevator/$$d; done
+	@for d in tools pipelines proto server; do ln -sfn $(CURDIR)/$$d $(BEAM_VENV)/src/grain_elevator/$$d; done
 
 beam-venv-or-skip:
 	@$(MAKE) --no-print-directory beam-venv || \
