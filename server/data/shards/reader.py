@@ -110,7 +110,9 @@ class ShardReader:
     in order before the footer, and the records spread as ArrayRecord's own
     reader assumes (it finds record i in chunk i // the first chunk's count)."""
     sizes, values = self._chunk(footer_at, postscript_at)
-    if sizes is None or len(sizes) < 1:
+    if sizes is None:  # one record: the metadata of a shard with no chunks (an empty one)
+      sizes = np.asarray([len(values)], np.uint64)
+    if len(sizes) < 1:
       raise UnsupportedShard("the footer holds no metadata record")
     meta = chunks.message_fields(bytes(values[:int(sizes[0])]))
     array_record = meta.get(1)

@@ -67,8 +67,8 @@ def test_hash_lanes_agree_at_every_tail_length():
     "group_size:64,uncompressed", "",
 ])
 @pytest.mark.parametrize("sizes", [
-    [3_088], [153_616], [0, 1, 40, 65_512, 65_536, 131_072], range(70),
-], ids=["small", "large", "edges", "ramp"])
+    [3_088], [153_616], [0, 1, 40, 65_512, 65_536, 131_072], range(70), [],
+], ids=["small", "large", "edges", "ramp", "empty"])
 def test_reads_what_array_record_reads(tmp_path, options, sizes):
   records = _records(sizes)
   path = _write(tmp_path / "s.array_record", records, options)

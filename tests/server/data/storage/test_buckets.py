@@ -16,6 +16,7 @@ import textwrap
 from typing import Any
 
 import pytest
+from array_record.python.array_record_module import ArrayRecordWriter
 
 from grain_elevator.client import ConfigError, RemoteDataset, StreamMismatchError
 from grain_elevator.pipelines import examples
@@ -307,6 +308,21 @@ def test_one_record_costs_one_ranged_read_of_its_chunk(bucket, bucket_env, uploa
   after = bucket.proxy.stats
   assert after.ranged_gets - before.ranged_gets == 1
   assert after.body_bytes - before.body_bytes == end - begin
+
+
+def test_an_empty_shard_reads_as_its_local_copy(bucket, bucket_env, shards, tmp_path):
+  """A shard with no records (a converter's last shard can be one) is read
+  from a bucket as from disk: no records, the others' keys unmoved."""
+  writer = ArrayRecordWriter(str(tmp_path / "empty.array_record"), "group_size:1")
+  writer.close()
+  local = [str(tmp_path / "empty.array_record"),
+           str(shards / "shards" / "train-00000-of-00003.array_record")]
+  for i, path in enumerate(local):
+    bucket.put(f"with-empty/{i}.array_record", pathlib.Path(path).read_bytes())
+  source = ObjectRecordSource([bucket.url(f"with-empty/{i}.array_record") for i in range(2)])
+  expected = dataset_lib.BatchedArrayRecordSource(local)
+  assert len(source) == len(expected) == 80
+  assert source.read_raw([79, 0, 40]) == list(expected._getitems([79, 0, 40]))  # pylint: disable=protected-access
 
 
 def test_a_corrupt_object_is_data_loss_naming_it_and_the_byte(bucket, bucket_env, shards):
