@@ -112,9 +112,9 @@ host-tools:
 BEAM_VENV ?= .venv-beam
 BEAM_STAMP := $(BEAM_VENV)/.installed
 BEAM_PACKAGES := 'apache-beam>=2.60' 'array-record>=0.8.6' 'numpy>=2.0' 'pyarrow>=14' \
-  'google-crc32c>=1.5' 'tqdm>=4.66'
+  'google-crc32c>=1.5' 'tqdm>=4.66' 'obstore>=0.12'
 
-$(BEAM_STAMP): pyproject.toml
+$(BEAM_STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(BEAM_VENV)
 	$(BEAM_VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(BEAM_VENV)/bin/python -m pip install --quiet $(BEAM_PACKAGES)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import pathlib
 import socket
+import subprocess
 import time
 from typing import Any, Callable, Iterable
 
@@ -171,3 +173,27 @@ def no_leftovers(out_dir: pathlib.Path) -> None:
   assert not out_dir.exists()
   hidden = [p.name for p in out_dir.parent.iterdir() if p.name.startswith(f".{out_dir.name}.")]
   assert not hidden, hidden
+
+
+BEAM_PYTHON = ROOT / ".venv-beam" / "bin" / "python"
+
+
+def beam_python() -> str:
+  """.venv-beam's Python (`make beam-venv`), or the test is skipped saying why."""
+  import pytest  # pylint: disable=g-import-not-at-top
+  if not BEAM_PYTHON.exists():
+    pytest.skip(f"{BEAM_PYTHON} is missing: `make beam-venv` builds it (make test tries)")
+  probe = subprocess.run([str(BEAM_PYTHON), "-c", "import apache_beam, array_record"],
+                         capture_output=True, text=True, check=False)
+  if probe.returncode:
+    pytest.skip(f".venv-beam cannot import apache_beam: {probe.stderr.strip()[-300:]}")
+  return str(BEAM_PYTHON)
+
+
+def run_beam(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+  """`python -m grain_elevator.tools.convert.beam ARGS --runner DirectRunner`."""
+  return subprocess.run(
+      [beam_python(), "-m", "grain_elevator.tools.convert.beam", *args,
+       "--runner", "DirectRunner"],
+      capture_output=True, text=True, check=False, cwd=ROOT, timeout=300,
+      env=None if env is None else {**os.environ, **env})

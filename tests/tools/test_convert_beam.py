@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import pathlib
-import subprocess
 
 import numpy as np
 import pytest
@@ -13,19 +12,9 @@ from grain_elevator.tools.convert import shards
 from grain_elevator.tools.convert.images import ImageFolderSource
 from grain_elevator.tools.convert.npz import NpzSource
 from grain_elevator.tools.convert.tfrecord import TFRecordSource
-from helpers import ROOT
+from helpers import beam_python as _beam_python
+from helpers import run_beam
 
-BEAM_PYTHON = ROOT / ".venv-beam" / "bin" / "python"
-
-
-def _beam_python() -> str:
-  if not BEAM_PYTHON.exists():
-    pytest.skip(f"{BEAM_PYTHON} is missing: `make beam-venv` builds it (make test tries)")
-  probe = subprocess.run([str(BEAM_PYTHON), "-c", "import apache_beam, array_record"],
-                         capture_output=True, text=True, check=False)
-  if probe.returncode:
-    pytest.skip(f".venv-beam cannot import apache_beam: {probe.stderr.strip()[-300:]}")
-  return str(BEAM_PYTHON)
 
 
 @pytest.fixture(autouse=True)
@@ -33,13 +22,6 @@ def _beam_temp_in_tmp_path(tmp_path, monkeypatch):
   """The DirectRunner leaves beam-temp-* folders in $TMPDIR: keep them in the test's."""
   (tmp_path / "beam-tmp").mkdir()
   monkeypatch.setenv("TMPDIR", str(tmp_path / "beam-tmp"))
-
-
-def run_beam(*args: str) -> subprocess.CompletedProcess:
-  return subprocess.run(
-      [_beam_python(), "-m", "grain_elevator.tools.convert.beam", *args,
-       "--runner", "DirectRunner"],
-      capture_output=True, text=True, check=False, cwd=ROOT, timeout=300)
 
 
 def files(folder: pathlib.Path) -> dict[str, bytes]:

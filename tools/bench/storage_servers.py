@@ -151,6 +151,7 @@ class GcsServer(_Subprocess):
       raise ServerUnavailable("gcp-storage-emulator is not installed")
     super().__init__([exe, "start", "--host", "127.0.0.1", "--port", "{port}", "--in-memory"],
                      "/")
+    self._key: str | None = None
 
   def create_bucket(self, bucket: str) -> None:
     _request("POST", f"{self.url}/storage/v1/b", json.dumps({"name": bucket}).encode(),
@@ -165,4 +166,21 @@ class GcsServer(_Subprocess):
     _request("DELETE", f"{self.url}/storage/v1/b/{bucket}/o/{urllib.parse.quote(key, safe='')}")
 
   def env(self, endpoint: str | None = None) -> dict[str, str]:
-    return {"STORAGE_EMULATOR_HOST": endpoint or self.url}
+    """The emulator's host, and a service-account key of this server's own:
+    obstore's GCS client wants a bearer token to write even where it reads
+    unsigned, and with `disable_oauth` it signs one itself from the key, so
+    no token endpoint (which the emulator lacks) is asked."""
+    return {"STORAGE_EMULATOR_HOST": endpoint or self.url,
+            "GOOGLE_SERVICE_ACCOUNT_KEY": self._service_account_key()}
+
+  def _service_account_key(self) -> str:
+    if self._key is None:
+      from cryptography.hazmat.primitives import serialization  # pylint: disable=g-import-not-at-top
+      from cryptography.hazmat.primitives.asymmetric import rsa  # pylint: disable=g-import-not-at-top
+      pem = rsa.generate_private_key(public_exponent=65537, key_size=2048).private_bytes(
+          serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+          serialization.NoEncryption()).decode()
+      self._key = json.dumps({"private_key": pem, "private_key_id": "emulator",
+                              "client_email": "tests@emulator.iam.gserviceaccount.com",
+                              "disable_oauth": True})
+    return self._key

@@ -16,8 +16,11 @@ same records in the same order, the same elevator.toml and labels.txt.
 Shards are written into the hidden staging folder beside OUT_DIR, each under
 a temporary name first (a retried or speculative task replaces it whole), and
 the folder is renamed to OUT_DIR by the last step. On Dataflow, Flink or
-Spark, inputs and OUT_DIR must be paths every worker sees the same (a shared
-or mounted file system): ArrayRecord writes local paths.
+Spark, a local OUT_DIR and the inputs must be paths every worker sees the
+same (a shared or mounted file system): ArrayRecord writes local paths. An
+OUT_DIR in a bucket (gs://, s3://, az://) needs no shared file system: each
+worker writes its shard locally and uploads it as one object, and the last
+step puts the side files and the config (bucket_out.py).
 
 Apache Beam needs protobuf < 7, the rest of grain-elevator protobuf 7, so this
 runs in a venv of its own (`make beam-venv` builds .venv-beam); nothing here
@@ -29,10 +32,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 from typing import Any, Sequence
 
 from grain_elevator.tools.convert import cli
 from grain_elevator.tools.convert import shards
+from grain_elevator.tools.convert.bucket_out import BucketStaging
 from grain_elevator.tools.convert.errors import ConvertError
 
 
@@ -41,11 +46,15 @@ def _index(item: tuple[int, str], source: shards.Source) -> tuple[int, str, shar
   return i, unit, source.index(unit)
 
 
+Staging = shards.Staging | BucketStaging
+
+
 def _plan(indexes: Sequence[tuple[int, str, shards.Indexed]], source: shards.Source,
-          num_shards: int | None, prefix: str, staging: shards.Staging) -> shards.Plan:
+          num_shards: int | None, prefix: str, staging: Staging) -> shards.Plan:
   ordered = [(unit, ix) for _, unit, ix in sorted(indexes, key=lambda t: t[0])]
   the_plan = shards.plan(ordered, source, num_shards=num_shards, prefix=prefix)
-  os.makedirs(staging.tmp_dir, exist_ok=True)
+  if not isinstance(staging, BucketStaging):  # a bucket's are local to each worker
+    os.makedirs(staging.tmp_dir, exist_ok=True)
   return the_plan
 
 
@@ -53,18 +62,28 @@ def _tasks(the_plan: shards.Plan) -> Sequence[shards.ShardTask]:
   return the_plan.tasks
 
 
-def _write(task: shards.ShardTask, source: shards.Source, folder: str) -> shards.ShardResult:
-  return shards.write_shard(source, task, folder)
+def _write(task: shards.ShardTask, source: shards.Source, staging: Staging) -> shards.ShardResult:
+  if not isinstance(staging, BucketStaging):
+    return shards.write_shard(source, task, staging.tmp_dir)
+  with tempfile.TemporaryDirectory(prefix="elevator-shard-") as folder:
+    result = shards.write_shard(source, task, folder)
+    staging.upload(os.path.join(folder, task.name), task.name)
+  return result
 
 
 def _commit(results: Sequence[shards.ShardResult], the_plan: shards.Plan,
-            source: shards.Source, staging: shards.Staging, name: str) -> str:
+            source: shards.Source, staging: Staging, name: str) -> str:
+  if isinstance(staging, BucketStaging):
+    os.makedirs(staging.tmp_dir, exist_ok=True)  # the side files and config, on this worker
   printed, _ = shards.finish(source, staging, the_plan, results, name=name)
-  staging.commit()
+  if isinstance(staging, BucketStaging):
+    staging.commit(uploaded=[r.name for r in results])
+  else:
+    staging.commit()
   return printed
 
 
-def build(pipeline: Any, source: shards.Source, staging: shards.Staging, *,
+def build(pipeline: Any, source: shards.Source, staging: Staging, *,
           num_shards: int | None, prefix: str, name: str) -> Any:
   """Adds the conversion to a Beam pipeline; returns the PCollection holding
   the printed config (one element, once committed)."""
@@ -79,7 +98,7 @@ def build(pipeline: Any, source: shards.Source, staging: shards.Staging, *,
   return (plan
           | "Tasks" >> beam.FlatMap(_tasks)
           | "SpreadTasks" >> beam.Reshuffle()
-          | "Write" >> beam.Map(_write, source, staging.tmp_dir)
+          | "Write" >> beam.Map(_write, source, staging)
           | "AllShards" >> beam.combiners.ToList()
           | "Commit" >> beam.Map(_commit, beam.pvalue.AsSingleton(plan), source, staging, name))
 
@@ -111,8 +130,10 @@ def main(argv: list[str] | None = None) -> int:
     return 2
   try:
     source = cli.make_source(args)
-    staging = shards.Staging(args.out_dir, overwrite=args.overwrite)
+    staging = shards.open_staging(args.out_dir, overwrite=args.overwrite)
     staging.check()
+    if isinstance(staging, BucketStaging) and args.overwrite:
+      staging.withdraw_config()  # the workers replace shards in place
     name = args.name or shards.default_name(args.out_dir)
     try:
       with beam.Pipeline(options=PipelineOptions(beam_args)) as p:
@@ -126,6 +147,11 @@ def main(argv: list[str] | None = None) -> int:
       raise
     print(f"elevator: error: {error}", file=sys.stderr)
     return 2
+  if isinstance(staging, BucketStaging):
+    print(f"wrote {staging.out_dir}/; its config ({staging.url(shards.CONFIG_FILE)}):",
+          file=sys.stderr)
+    sys.stdout.write(staging.read_config())
+    return 0
   config = os.path.join(staging.out_dir, shards.CONFIG_FILE)
   print(f"wrote {staging.out_dir}; its config ({config}, paths relative to it):",
         file=sys.stderr)

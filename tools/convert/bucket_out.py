@@ -7,10 +7,14 @@ OUT_DIR; once every one is complete, each is uploaded as one object (a PUT,
 multipart for a large file), which a bucket shows only once it is whole, so
 no reader ever lists a partial shard. The shards go first and the config
 (elevator.toml, its paths the shards' URLs) last: a config in the bucket
-means its shards are there. With `overwrite`, objects of an earlier
-conversion that this one did not write are deleted after the upload. A
-failed or interrupted run leaves its local folder removed and, in the
-bucket, at most some whole shards and no config.
+means its shards are there (with `overwrite`, an earlier config is deleted
+before the first upload, and objects of an earlier conversion that this one
+did not write after the last). A failed or interrupted run leaves its local
+folder removed and, in the bucket, at most some whole shards and no config.
+
+The Beam pipeline (beam.py) uses the same staging on many machines: each
+worker writes its shard into a local folder of its own and uploads it
+(`upload`); the last step stages the side files and the config and commits.
 """
 
 from __future__ import annotations
@@ -19,11 +23,11 @@ import os
 import shutil
 import tempfile
 import uuid
+from typing import Any, Sequence
 
 from grain_elevator.server.data.storage import objects as objects_lib
 from grain_elevator.server.data.storage import urls
 from grain_elevator.tools.convert.errors import ConvertError
-
 
 
 class BucketStaging:
@@ -37,10 +41,22 @@ class BucketStaging:
     self.overwrite = overwrite
     self.token = token or uuid.uuid4().hex[:8]
     self.tmp_dir = os.path.join(tempfile.gettempdir(), f"elevator-convert-{self.token}.tmp")
+    self._store = self._open_store()
+
+  def _open_store(self) -> Any:
     try:
-      self._store, _ = objects_lib.store_of(self.out_dir + "/")
+      store, _ = objects_lib.store_of(self.out_dir + "/")
     except Exception as e:  # a ConfigError: no obstore, a bad endpoint
       raise ConvertError(f"OUT_DIR {self.out_dir}: {e}") from e
+    return store
+
+  def __getstate__(self) -> dict[str, Any]:
+    """Without the store (a connection pool): a Beam worker opens its own."""
+    return {**self.__dict__, "_store": None}
+
+  def __setstate__(self, state: dict[str, Any]) -> None:
+    self.__dict__.update(state)
+    self._store = self._open_store()
 
   def url(self, name: str) -> str:
     return f"{self.out_dir}/{name}"
@@ -60,37 +76,73 @@ class BucketStaging:
   def leftovers(self) -> list[str]:
     return []  # a run's staging folder is local and removed whatever happens
 
-  def check(self) -> None:
-    """Raises unless OUT_DIR may be written: holding nothing, or
-    (overwrite) only what a conversion writes."""
+  def check(self, ours: Sequence[str] = ()) -> None:
+    """Raises unless OUT_DIR may be written: holding nothing but `ours`
+    (what this conversion put), or (overwrite) only what a conversion writes."""
     from grain_elevator.tools.convert import shards as shards_lib  # pylint: disable=g-import-not-at-top
-    shards_lib.check_replaceable(f"{self.out_dir}/", self._existing(), self.overwrite,
+    existing = [n for n in self._existing() if n not in set(ours)]
+    shards_lib.check_replaceable(f"{self.out_dir}/", existing, self.overwrite,
                                  where="prefix", things="objects")
 
   def create(self) -> str:
     os.makedirs(self.tmp_dir)
     return self.tmp_dir
 
-  def commit(self) -> None:
-    """Uploads the shards, then the side files, then the config; deletes
-    what an earlier conversion left that this one did not write."""
+  def upload(self, path: str, name: str) -> None:
+    """Puts the local file `path` as the object `name` under OUT_DIR: a
+    Beam worker's shard, which the bucket shows only once whole."""
+    import obstore  # pylint: disable=g-import-not-at-top
+    try:
+      with open(path, "rb") as f:
+        obstore.put(self._store, self._prefix + name, f)
+    except Exception as e:  # pylint: disable=broad-except
+      raise ConvertError(f"cannot upload to OUT_DIR {self.out_dir}/ ({name}): "
+                         f"{objects_lib.reason(e)}") from e
+
+  def commit(self, uploaded: Sequence[str] = ()) -> None:
+    """Uploads the staged shards, then the side files, then the config;
+    deletes what an earlier conversion left that this one did not write.
+    `uploaded`: objects this conversion put already (Beam's shards, each
+    by its own worker). An earlier config is deleted first, so that a
+    config in the bucket always names shards that are there."""
     import obstore  # pylint: disable=g-import-not-at-top
     from grain_elevator.tools.convert.shards import CONFIG_FILE  # pylint: disable=g-import-not-at-top
-    self.check()  # again: something may have appeared meanwhile
+    self.check(ours=uploaded)  # again: something may have appeared meanwhile
     before = set(self._existing())
     names = sorted(os.listdir(self.tmp_dir),
                    key=lambda n: (n == CONFIG_FILE, not n.endswith(".array_record"), n))
     try:
+      if CONFIG_FILE in before:
+        self.withdraw_config()
       for name in names:
-        with open(os.path.join(self.tmp_dir, name), "rb") as f:
-          obstore.put(self._store, self._prefix + name, f)
-      for name in sorted(before - set(names)):
+        self.upload(os.path.join(self.tmp_dir, name), name)
+      for name in sorted(before - set(names) - set(uploaded)):
         obstore.delete(self._store, self._prefix + name)
+    except ConvertError:
+      raise
     except Exception as e:  # pylint: disable=broad-except
       raise ConvertError(f"cannot upload to OUT_DIR {self.out_dir}/: "
                          f"{objects_lib.reason(e)}") from e
     finally:
       shutil.rmtree(self.tmp_dir, ignore_errors=True)
+
+  def withdraw_config(self) -> None:
+    """Deletes an earlier conversion's config (if any), before any of its
+    shards is replaced: no config ever names a mix of two conversions."""
+    import obstore  # pylint: disable=g-import-not-at-top
+    from grain_elevator.tools.convert.shards import CONFIG_FILE  # pylint: disable=g-import-not-at-top
+    try:
+      obstore.delete(self._store, self._prefix + CONFIG_FILE)
+    except FileNotFoundError:
+      pass
+    except Exception as e:  # pylint: disable=broad-except
+      raise ConvertError(f"cannot delete {self.url(CONFIG_FILE)}: {objects_lib.reason(e)}") from e
+
+  def read_config(self) -> str:
+    """The elevator.toml a commit put, as text."""
+    import obstore  # pylint: disable=g-import-not-at-top
+    from grain_elevator.tools.convert.shards import CONFIG_FILE  # pylint: disable=g-import-not-at-top
+    return bytes(obstore.get(self._store, self._prefix + CONFIG_FILE).bytes()).decode()
 
   def abort(self) -> None:
     shutil.rmtree(self.tmp_dir, ignore_errors=True)

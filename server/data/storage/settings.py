@@ -137,7 +137,8 @@ def build_store(scheme: str, bucket: str, settings: StorageSettings) -> Any:
 # (embedded mode in a process whose environment a test or notebook changed).
 _ENV = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_REGION", "AWS_DEFAULT_REGION",
         "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE",
-        "STORAGE_EMULATOR_HOST", "GOOGLE_APPLICATION_CREDENTIALS", "AZURE_STORAGE_ACCOUNT_NAME")
+        "STORAGE_EMULATOR_HOST", "GOOGLE_APPLICATION_CREDENTIALS", "GOOGLE_SERVICE_ACCOUNT",
+        "GOOGLE_SERVICE_ACCOUNT_KEY", "AZURE_STORAGE_ACCOUNT_NAME")
 
 
 class Stores:
