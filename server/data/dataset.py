@@ -261,6 +261,9 @@ def open_dataset(config: DatasetConfig,
     index = shuffle_lib.SourceIndexMap(build_raw_records(config, range(opened.num_records)),
                                        opened.num_records)
     ds.origins = functools.partial(record_origins, opened.source, index)
+    needs = getattr(opened.source, "needs", None)  # in a bucket
+    if needs is not None:
+      ds.read_by_plan(lambda positions: needs(index(positions)))
     return ds
   return ElevatorDataset(config, identities, opened=opened, records=head, files=files)
 

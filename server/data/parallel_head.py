@@ -59,12 +59,14 @@ from typing import Any, Callable
 import grain
 
 from grain_elevator.proto.throttle import Throttled
+from grain_elevator.server.data import head_reads
 from grain_elevator.server.data import head_sockets
 
 log = logging.getLogger("grain_elevator.server")
 
-# Consecutive head indices per task, and tasks kept in flight per worker.
-TASK_ELEMENTS = 32
+# Consecutive head indices per task (the block whose reads are planned
+# together), and tasks kept in flight per worker.
+TASK_ELEMENTS = head_reads.BLOCK
 TASKS_AHEAD_PER_WORKER = 2
 # A worker computing a task tells its owner it is alive at least this often.
 PROGRESS_EVERY_S = 0.5
@@ -181,22 +183,33 @@ class HeadService:
       if future is not None:
         worker = j
         break
+    reads = self._reads(dataset)
     if future is None:
-      future = self._local.submit(self._here, head, start, count)
+      if reads is not None:  # its reads go out while the tasks before it compute
+        reads.plan(start, count)
+      future = self._local.submit(self._here, head, start, count, reads)
 
     def local() -> list[Any]:
       if worker != self._index:
         self._counts.head_fallback(self._index, worker)
-      return self._here(head, start, count)
+      return self._here(head, start, count, reads)
 
     future.local = local  # type: ignore[attr-defined]
     future.worker = worker  # type: ignore[attr-defined]
     return future
 
-  def _here(self, head: grain.MapDataset, start: int, count: int) -> list[Any]:
-    elements = _elements(head, start, count)
+  def _here(self, head: grain.MapDataset, start: int, count: int,
+            reads: head_reads.HeadReads | None) -> list[Any]:
+    elements = _elements(head, start, count, reads=reads)
     self._counts.head_task(self._index, self._index)
     return elements
+
+  def _reads(self, dataset: str) -> head_reads.HeadReads | None:
+    """The dataset's planner of head reads: None where nothing is in a bucket."""
+    try:
+      return getattr(self._datasets.get(dataset), "head_reads", None)
+    except Exception:  # pylint: disable=broad-except
+      return None  # refused here: the task's computation meets that
 
   def _answer(self, conn: mpc.Connection) -> None:
     """Computes one other worker's tasks, in the order they come, with a
@@ -225,7 +238,7 @@ class HeadService:
           if ds.info.config_fingerprint != fingerprint:
             raise RuntimeError(f"dataset {dataset!r} has fingerprint "
                                f"{ds.info.config_fingerprint} here, {fingerprint} asked")
-          elements = _elements(ds.head, start, count, note)
+          elements = _elements(ds.head, start, count, note, getattr(ds, "head_reads", None))
         except _OwnerGone:
           return  # a progress note could not be sent: the owner is gone or hung
         except Exception as e:  # pylint: disable=broad-except
@@ -375,16 +388,23 @@ FAILED = _Failed()
 
 
 def _elements(head: grain.MapDataset, start: int, count: int,
-              progress: Callable[[], None] = lambda: None) -> list[Any]:
+              progress: Callable[[], None] = lambda: None,
+              reads: head_reads.HeadReads | None = None) -> list[Any]:
   """head[start : start+count], None for what the pipeline filtered out,
-  FAILED for what raised; `progress()` after each element."""
+  FAILED for what raised; `progress()` after each element. `reads`: their
+  records are in a bucket, read by plan (head_reads.py)."""
   out: list[Any] = []
-  for i in range(start, min(start + count, len(head))):
-    try:
-      out.append(head[i])
-    except Exception:  # pylint: disable=broad-except
-      out.append(FAILED)
-    progress()
+  tag = reads.plan(start, count) if reads is not None else None
+  try:
+    for i in range(start, min(start + count, len(head))):
+      try:
+        out.append(head[i])
+      except Exception:  # pylint: disable=broad-except
+        out.append(FAILED)
+      progress()
+  finally:
+    if reads is not None:
+      reads.release(tag)
   return out
 
 
@@ -467,9 +487,6 @@ class _ParallelHeadIterator(grain.DatasetIterator):
     return {"next_index": self._next}
 
   def set_state(self, state: dict[str, Any]) -> None:
-    index = state["next_index"]
-    if not isinstance(index, int) or not 0 <= index <= len(self._head):
-      raise ValueError(f"next_index {index!r} is out of the head's range [0, {len(self._head)}]")
-    self._next = index
+    self._next = head_reads.next_index(state, len(self._head))
     self._tasks.clear()
     self._elements, self._elements_start = None, -1

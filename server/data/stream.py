@@ -47,6 +47,7 @@ from grain_elevator.proto.limits import MAX_STREAM_STATE_BYTES
 from grain_elevator.proto.spec import DatasetInfo, ElementSpec
 from grain_elevator.server.data import cancellation
 from grain_elevator.server.data import grain_private
+from grain_elevator.server.data import head_reads
 from grain_elevator.server.data.config import DatasetConfig
 
 # Head: the random-access part, pipeline(records), as an IterDataset.
@@ -109,6 +110,8 @@ class StreamDataset:
     self._head_factory: HeadFactory = lambda ds: ds.to_iter_dataset(
         grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
     self._head_elements_held = 0
+    # Its records' reads from a bucket, planned (read_by_plan); None for local shards.
+    self.head_reads: head_reads.HeadReads | None = None
     # Record stream position -> where it is stored (server/data/provenance.py);
     # set by whoever opened the records (dataset.py), None if nobody can say.
     self.origins: Callable[[list[int]], list[dict[str, Any]]] | None = None
@@ -121,6 +124,15 @@ class StreamDataset:
         shuffle=config.shuffle, seed=config.seed, config_fingerprint=fingerprint,
         element_spec=self._spec, stream_length=contract.FOREVER_LENGTH,
         drop_remainder=config.drop_remainder, stream=True, stream_start=start)
+
+  def read_by_plan(self, record_needs: Callable[[list[int]], Any]) -> None:
+    """Its records are in a bucket: `record_needs(positions)` names the
+    chunk extents the records at these positions need, and the head reads
+    them by plan, a block ahead (head_reads.py), until `use_head` gives it
+    the parallel head, which plans each task."""
+    self.head_reads = head_reads.HeadReads(self.config.name, self.info.config_fingerprint,
+                                           len(self.head), len(self.records), record_needs)
+    self._head_factory = lambda ds: head_reads.PlannedHead(ds, self.head_reads)
 
   def use_head(self, factory: HeadFactory, *, elements_held: int = 0) -> None:
     """Serves the head through `factory` (the parallel head of a server):

@@ -1,11 +1,13 @@
 """Reads by plan, against real protocol servers on 127.0.0.1 behind the
 fault proxy: a worker fetches the chunks its next steps need before they are
 asked for (a later request is served whole while storage is down), within
-its byte budget, and drops what no step took; the rows stay those of the
-same shards on local disk."""
+its byte budget, and drops what no step took; a stream's head reads its
+next blocks the same way; the rows stay those of the same shards on local
+disk."""
 
 from __future__ import annotations
 
+import itertools
 import pathlib
 import textwrap
 from typing import Any
@@ -19,6 +21,8 @@ from grain_elevator.pipelines import examples
 from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.proto import elevator_pb2_grpc as pb_grpc
 from grain_elevator.server import Server, ServerOptions
+from grain_elevator.proto.errors import ServiceUnavailableError
+from grain_elevator.server.data import config as config_lib
 from grain_elevator.server.data import dataset as dataset_lib
 from grain_elevator.server.data.object_source import ObjectRecordSource
 from grain_elevator.server.data.storage import read_ahead
@@ -179,3 +183,56 @@ def test_what_no_step_takes_is_dropped_when_stale(bucket, bucket_env, configs, s
   gets_before = bucket.proxy.stats.ranged_gets
   assert list(source.read_raw(records)) == [local[i] for i in records]
   assert bucket.proxy.stats.ranged_gets > gets_before
+
+
+STREAM = textwrap.dedent("""\
+    [datasets.st]            # a stream (a batch_fn) whose head keeps the length
+    paths = ["{where}/*.array_record"]
+    pipeline = "grain_elevator.pipelines.examples:decode_images"
+    batch_fn = "grain_elevator.pipelines.examples:batch_centered"
+    seed = 9
+    [datasets.st.options]
+    height = 32
+    width = 32
+    channels = 3
+    {storage}
+    """)
+
+
+@pytest.mark.parametrize("budget_mb", [read_ahead.DEFAULT_READ_AHEAD_MB, 0])
+def test_a_streams_head_reads_its_next_blocks_before_it_computes_them(
+    bucket, bucket_env, configs, shards, tmp_path, budget_mb):
+  """A stream's head plans the records of the block it enters and the two
+  after (96 elements: 12 batches of 8) as it starts; once their bytes have
+  arrived storage goes down, and the 11 batches after the first are made
+  exact from what was planned. Without a read-ahead, storage is needed."""
+  paths = {}
+  for name, where, storage in (("local", str(shards), ""),
+                               ("bucket", bucket.url("ahead"),
+                                "[datasets.st.storage]\nretry_s = 3")):
+    paths[name] = tmp_path / f"{name}.toml"
+    paths[name].write_text(STREAM.format(where=where, storage=storage))
+  open_st = lambda name: dataset_lib.Datasets(config_lib.load_config(str(paths[name])),
+                                              open_now=False).get("st")
+  local = open_st("local")
+  want = [leaves for leaves, _ in itertools.islice(local.batches(G, local.info.stream_start), 12)]
+  ahead = read_ahead.configure(budget_mb << 20)
+  st = open_st("bucket")
+  sent_before = bucket.proxy.stats.body_bytes
+  batches = st.batches(G, st.info.stream_start)
+  first, _ = next(batches)
+  _assert_rows([first], want[:1], "batch 0")
+  if budget_mb:
+    assert ahead.bytes > 0
+    wait_for(lambda: bucket.proxy.stats.body_bytes - sent_before >= ahead.bytes,
+             "the planned ranges to arrive")
+  bucket.proxy.outage(600)
+  try:
+    if budget_mb:
+      _assert_rows([leaves for leaves, _ in itertools.islice(batches, 11)], want[1:],
+                   "batches 1-11, storage down")
+    else:
+      with pytest.raises(ServiceUnavailableError, match="storage did not answer"):
+        next(batches)
+  finally:
+    bucket.proxy.clear()
