@@ -90,6 +90,7 @@ CONSTANTS = {
     "grain_elevator.server.data.storage.objects": ["MAX_IN_FLIGHT", "AHEAD_IN_FLIGHT"],
     "grain_elevator.server.data.storage.read_ahead": ["STALE_S"],
     "grain_elevator.server.serving.read_plan": ["AHEAD_CHUNKS", "MAX_STEPS"],
+    "grain_elevator.server.data.head_reads": ["BLOCK", "BLOCKS_AHEAD"],
     "grain_elevator.server.data.parallel_head": [
         "TASK_ELEMENTS", "TASKS_AHEAD_PER_WORKER", "PROGRESS_EVERY_S", "PEER_SILENT_S",
         "REDIAL_S"],
