@@ -94,13 +94,45 @@ class PlannedHead(grain.IterDataset):
     return _PlannedHeadIterator(self._head, self._reads)
 
 
-class _PlannedHeadIterator(grain.DatasetIterator):
+class HeadIterator(grain.DatasetIterator):
+  """What Grain's `head.to_iter_dataset()` iterator is: head[i] in order,
+  the pipeline's None holes skipped, its state {"next_index": i}. A
+  subclass says how element i is had (`_element`) and what a new position
+  forgets (`_reset`)."""
 
-  def __init__(self, head: grain.MapDataset, reads: HeadReads):
+  def __init__(self, head: grain.MapDataset):
     super().__init__()
     self._head = head
+    self._next = 0  # the index after the last element returned
+
+  def _element(self, index: int) -> Any:
+    raise NotImplementedError
+
+  def _reset(self) -> None:
+    pass
+
+  def __next__(self) -> Any:
+    end = len(self._head)
+    while self._next < end:
+      element = self._element(self._next)
+      self._next += 1
+      if element is not None:
+        return element
+    raise StopIteration
+
+  def get_state(self) -> dict[str, Any]:
+    return {"next_index": self._next}
+
+  def set_state(self, state: dict[str, Any]) -> None:
+    self._next = next_index(state, len(self._head))
+    self._reset()
+
+
+class _PlannedHeadIterator(HeadIterator):
+
+  def __init__(self, head: grain.MapDataset, reads: HeadReads):
+    super().__init__(head)
     self._reads = reads
-    self._next = 0
     self._block = -1
     self._planned: dict[int, Hashable | None] = {}  # block start -> its group
 
@@ -114,27 +146,11 @@ class _PlannedHeadIterator(grain.DatasetIterator):
         self._planned[start] = self._reads.plan(start, BLOCK)
     self._block = block
 
-  def __next__(self) -> Any:
-    end = len(self._head)
-    while self._next < end:
-      block = self._next - self._next % BLOCK
-      if block != self._block:
-        self._enter(block)
-      element = self._head[self._next]
-      self._next += 1
-      if element is not None:
-        return element
-    raise StopIteration
+  def _element(self, index: int) -> Any:
+    block = index - index % BLOCK
+    if block != self._block:
+      self._enter(block)
+    return self._head[index]
 
-  def get_state(self) -> dict[str, Any]:
-    return {"next_index": self._next}
-
-  def set_state(self, state: dict[str, Any]) -> None:
-    self._next = next_index(state, len(self._head))
+  def _reset(self) -> None:
     self._block = -1
-
-  def close(self) -> None:
-    for tag in self._planned.values():
-      self._reads.release(tag)
-    self._planned.clear()
-

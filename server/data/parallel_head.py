@@ -423,15 +423,13 @@ class ParallelHead(grain.IterDataset):
     return _ParallelHeadIterator(self._head, self._fetch, self._ahead)
 
 
-class _ParallelHeadIterator(grain.DatasetIterator):
+class _ParallelHeadIterator(head_reads.HeadIterator):
 
   def __init__(self, head: grain.MapDataset,
                fetch: Callable[[int, int], concurrent.futures.Future], ahead: int):
-    super().__init__()
-    self._head = head
+    super().__init__(head)
     self._fetch = fetch
     self._ahead = max(1, ahead)
-    self._next = 0  # the index after the last element returned
     self._tasks: dict[int, concurrent.futures.Future] = {}  # first index -> elements
     self._elements: list[Any] | None = None
     self._elements_start = -1
@@ -467,26 +465,17 @@ class _ParallelHeadIterator(grain.DatasetIterator):
                          start + TASK_ELEMENTS - 1, e)
     return future.local()  # type: ignore[attr-defined]
 
-  def __next__(self) -> Any:
-    end = len(self._head)
-    while self._next < end:
-      start = self._task_start(self._next)
-      if self._elements_start != start:
-        self._ensure_ahead(self._next)
-        self._elements = self._load(start)
-        self._elements_start = start
-      element = self._elements[self._next - start]
-      if isinstance(element, _Failed):
-        element = self._head[self._next]  # raises, as it did where it was computed
-      self._next += 1
-      if element is not None:
-        return element
-    raise StopIteration
+  def _element(self, index: int) -> Any:
+    start = self._task_start(index)
+    if self._elements_start != start:
+      self._ensure_ahead(index)
+      self._elements = self._load(start)
+      self._elements_start = start
+    element = self._elements[index - start]
+    if isinstance(element, _Failed):
+      element = self._head[index]  # raises, as it did where it was computed
+    return element
 
-  def get_state(self) -> dict[str, Any]:
-    return {"next_index": self._next}
-
-  def set_state(self, state: dict[str, Any]) -> None:
-    self._next = head_reads.next_index(state, len(self._head))
+  def _reset(self) -> None:
     self._tasks.clear()
     self._elements, self._elements_start = None, -1
