@@ -202,7 +202,8 @@ def _bench_storage(args: argparse.Namespace) -> int:
     report = buckets.run(root, names, workers=max(int(w) for w in args.workers.split(",")),
                          repeats=args.repeats, seconds=args.seconds, warmup_s=args.warmup,
                          latency_ms=args.storage_latency_ms,
-                         records={"small": args.small_records, "image": args.image_records})
+                         records={"small": args.small_records, "image": args.image_records,
+                                  "text": args.text_records})
   except ValueError as e:
     print(f"elevator: error: {e}", file=sys.stderr)
     return 2
@@ -402,11 +403,12 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--no-tfdata", action="store_true",
                  help="skip (e) tf.data service even when TensorFlow is installed")
   p.add_argument("--storage", choices=["local", "s3"], default="local",
-                 help="s3: read the small and image workloads from an S3 server (moto, "
-                      "needs grain-elevator[test]) behind a proxy adding --storage-latency-ms "
-                      "a request, against the same server on local files, local Grain's "
-                      "per-record reads and a whole-shard cache (tools/bench/buckets.py; "
-                      "--workers: its largest; default records: 20,000 small, 1,000 image)")
+                 help="s3: read the small, image and text workloads from an S3 server "
+                      "(moto, needs grain-elevator[test]) behind a proxy adding "
+                      "--storage-latency-ms a request, against the same server on local "
+                      "files, local Grain's per-record reads and (not text) a whole-shard "
+                      "cache (tools/bench/buckets.py, bucket_text.py; --workers: its largest; "
+                      "default records: 20,000 small, 1,000 image, 4,000 text documents)")
   p.add_argument("--storage-latency-ms", type=float, default=20.0,
                  help="with --storage s3: latency the proxy adds to each request (default 20)")
   p.set_defaults(fn=_bench)

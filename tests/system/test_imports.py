@@ -91,3 +91,46 @@ def test_a_worker_runs_nothing_from_tools(data_dir, tmp_path):
   for pid in workers:
     loaded = json.loads((tmp_path / f"{pid}.json").read_text())
     assert set(loaded) <= {"grain_elevator.tools", "grain_elevator.tools.cli"}, loaded
+
+
+# Inside server/, the folders run one way too: data/ (what a step is made
+# of) <- serving/ (a request's path) <- process/ (a server's life). A module
+# may import its own folder and those below it, anywhere in its body.
+SERVER_LAYERS = ("data", "serving", "process")
+# Imports that still run upward, each to be moved (issue #36's part 1:
+# ServerOptions and the port binding in modules both sides import
+# downward). The test fails on any other, and once one of these is gone.
+KNOWN_UPWARD = {
+    ("serving/bulk.py", "process"),
+    ("serving/health.py", "process"),
+    ("serving/request_path.py", "process"),
+}
+
+
+def _server_imports(path) -> set[str]:
+  """The server folders (data, serving, process) that module `path` imports."""
+  import ast  # pylint: disable=g-import-not-at-top
+  out = set()
+  for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+             else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+    for name in names:
+      parts = name.split(".")
+      if parts[:2] == ["grain_elevator", "server"] and len(parts) > 2:
+        out.add(parts[2])
+  return out
+
+
+def test_server_folders_import_downward():
+  upward = set()
+  for path in sorted((ROOT / "server").rglob("*.py")):
+    folder = path.relative_to(ROOT / "server").parts[0]
+    if folder not in SERVER_LAYERS:
+      continue
+    level = SERVER_LAYERS.index(folder)
+    for imported in _server_imports(path) & set(SERVER_LAYERS):
+      if SERVER_LAYERS.index(imported) > level:
+        upward.add((str(path.relative_to(ROOT / "server")), imported))
+  assert upward - KNOWN_UPWARD == set(), f"imports that run upward: {sorted(upward - KNOWN_UPWARD)}"
+  assert KNOWN_UPWARD - upward == set(), (
+      f"no longer upward, take them out of KNOWN_UPWARD: {sorted(KNOWN_UPWARD - upward)}")

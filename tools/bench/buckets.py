@@ -1,5 +1,5 @@
-"""`elevator bench --storage s3`: the small and image workloads read from an
-S3 server (moto, storage_servers.py) behind the fault proxy at
+"""`elevator bench --storage s3`: the small and image workloads (and text,
+bucket_text.py) read from an S3 server (moto, storage_servers.py) behind the fault proxy at
 `--storage-latency-ms` (20) a request, against, in one run:
 
 - the same server reading the same shards from local files;
@@ -25,11 +25,12 @@ else, and costs CPU per request: the notes say how much.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import tempfile
 import time
-from typing import Any
+from typing import Any, Iterator
 
 from grain_elevator.tools.bench import harness
 from grain_elevator.tools.bench import images
@@ -50,7 +51,7 @@ RECORDS = {"small": 20_000, "image": 1_000}
 GRAIN_THREADS = 16
 # The whole-shard cache holds this fraction of the dataset.
 CACHE_FRACTION = 0.5
-WORKLOADS = ("small", "image")
+WORKLOADS = ("small", "image", "text")  # text: bucket_text.py
 
 
 def _client(w: workloads_lib.Workload, workers: int) -> dict[str, Any]:
@@ -59,15 +60,46 @@ def _client(w: workloads_lib.Workload, workers: int) -> dict[str, Any]:
   return run_lib.client_settings(w, workers)
 
 
-def _stored_bytes(urls: list[str]) -> tuple[int, int]:
+@contextlib.contextmanager
+def bucket_copy(name: str, files: list[str], latency_ms: float
+                ) -> Iterator[tuple[FaultProxy, list[str], dict[str, str]]]:
+  """moto holding `files` under s3://BUCKET/NAME/, behind the proxy at
+  `latency_ms` a request: (the proxy, the objects' URLs, the environment
+  that reaches them)."""
+  with S3Server() as s3, FaultProxy(s3.url, latency_s=latency_ms / 1000) as proxy:
+    s3.create_bucket(BUCKET)
+    for f in files:
+      s3.put(BUCKET, f"{name}/{os.path.basename(f)}", pathlib.Path(f).read_bytes())
+    yield proxy, [f"s3://{BUCKET}/{name}/{os.path.basename(f)}" for f in files], s3.env(proxy.url)
+
+
+def bucket_config_of(config: str, name: str) -> pathlib.Path:
+  """A copy of the workload's config beside it whose paths are the bucket's."""
+  text = pathlib.Path(config).read_text().replace(
+      f'paths = ["{name}/*.array_record"]', f'paths = ["s3://{BUCKET}/{name}/*.array_record"]')
+  path = pathlib.Path(config).parent / f"{name}-s3.toml"
+  path.write_text(text)
+  return path
+
+
+def stored_bytes(urls: list[str], env: dict[str, str]) -> tuple[int, int]:
   """(records, bytes of their chunks) of the shards at `urls`."""
   from grain_elevator.server.data.object_source import ObjectRecordSource  # pylint: disable=g-import-not-at-top
-  readers = ObjectRecordSource(urls)._readers  # pylint: disable=protected-access
+  saved = {k: os.environ.get(k) for k in env}
+  os.environ.update(env)
+  try:
+    readers = ObjectRecordSource(urls)._readers  # pylint: disable=protected-access
+  finally:
+    for k, v in saved.items():
+      if v is None:
+        os.environ.pop(k, None)
+      else:
+        os.environ[k] = v
   records = sum(r.num_records for r in readers)
   return records, sum(b - a for r in readers for a, b in r.extents(range(r.num_records)))
 
 
-def _server_bytes(port: int) -> tuple[float, float, float]:
+def server_bytes(port: int) -> tuple[float, float, float]:
   """(bytes the server's steps needed from the bucket, bytes it fetched,
   bytes its plans hold for steps not made yet), from its metrics."""
   m = top.scrape(f"127.0.0.1:{port}", timeout_s=30)
@@ -120,27 +152,10 @@ def run_workload(root: pathlib.Path, name: str, *, workers: int, repeats: int, s
   files = workloads_lib.shard_files(data, w)
   workloads_lib.warm_page_cache(files)
   servers: list[LocalServer] = []
-  with S3Server() as s3, FaultProxy(s3.url, latency_s=latency_ms / 1000) as proxy, \
+  with bucket_copy(name, files, latency_ms) as (proxy, urls, env), \
       tempfile.TemporaryDirectory(prefix="elevator-bench-cache-") as cache_root:
-    s3.create_bucket(BUCKET)
-    for f in files:
-      s3.put(BUCKET, f"{name}/{os.path.basename(f)}", pathlib.Path(f).read_bytes())
-    urls = [f"s3://{BUCKET}/{name}/{os.path.basename(f)}" for f in files]
-    env = s3.env(proxy.url)
-    text = pathlib.Path(config).read_text().replace(
-        f'paths = ["{name}/*.array_record"]', f'paths = ["s3://{BUCKET}/{name}/*.array_record"]')
-    bucket_config = data / f"{name}-s3.toml"
-    bucket_config.write_text(text)
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-      num, stored = _stored_bytes(urls)
-    finally:
-      for k, v in saved.items():
-        if v is None:
-          os.environ.pop(k, None)
-        else:
-          os.environ[k] = v
+    bucket_config = bucket_config_of(config, name)
+    num, stored = stored_bytes(urls, env)
     per_record = stored / num
     try:
       local = LocalServer(config, workers=workers)
@@ -161,7 +176,7 @@ def run_workload(root: pathlib.Path, name: str, *, workers: int, repeats: int, s
       def before() -> None:
         images.wait_idle(pids)
         marks.update(sent=proxy.stats.body_bytes, requests=proxy.stats.ranged_gets,
-                     **{k: _server_bytes(p) for k, p in ports.items()})
+                     **{k: server_bytes(p) for k, p in ports.items()})
 
       def derive(s: harness.System, r: dict[str, Any]) -> dict[str, Any]:
         sent = proxy.stats.body_bytes - marks["sent"]
@@ -170,7 +185,7 @@ def run_workload(root: pathlib.Path, name: str, *, workers: int, repeats: int, s
                "requests_per_record": None}
         if s.key in ports:  # the server's own counts (its metrics)
           (needed0, fetched0, _), (needed, fetched, _) = (marks[s.key],
-                                                          _server_bytes(ports[s.key]))
+                                                          server_bytes(ports[s.key]))
           out["amplification"] = (fetched - fetched0) / max(1.0, needed - needed0)
           out["requests_per_record"] = gets / max(1.0, (needed - needed0) / per_record)
         elif s.key != "local":  # local Grain: the records it pulled
@@ -202,6 +217,12 @@ def run(root: pathlib.Path, workload_names: list[str], *, workers: int, repeats:
   for name in workload_names:
     if name not in WORKLOADS:
       raise ValueError(f"--storage s3 runs the workloads {', '.join(WORKLOADS)}, not {name!r}")
+    if name == "text":
+      from grain_elevator.tools.bench import bucket_text  # pylint: disable=g-import-not-at-top
+      report["workloads"][name] = bucket_text.run_workload(
+          root, workers=workers, repeats=repeats, seconds=seconds, warmup_s=warmup_s,
+          latency_ms=latency_ms, documents=(records or {}).get(name) or None)
+      continue
     report["workloads"][name] = run_workload(
         root, name, workers=workers, repeats=repeats, seconds=seconds, warmup_s=warmup_s,
         latency_ms=latency_ms, records=(records or {}).get(name) or None)
@@ -226,6 +247,9 @@ def goals(wl: dict[str, Any]) -> list[str]:
 
 
 def table(name: str, wl: dict[str, Any], repeats: int) -> list[str]:
+  if wl["kind"] == "storage_text":
+    from grain_elevator.tools.bench import bucket_text  # pylint: disable=g-import-not-at-top
+    return bucket_text.table(name, wl, repeats)
   rows = wl["systems"]
   local = rows["local"]["records_per_s"]["median"]
   lines = [f"### {name} from S3 (moto behind the proxy, {wl['latency_ms']:g} ms a request): "

@@ -50,7 +50,9 @@ def _grain_text(spec: dict[str, Any]) -> Callable[[], Any]:
   o = spec["options"]
 
   def make():
-    ds = grain.MapDataset.source(grain.sources.ArrayRecordDataSource(spec["files"]))
+    source = (_bucket_source(spec["bucket_source"]) if spec.get("bucket_source")
+              else grain.sources.ArrayRecordDataSource(spec["files"]))
+    ds = grain.MapDataset.source(source)
     ds = text.tokenize(ds.seed(1).shuffle().repeat(None), **o["options"])
     read = grain.ReadOptions(num_threads=spec["threads"], prefetch_buffer_size=max(
         1, spec["threads"]) * 2 if spec["threads"] else 0)
