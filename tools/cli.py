@@ -406,7 +406,7 @@ def build_parser() -> argparse.ArgumentParser:
                  help="s3: read the small, image and text workloads from an S3 server "
                       "(moto, needs grain-elevator[test]) behind a proxy adding "
                       "--storage-latency-ms a request, against the same server on local "
-                      "files, local Grain's per-record reads and (not text) a whole-shard "
+                      "files, local Grain's per-record reads and a whole-shard "
                       "cache (tools/bench/buckets.py, bucket_text.py; --workers: its largest; "
                       "default records: 20,000 small, 1,000 image, 4,000 text documents)")
   p.add_argument("--storage-latency-ms", type=float, default=20.0,

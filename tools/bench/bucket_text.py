@@ -8,7 +8,9 @@ one run, interleaved:
 - the server from the bucket with its reads by plan off (`--read-ahead-mb 0`);
 - local Grain running the same pipeline over the bucket read record by
   record through file-like objects (bucket_sources.PerRecordSource, the FUSE
-  pattern), with 16 read threads.
+  pattern), with 16 read threads;
+- the same over whole shards downloaded into a local cache holding half the
+  data (bucket_sources.ShardCacheSource, Mosaic Streaming's pattern).
 
 Reports tokens/s, the trainer's and the server's CPU, the server's read
 amplification (its metrics), first-batch and resume latency.
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import tempfile
 from typing import Any
 
 from grain_elevator.tools.bench import buckets
@@ -37,7 +40,8 @@ FIGURES = ("tokens_per_s", "client_cores", "client_cpu_s_per_mtok", "server_core
 
 
 def _systems(w: text.TextWorkload, workers: int, servers: dict[str, LocalServer],
-             urls: list[str], env: dict[str, str], tokenizer: str) -> list[harness.System]:
+             urls: list[str], env: dict[str, str], tokenizer: str, cache: dict[str, Any]
+             ) -> list[harness.System]:
   base = {"workload": w.name, "global_batch_size": w.global_batch_size, "pipeline": "text"}
   labels = {"local": f"service W={workers}, local files",
             "bucket": f"service W={workers}, bucket, reads by plan (default)",
@@ -47,11 +51,15 @@ def _systems(w: text.TextWorkload, workers: int, servers: dict[str, LocalServer]
       "server_pids": [server.proc.pid]}, "service") for key, server in servers.items()]
   options = w.options
   options["options"]["tokenizer"] = tokenizer
+  grain = {**base, "system": "grain", "files": [], "options": options,
+           "threads": buckets.GRAIN_THREADS, "mp_workers": 0}
   out.append(harness.System(
       "grain_per_record", f"local Grain, per-record reads, {buckets.GRAIN_THREADS} threads", {
-          **base, "system": "grain", "files": [], "options": options,
-          "threads": buckets.GRAIN_THREADS, "mp_workers": 0,
-          "bucket_source": {"kind": "per_record", "urls": urls, "env": env}}, "grain"))
+          **grain, "bucket_source": {"kind": "per_record", "urls": urls, "env": env}}, "grain"))
+  out.append(harness.System(
+      "grain_shard_cache", f"local Grain, whole shards, cache {buckets.CACHE_FRACTION:.0%} of "
+      "data", {**grain, "bucket_source": {"kind": "shard_cache", "urls": urls, "env": env,
+                                          **cache}}, "grain"))
   return out
 
 
@@ -67,7 +75,10 @@ def run_workload(root: pathlib.Path, *, workers: int, repeats: int, seconds: flo
   files = sorted(os.fspath(p) for p in (data / w.name).glob("*.array_record"))
   workloads_lib.warm_page_cache(files)
   servers: dict[str, LocalServer] = {}
-  with buckets.bucket_copy(w.name, files, latency_ms) as (proxy, urls, env):
+  with buckets.bucket_copy(w.name, files, latency_ms) as (proxy, urls, env), \
+      tempfile.TemporaryDirectory(prefix="elevator-bench-cache-") as cache_root:
+    cache = {"cache_root": cache_root, "limit_bytes": int(
+        sum(os.path.getsize(f) for f in files) * buckets.CACHE_FRACTION)}
     bucket_config = str(buckets.bucket_config_of(config, w.name))
     ports = {"bucket": free_port(), "bucket_noplan": free_port()}
     try:
@@ -76,7 +87,7 @@ def run_workload(root: pathlib.Path, *, workers: int, repeats: int, seconds: flo
           "--metrics-port", str(ports["bucket"])])
       servers["bucket_noplan"] = LocalServer(bucket_config, workers=workers, env=env, extra_args=[
           "--read-ahead-mb", "0", "--metrics-port", str(ports["bucket_noplan"])])
-      systems = _systems(w, workers, servers, urls, env, tokenizer)
+      systems = _systems(w, workers, servers, urls, env, tokenizer, cache)
       pids = [s.proc.pid for s in servers.values()]
       marks: dict[str, Any] = {}
 
