@@ -30,6 +30,7 @@ import json
 import socket
 import socketserver
 import struct
+import sys
 import threading
 import time
 import urllib.parse
@@ -54,6 +55,12 @@ class _Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
   # objects.py): a listen backlog of 5 would drop their SYNs, each a second lost.
   request_queue_size = 256
   proxy: "FaultProxy"
+
+  def handle_error(self, request, client_address) -> None:
+    """A client that closed a kept-alive connection (between requests, where
+    the handler's own catch does not reach) is not an error; the rest are."""
+    if not isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError)):
+      super().handle_error(request, client_address)
 
 
 class FaultProxy:
