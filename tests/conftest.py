@@ -16,6 +16,9 @@ import pytest
 
 from grain_elevator.pipelines import examples
 from grain_elevator.tools.launcher import LocalServer
+import stable_environ
+
+stable_environ.declare()  # before any thread starts: tests/stable_environ.py
 
 IMAGE = {"height": 4, "width": 4, "channels": 3}
 NUM_RECORDS = 1000
@@ -168,6 +171,14 @@ def pytest_report_header() -> str:
   import importlib.metadata  # pylint: disable=g-import-not-at-top
   import grain  # pylint: disable=g-import-not-at-top
   return f"grain {importlib.metadata.version('grain')} ({os.path.dirname(grain.__file__)})"
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+  late = stable_environ.late_names()
+  if late:
+    terminalreporter.write_line(
+        f"environment variables added after start-up (declare them in "
+        f"tests/stable_environ.py): {', '.join(late)}", red=True)
 
 
 # Forks of this process: it runs gRPC's and JAX's threads, so a fork can hang

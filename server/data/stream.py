@@ -31,7 +31,6 @@ from __future__ import annotations
 import functools
 import inspect
 import json
-import tracemalloc
 from typing import Any, Callable, Iterator
 
 import grain
@@ -48,6 +47,7 @@ from grain_elevator.proto.spec import DatasetInfo, ElementSpec
 from grain_elevator.server.data import cancellation
 from grain_elevator.server.data import grain_private
 from grain_elevator.server.data import head_reads
+from grain_elevator.server.data import object_bytes
 from grain_elevator.server.data.config import DatasetConfig
 
 # Head: the random-access part, pipeline(records), as an IterDataset.
@@ -242,26 +242,20 @@ class StreamDataset:
 
   def _measure_iterator(self) -> tuple[int, int]:
     """(bytes a live iterator holds after a batch of one, bytes of a head
-    element), measured with tracemalloc once, at start-up."""
-    if tracemalloc.is_tracing():  # someone else's measurement: do not disturb it
-      return 0, 0
-    tracemalloc.start()
-    try:
-      it = iter(self.pipeline(1, head=self._head_factory))
-      next(it)
-      held = tracemalloc.get_traced_memory()[0]
-      tracemalloc.clear_traces()
-      elements = []
-      for i in range(min(_MEASURED_ELEMENTS, len(self.head))):
-        try:
-          elements.append(self.head[i])
-        except Exception:  # pylint: disable=broad-except
-          continue  # a record that fails fails when served, with its step named
-      element = tracemalloc.get_traced_memory()[0] // max(1, len(elements))
-      del it, elements
-      return held, element
-    finally:
-      tracemalloc.stop()
+    element), found once, at start-up, by walking what they reference
+    beyond what this dataset already holds (server/data/object_bytes.py)."""
+    shared = object_bytes.reachable([self])
+    it = iter(self.pipeline(1, head=self._head_factory))
+    next(it)
+    held = object_bytes.graph_bytes([it], shared=shared)
+    elements = []
+    for i in range(min(_MEASURED_ELEMENTS, len(self.head))):
+      try:
+        elements.append(self.head[i])
+      except Exception:  # pylint: disable=broad-except
+        continue  # a record that fails fails when served, with its step named
+    element = object_bytes.graph_bytes(elements, shared=shared) // max(1, len(elements))
+    return held, element
 
   def next_batch(self, it: grain.DatasetIterator, global_batch_size: int
                  ) -> GlobalBatch | None:

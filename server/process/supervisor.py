@@ -89,8 +89,16 @@ class StartError(ElevatorError):
 @contextlib.contextmanager
 def _worker_environment(forced: dict[str, str]) -> Iterator[None]:
   """WORKER_ENV's defaults and `forced` in os.environ while a worker is
-  spawned (it inherits them), and this process's own environment as it was
-  after."""
+  spawned (it inherits them: glibc reads its allocator's at exec, Grain
+  imports prometheus_client before any of ours runs), and this process's
+  own environment as it was after.
+
+  Adding variables to a process whose native threads read the environment
+  (gRPC's, as they connect) can crash it: glibc's setenv of a new name may
+  move the array a concurrent getenv walks. It does not when the array
+  keeps its size, as it does for one name added and removed in turn. So
+  `serve` puts the defaults in its environment once, before any thread runs,
+  and only `forced` (the metrics folder) comes and goes here."""
   with _env_lock:
     before = {k: os.environ.get(k) for k in [*WORKER_ENV, *forced]}
     os.environ.update({k: v for k, v in WORKER_ENV.items() if before[k] is None})
@@ -429,7 +437,11 @@ def parse_ready_line(line: str) -> Ready | None:
 
 
 def serve(config: str | os.PathLike[str], options: ServerOptions = ServerOptions()) -> int:
-  """Runs a server until SIGINT/SIGTERM; returns the process exit code."""
+  """Runs a server until SIGINT/SIGTERM; returns the process exit code.
+  Owns its process: puts WORKER_ENV's defaults in its environment first,
+  before any thread runs (_worker_environment)."""
+  for k, v in WORKER_ENV.items():
+    os.environ.setdefault(k, v)
   server = Server(config, options)
   stop = threading.Event()
   signal.signal(signal.SIGTERM, lambda *_: stop.set())

@@ -32,6 +32,12 @@ from typing import Any
 START_TIMEOUT_S = 60.0
 
 
+# The variables `env()` of each server gives a client (tests declare them:
+# tests/stable_environ.py).
+ENV_NAMES = ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION",
+             "STORAGE_EMULATOR_HOST", "GOOGLE_SERVICE_ACCOUNT_KEY")
+
+
 class ServerUnavailable(RuntimeError):
   """The server's package is not installed or it did not start."""
 
