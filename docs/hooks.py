@@ -76,7 +76,7 @@ CONSTANTS = {
                                                      "MAX_TRACKED_HOSTS"],
     "grain_elevator.server.serving.metrics": [
         "UTILIZATION_WINDOW_S", "SCRAPE_TIMEOUT_S", "MAX_SCRAPE_CONNECTIONS"],
-    "grain_elevator.server.process.options": [
+    "grain_elevator.server.serving.options": [
         "HEALTH_THREADS", "BATCH_CACHE_MEMORY_FRACTION", "DEFAULT_BATCH_CACHE_CAP"],
     "grain_elevator.server.process.restarts": [
         "RESTART_DELAY_MIN_S", "RESTART_DELAY_MAX_S", "RESTART_STABLE_AFTER_S",
@@ -108,7 +108,7 @@ CONSTANTS = {
 # Objects whose defaults the pages name as `{{ Object.field }}`: dataclasses
 # (their fields) or callables (their keyword arguments).
 DEFAULTS = {
-    "ServerOptions": "grain_elevator.server.process.options:ServerOptions",
+    "ServerOptions": "grain_elevator.server.serving.options:ServerOptions",
     "TransportOptions": "grain_elevator.client.options:TransportOptions",
     "RetryPolicy": "grain_elevator.client.options:RetryPolicy",
     "DatasetConfig": "grain_elevator.server.data.config:DatasetConfig",
@@ -190,7 +190,7 @@ def _values() -> dict[str, tuple[str, str]]:
 
 
 def _serve_flags() -> str:
-  """`elevator serve`'s flags as its parser has them (server/process/options.py
+  """`elevator serve`'s flags as its parser has them (server/serving/options.py
   makes one per ServerOptions field, with the field's help and default)."""
   from grain_elevator.tools import cli  # pylint: disable=g-import-not-at-top
   serve = _subparsers(cli.build_parser())["serve"]
@@ -263,7 +263,7 @@ def _bulk_kinds() -> str:
 def _descriptor_budget() -> str:
   """A worker's descriptor budget with the default connection caps."""
   from grain_elevator.server.process import descriptors  # pylint: disable=g-import-not-at-top
-  from grain_elevator.server.process.options import ServerOptions  # pylint: disable=g-import-not-at-top
+  from grain_elevator.server.serving.options import ServerOptions  # pylint: disable=g-import-not-at-top
   o = ServerOptions()
   fixed = descriptors.Budget(o.max_bulk_connections, o.max_grpc_connections, 0).total
   return f"{fixed:,} + {descriptors.DESCRIPTORS_PER_SHARD} per shard"

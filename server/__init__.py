@@ -4,15 +4,10 @@
     with Server("elevator.toml", ServerOptions(port=0)) as server:
       print(server.target)  # "127.0.0.1:PORT", for RemoteDataset
 
-Three folders, one concern each:
-
-  data/     what a step is made of: the config, the record stream (Grain's
-            shuffle and the dataset's pipeline), mixtures, batch assembly,
-            and shards/, where a shard is read and its identity checked;
-  serving/  a request's path: authentication, admission, the batch cache,
-            the gRPC and bulk transports, health and metrics;
-  process/  a server's life: options, the supervisor and its workers,
-            restarts, the shared ports, the container's limits.
+Three folders, one concern each, importing one way (data <- serving <-
+process): data/ (what a step is made of), serving/ (a request's path, and
+the options a server runs with), process/ (a server's life). Which module
+does what: docs/design.md, "server/".
 
 Names are imported on first use, so that a module of this package (a
 worker's lifeline, embedded mode's dataset engine) loads without the whole
@@ -32,15 +27,15 @@ if TYPE_CHECKING:
                                            StreamMismatchError, UnauthenticatedError,
                                            UnknownDatasetError)
   from grain_elevator.server.data.config import DatasetConfig, ServerConfig, load_config
-  from grain_elevator.server.process.options import ServerOptions
-  from grain_elevator.server.process.sockets import BindError
+  from grain_elevator.server.serving.options import ServerOptions
+  from grain_elevator.server.serving.sockets import BindError
   from grain_elevator.server.process.supervisor import Server, StartError, serve
 
 # Public name -> the module that defines it.
 _EXPORTS = {
     "Server": "process.supervisor", "serve": "process.supervisor",
-    "StartError": "process.supervisor", "ServerOptions": "process.options",
-    "BindError": "process.sockets",
+    "StartError": "process.supervisor", "ServerOptions": "serving.options",
+    "BindError": "serving.sockets",
     "load_config": "data.config", "ServerConfig": "data.config", "DatasetConfig": "data.config",
 }
 __all__ = [

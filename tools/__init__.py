@@ -1,5 +1,5 @@
-"""What sits on top of the service: the `elevator` command (cli.py, top.py),
-the demo (demo.py, tfds_example.py), a launcher for `elevator serve` child
-processes (launcher.py), the benchmarks (bench/) and the converters
-(convert/). Workers import nothing from here: what a config names lives in
+"""What sits on top of the service: the `elevator` command, the demos, a
+launcher for `elevator serve` child processes, the benchmarks and the
+converters (docs/design.md, "pipelines/ and tools/", says which module does what). Workers
+import nothing from here: what a config names lives in
 `grain_elevator.pipelines`."""

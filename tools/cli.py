@@ -15,7 +15,7 @@ import sys
 from grain_elevator.proto import dtypes
 from grain_elevator.proto.errors import ElevatorError
 from grain_elevator.server.process import logs
-from grain_elevator.server.process import options as options_lib
+from grain_elevator.server.serving import options as options_lib
 
 
 def _serve(args: argparse.Namespace) -> int:

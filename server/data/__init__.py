@@ -1,5 +1,4 @@
-"""What a step is made of: the dataset registry (config.py), the record
-stream and its host batches (dataset.py, with Grain's shuffle in shuffle.py
-and Grain's private calls in grain_private.py), mixtures (mixture.py), batch
-assembly (collate.py), the record sources (record_source.py, tfds_source.py),
-and shards/, where a shard is read."""
+"""What a step is made of: the dataset registry, the record stream and its
+host batches, mixtures, stream datasets, batch assembly and the record
+sources; shards/ reads a shard, storage/ a bucket. Which module does what:
+docs/design.md, "server/"."""

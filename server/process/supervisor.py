@@ -56,9 +56,9 @@ from grain_elevator.server.data import parallel_head
 from grain_elevator.server.data.shards import identity as shard_identity
 from grain_elevator.server.process import lifeline
 from grain_elevator.server.process import restarts
-from grain_elevator.server.process import sockets
+from grain_elevator.server.serving import sockets
 from grain_elevator.server.process.health_board import HealthBoard
-from grain_elevator.server.process.options import ServerOptions
+from grain_elevator.server.serving.options import ServerOptions
 from grain_elevator.server.serving import auth
 from grain_elevator.server.serving import health as health_lib
 from grain_elevator.server.serving import metrics as metrics_lib

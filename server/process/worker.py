@@ -30,7 +30,7 @@ from grain_elevator.server.data.stream import StreamDataset
 from grain_elevator.server.process import descriptors
 from grain_elevator.server.process import lifeline
 from grain_elevator.server.process import logs
-from grain_elevator.server.process.options import ServerOptions
+from grain_elevator.server.serving.options import ServerOptions
 from grain_elevator.server.serving import auth
 from grain_elevator.server.serving import bulk as bulk_lib
 from grain_elevator.server.serving import grpc_service

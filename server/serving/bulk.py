@@ -56,7 +56,7 @@ from grain_elevator.proto import errors
 from grain_elevator.proto import framing
 from grain_elevator.proto.limits import MAX_REQUEST_BYTES
 from grain_elevator.proto.throttle import Throttled
-from grain_elevator.server.process import sockets
+from grain_elevator.server.serving import sockets
 from grain_elevator.server.serving import metrics
 from grain_elevator.server.serving.admission import Ticket
 from grain_elevator.server.serving.request_path import RequestPath

@@ -38,7 +38,7 @@ from typing import Any, Callable, Iterator, Protocol
 import grpc
 from grpc_health.v1 import health_pb2 as pb
 
-from grain_elevator.server.process.options import HEALTH_THREADS
+from grain_elevator.server.serving.options import HEALTH_THREADS
 from grain_elevator.server.serving.grpc_service import first_request
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Health"].full_name

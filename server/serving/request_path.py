@@ -53,7 +53,7 @@ from grain_elevator.server.data import stream as stream_lib
 from grain_elevator.server.data.dataset import Datasets
 from grain_elevator.server.data.served import ServedDataset
 from grain_elevator.server.data.stream import StreamDataset
-from grain_elevator.server.process.options import (DEFAULT_MAX_MESSAGE_BYTES,
+from grain_elevator.server.serving.options import (DEFAULT_MAX_MESSAGE_BYTES,
                                                    DEFAULT_MAX_STREAM_BATCH_BYTES)
 from grain_elevator.server.serving import metrics
 from grain_elevator.server.serving.admission import Admission, Ticket

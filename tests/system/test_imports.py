@@ -97,14 +97,6 @@ def test_a_worker_runs_nothing_from_tools(data_dir, tmp_path):
 # of) <- serving/ (a request's path) <- process/ (a server's life). A module
 # may import its own folder and those below it, anywhere in its body.
 SERVER_LAYERS = ("data", "serving", "process")
-# Imports that still run upward, each to be moved (issue #36's part 1:
-# ServerOptions and the port binding in modules both sides import
-# downward). The test fails on any other, and once one of these is gone.
-KNOWN_UPWARD = {
-    ("serving/bulk.py", "process"),
-    ("serving/health.py", "process"),
-    ("serving/request_path.py", "process"),
-}
 
 
 def _server_imports(path) -> set[str]:
@@ -131,6 +123,4 @@ def test_server_folders_import_downward():
     for imported in _server_imports(path) & set(SERVER_LAYERS):
       if SERVER_LAYERS.index(imported) > level:
         upward.add((str(path.relative_to(ROOT / "server")), imported))
-  assert upward - KNOWN_UPWARD == set(), f"imports that run upward: {sorted(upward - KNOWN_UPWARD)}"
-  assert KNOWN_UPWARD - upward == set(), (
-      f"no longer upward, take them out of KNOWN_UPWARD: {sorted(KNOWN_UPWARD - upward)}")
+  assert not upward, f"imports that run upward: {sorted(upward)}"

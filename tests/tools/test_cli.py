@@ -11,7 +11,7 @@ import subprocess
 import pytest
 
 from grain_elevator.server import ServerOptions
-from grain_elevator.server.process import options as options_lib
+from grain_elevator.server.serving import options as options_lib
 from grain_elevator.tools import cli
 from grain_elevator.tools.launcher import ELEVATOR
 

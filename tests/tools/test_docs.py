@@ -11,7 +11,7 @@ import re
 import subprocess
 import sys
 
-from grain_elevator.server.process import options as options_lib
+from grain_elevator.server.serving import options as options_lib
 from helpers import ROOT
 
 README_MAX_LINES = 300

@@ -1,3 +1,3 @@
-"""Where a shard is read: ArrayRecord's chunk format (chunks.py, with the
-hashes checked in riegeli.c), the file reader (reader.py) and each shard's
-identity as it was at start-up (identity.py)."""
+"""Where a shard is read: ArrayRecord's chunk format (hashes checked in C),
+the file and object readers, and each shard's identity as it was at
+start-up. Which module does what: docs/design.md, "server/"."""

@@ -27,7 +27,7 @@ from grain_elevator.proto import elevator_pb2_grpc as pb_grpc
 from grain_elevator.proto import framing
 from grain_elevator.server import Server
 from grain_elevator.server.process import descriptors
-from grain_elevator.server.process.options import ServerOptions
+from grain_elevator.server.serving.options import ServerOptions
 from grain_elevator.server.serving.grpc_service import REQUEST_ARRIVAL_TIMEOUT_S, SERVICE_NAME
 from grain_elevator.server.serving.stream_sessions import MAX_STREAM_SESSIONS
 from grain_elevator.tools import top

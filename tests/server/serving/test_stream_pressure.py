@@ -21,7 +21,7 @@ from grain_elevator.client import RemoteDataset
 from grain_elevator.pipelines import examples
 from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.proto import elevator_pb2_grpc as pb_grpc
-from grain_elevator.server.process.options import DEFAULT_MAX_STREAM_BATCH_BYTES
+from grain_elevator.server.serving.options import DEFAULT_MAX_STREAM_BATCH_BYTES
 from grain_elevator.tools.launcher import LocalServer
 from helpers import assert_streams_equal, worker_pids
 

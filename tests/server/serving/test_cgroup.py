@@ -10,7 +10,7 @@ import pytest
 
 from grain_elevator.server import ConfigError, ServerOptions
 
-from grain_elevator.server.process import cgroup
+from grain_elevator.server.serving import cgroup
 from grain_elevator.tools import cli
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from grain_elevator.proto.errors import ConfigError
 from grain_elevator.server.data.storage.read_ahead import DEFAULT_READ_AHEAD_MB
-from grain_elevator.server.process import cgroup
+from grain_elevator.server.serving import cgroup
 from grain_elevator.server.serving.admission import STALL_GRACE_S
 
 # A host's rows for one step are one message; bounded so that no request
