@@ -200,13 +200,6 @@ class StreamDataset:
 
   # -- serving ----------------------------------------------------------------
 
-  def check_batch_size(self, global_batch_size: int) -> None:
-    del global_batch_size  # any G: batch k depends on G, and any G is valid
-
-  def host_batch_leaves(self, *args: Any, **kwargs: Any) -> Any:
-    raise InvalidRequestError(f"dataset {self.config.name!r} is a stream dataset: its "
-                              "batches are found from a stream position (stream_state)")
-
   def open(self, global_batch_size: int, state: str) -> grain.DatasetIterator:
     """The served pipeline's iterator for G at position `state` ("" = start,
     else canonical text, checked by shape: `parse_position`). Its head

@@ -30,45 +30,45 @@ from __future__ import annotations
 import contextlib
 import hmac
 import json
-import logging
-import time
-from typing import Any, Callable, Iterator
-
-import numpy as np
+from typing import Any, Callable, Iterator, Protocol
 
 from grain_elevator.proto import contract
 from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.proto import wire
-from grain_elevator.proto.errors import (Cancelled, DataLossError, ElevatorError,
-                                         EndOfDataError, InvalidRequestError,
-                                         ShardChangedError, StreamMismatchError,
-                                         UnauthenticatedError)
-from grain_elevator.proto.throttle import Throttled
+from grain_elevator.proto.errors import (InvalidRequestError, ShardChangedError,
+                                         StreamMismatchError, UnauthenticatedError)
 from grain_elevator.proto.spec import DatasetInfo
-from grain_elevator.proto.limits import MAX_SKIP_STEPS
-from grain_elevator.server.data import cancellation
-from grain_elevator.server.data import collate as collate_lib
 from grain_elevator.server.data import provenance
-from grain_elevator.server.data import stream as stream_lib
 from grain_elevator.server.data.dataset import Datasets
 from grain_elevator.server.data.served import ServedDataset
 from grain_elevator.server.data.stream import StreamDataset
 from grain_elevator.server.serving.options import (DEFAULT_MAX_MESSAGE_BYTES,
                                                    DEFAULT_MAX_STREAM_BATCH_BYTES)
-from grain_elevator.server.serving import metrics
 from grain_elevator.server.serving.admission import Admission, Ticket
 from grain_elevator.server.serving.batch_cache import BatchCache
 from grain_elevator.server.serving.read_plan import ReadPlanner
+from grain_elevator.server.serving.step_errors import named, where
+from grain_elevator.server.serving.step_shape import StepShape
 from grain_elevator.server.serving.stream_sessions import StreamSessions
+from grain_elevator.server.serving.stream_shape import StreamShape
 
-log = logging.getLogger("grain_elevator.server")
+# What the request path serves: a dataset that answers for any step, or a
+# stream that continues from a position; each has its shape.
+Served = ServedDataset | StreamDataset
 
-# How much of a stream position an error message shows.
-_POSITION_SHOWN = 200
-# Failures come by the hundred when a client retries a bad request in a loop:
-# one log line per period for each dataset and kind of failure.
-_LOG_PERIOD_S = 10.0
-_failures = Throttled(_LOG_PERIOD_S, log)
+
+class Shape(Protocol):
+  """How the request path serves one kind of dataset (step_shape.py,
+  stream_shape.py): the checks of its own, its steps, a skip, an explanation."""
+
+  def check(self, ds: Any, r: pb.BatchRequest) -> None: ...
+  def steps(self, ds: Any, r: pb.BatchRequest, is_active: Callable[[], bool]
+            ) -> Iterator[tuple[int, list[Any], str]]: ...
+  def encoded_steps(self, ds: Any, r: pb.BatchRequest, is_active: Callable[[], bool]
+                    ) -> Iterator[list[Any]]: ...
+  def skip(self, ds: Any, r: pb.BatchRequest, is_active: Callable[[], bool]
+           ) -> pb.SkipResponse: ...
+  def explain(self, ds: Any, r: pb.BatchRequest) -> Any: ...
 
 
 class RequestPath:
@@ -89,7 +89,12 @@ class RequestPath:
     self.admission = Admission(max_concurrent, write_timeout_s=write_timeout_s)
     self._expected_token = auth_token.encode() if auth_token else None
     self._max_message_bytes = max_message_bytes
-    self._max_stream_batch_bytes = max_stream_batch_bytes
+    self._step_shape = StepShape(self.cache, self.planner)
+    self._stream_shape = StreamShape(self.streams, max_stream_batch_bytes)
+
+  def shape(self, ds: Served) -> Shape:
+    """The one place the request path tells the two kinds apart."""
+    return self._stream_shape if isinstance(ds, StreamDataset) else self._step_shape
 
   # 1. authentication -------------------------------------------------------
 
@@ -128,7 +133,7 @@ class RequestPath:
 
   # 3. validation -------------------------------------------------------------
 
-  def validate(self, r: pb.BatchRequest) -> ServedDataset:
+  def validate(self, r: pb.BatchRequest) -> Served:
     """The dataset that serves `r`; a typed error unless every step can be
     served within the limits."""
     ds = self.datasets.get(r.dataset)
@@ -147,24 +152,7 @@ class RequestPath:
           f"bytes is {batch_bytes} bytes per step, over the server's "
           f"--max-message-bytes of {self._max_message_bytes}; use a smaller "
           "global_batch_size or more shards")
-    if info.stream:  # a stream's batch is made whole, whatever rows are asked for
-      global_bytes = r.global_batch_size * info.element_spec.record_bytes
-      if global_bytes > self._max_stream_batch_bytes:
-        raise InvalidRequestError(
-            f"dataset {info.name!r} is a stream dataset, whose global batches are made "
-            f"whole: {r.global_batch_size} rows of {info.element_spec.record_bytes} bytes "
-            f"is {global_bytes} bytes, over the server's --max-stream-batch-bytes of "
-            f"{self._max_stream_batch_bytes}; use a smaller global_batch_size")
-    ds.check_batch_size(r.global_batch_size)  # a scheduled mixture: G times its steps fit int64
-    contract.check_steps(r.start_step, r.num_steps, info.stream_length,
-                         r.global_batch_size, r.record_offset, info.drop_remainder)
-    if info.stream and r.record_offset:
-      raise InvalidRequestError(
-          f"dataset {info.name!r} is a stream dataset: it continues from stream_state, "
-          f"not from a record_offset ({r.record_offset})")
-    if r.stream_state and not info.stream:
-      raise InvalidRequestError(
-          f"dataset {info.name!r} is not a stream dataset: stream_state means nothing for it")
+    self.shape(ds).check(ds, r)
     if r.compression not in wire.COMPRESSIONS.values():
       raise InvalidRequestError(f"unknown compression {r.compression}")
     return ds
@@ -194,28 +182,13 @@ class RequestPath:
 
   def steps(self, ticket: Ticket, r: pb.BatchRequest,
             is_active: Callable[[], bool] = lambda: True
-            ) -> Iterator[tuple[int, list[collate_lib.Leaf], str]]:
+            ) -> Iterator[tuple[int, list[Any], str]]:
     """(step, leaves, next_stream_state) for each step of `r`, in order,
     until `is_active()` is False (embedded mode); the state is "" but for a
     stream dataset."""
     _check(ticket)
     ds = self.validate(r)
-    if ds.info.stream:
-      yield from self._stream_steps(ds, r, is_active)
-      return
-    self._plan(ds, r)
-    made = r.start_step
-    try:
-      for step in range(r.start_step, r.start_step + r.num_steps):
-        if not is_active():  # the client went away: stop computing
-          return
-        leaves = self._produce(ds, r, step, stack=True)
-        made = self._made(ds, r, step)
-        metrics.current().served(ds.info.name, cached=False)
-        _account(ds, r, step)
-        yield step, leaves, ""
-    finally:
-      self.planner.release(ds, r, range(made, r.start_step + r.num_steps))
+    yield from self.shape(ds).steps(ds, r, is_active)
 
   def encoded_steps(self, ticket: Ticket, r: pb.BatchRequest,
                     is_active: Callable[[], bool] = lambda: True) -> Iterator[list[Any]]:
@@ -223,74 +196,7 @@ class RequestPath:
     send path): from the cache when a request served it lately."""
     _check(ticket)
     ds = self.validate(r)
-    info = ds.info
-    if info.stream:
-      for step, leaves, state in self._stream_steps(ds, r, is_active):
-        yield wire.encode_batch_parts(step, leaves, r.compression, state)
-      return
-    stream = (info.name, info.config_fingerprint, r.global_batch_size, r.shard_index,
-              r.shard_count, r.record_offset, r.compression)
-    self._plan(ds, r)
-    recorded = metrics.current()
-    made = r.start_step
-    try:
-      for step in range(r.start_step, r.start_step + r.num_steps):
-        if not is_active():
-          return
-        parts, cached = self.cache.get((*stream, step), lambda: wire.encode_batch_parts(
-            step, self._produce(ds, r, step, stack=False), r.compression))
-        made = self._made(ds, r, step)
-        recorded.served(info.name, cached=cached)
-        recorded.cache_bytes(self.cache.bytes)
-        _account(ds, r, step)
-        yield parts
-    finally:
-      self.planner.release(ds, r, range(made, r.start_step + r.num_steps))
-
-  def _stream_steps(self, ds: StreamDataset, r: pb.BatchRequest,
-                    is_active: Callable[[], bool]
-                    ) -> Iterator[tuple[int, list[np.ndarray], str]]:
-    """A stream dataset's steps from r.stream_state: host rows of global
-    batches produced once for every host (stream_sessions.py). Fewer than
-    asked if the stream ends, then EndOfDataError (OUT_OF_RANGE)."""
-    name = ds.info.name
-    start = ds.info.stream_start
-    if r.stream_state:
-      try:
-        start = stream_lib.parse_position(r.stream_state, start, name)
-      except InvalidRequestError as e:
-        _failures.warning((name, "position"), "%s", e)
-        raise
-    batches = self.streams.batches(ds, r.global_batch_size, start, r.num_steps,
-                                   (r.shard_count, r.shard_index), is_active)
-    rows = contract.host_rows(r.global_batch_size, r.shard_index, r.shard_count)
-    recorded = metrics.current()
-    step = r.start_step
-    where = _step(name, step)  # a position is shown once it is the server's own
-    try:
-      while True:
-        began = time.perf_counter()
-        try:
-          got = _named(name, where, next, batches, None)
-        except Cancelled:  # the request ended while its batch was being made
-          return
-        if got is None:
-          break
-        (leaves, state), produced = got
-        if produced:
-          recorded.produced(name, time.perf_counter() - began)
-        recorded.served(name, cached=not produced)
-        host = [a[rows.start:rows.stop] for a in leaves]
-        if recorded.on:
-          _account_stream(ds, host)
-        yield step, host, state
-        step += 1
-        where = _step(name, step, state)
-    finally:
-      batches.close()  # its session is released now, not when collected
-    if step < r.start_step + r.num_steps and is_active():
-      raise EndOfDataError(f"dataset {name!r}: the stream ends before step {step} "
-                           f"(asked for steps up to {r.start_step + r.num_steps - 1})")
+    yield from self.shape(ds).encoded_steps(ds, r, is_active)
 
   def skip(self, ticket: Ticket, r: pb.BatchRequest,
            is_active: Callable[[], bool] = lambda: True) -> pb.SkipResponse:
@@ -299,30 +205,7 @@ class RequestPath:
     MAX_SKIP_STEPS). EndOfDataError if the stream ends first."""
     _check(ticket)
     ds = self.validate(r)
-    name = ds.info.name
-    if not ds.info.stream:
-      raise InvalidRequestError(
-          f"dataset {name!r} is not a stream dataset: a client skips its steps in O(1), "
-          "without asking a server")
-    if r.num_steps > MAX_SKIP_STEPS:
-      raise InvalidRequestError(
-          f"dataset {name!r}: a Skip moves at most {MAX_SKIP_STEPS} steps per call, "
-          f"asked for {r.num_steps}; split it")
-    start = ds.info.stream_start
-    if r.stream_state:
-      try:
-        start = stream_lib.parse_position(r.stream_state, start, name)
-      except InvalidRequestError as e:
-        _failures.warning((name, "position"), "%s", e)
-        raise
-    with cancellation.producing_for(is_active):
-      done, position = _named(name, _step(name, r.start_step, start), ds.fast_forward,
-                              r.global_batch_size, start, r.num_steps)
-    if done < r.num_steps:
-      raise EndOfDataError(
-          f"dataset {name!r}: a skip of {r.num_steps} steps from step {r.start_step} "
-          f"passes the end of the stream, which ends after step {r.start_step + done - 1}")
-    return pb.SkipResponse(next_step=r.start_step + r.num_steps, next_stream_state=position)
+    return self.shape(ds).skip(ds, r, is_active)
 
   def explain(self, ticket: Ticket, e: pb.ExplainRequest) -> pb.ExplainResponse:
     """Where each row of host h's slice of global batch start_step came
@@ -333,112 +216,18 @@ class RequestPath:
     r = e.request
     if e.summary:
       ds = self.validate(r)
-      summary = _named(ds.info.name, _step(ds.info.name, r.start_step), provenance.summary,
-                       ds, r.start_step, r.num_steps, r.global_batch_size, r.record_offset)
+      summary = named(ds.info.name, where(ds.info.name, r.start_step), provenance.summary,
+                      ds, r.start_step, r.num_steps, r.global_batch_size, r.record_offset)
       return pb.ExplainResponse(json=json.dumps(summary, separators=(",", ":")))
     if r.num_steps != 1:
       raise InvalidRequestError(f"Explain covers one step: num_steps must be 1, got "
                                 f"{r.num_steps}")
     ds = self.validate(r)
-    name = ds.info.name
-    if ds.info.stream:  # traced from the position where the step starts
-      start = ds.info.stream_start
-      if r.stream_state:
-        start = stream_lib.parse_position(r.stream_state, start, name)
-      explained = _named(name, _step(name, r.start_step, start), provenance.explain_stream,
-                         ds, r.global_batch_size, r.shard_index, r.shard_count,
-                         r.start_step, start)
-      return pb.ExplainResponse(json=json.dumps(explained, separators=(",", ":")))
-    explained = _named(name, _step(name, r.start_step), provenance.explain, ds, r.start_step,
-                       r.global_batch_size, r.shard_index, r.shard_count, r.record_offset)
+    explained = self.shape(ds).explain(ds, r)
     return pb.ExplainResponse(json=json.dumps(explained, separators=(",", ":")))
-
-  def _plan(self, ds: ServedDataset, r: pb.BatchRequest) -> None:
-    """Plans the reads of `r`'s steps and the next chunks'; a failure to
-    plan only costs the read-ahead (the steps read what they need)."""
-    try:
-      self.planner.plan(ds, r)
-    except Exception:  # pylint: disable=broad-except
-      _failures.warning((ds.info.name, "plan"), "dataset %r: planning reads failed; reading "
-                        "them when asked for", ds.info.name, exc_info=True)
-
-  def _made(self, ds: ServedDataset, r: pb.BatchRequest, step: int) -> int:
-    """Step `step` of `r` is made: its read-ahead is let go of. Returns
-    the first step not made yet (a request that ends early lets go of the
-    rest: request_path's callers)."""
-    self.planner.release(ds, r, [step])
-    return step + 1
-
-  @staticmethod
-  def _produce(ds: ServedDataset, r: pb.BatchRequest, step: int, *,
-               stack: bool) -> list[collate_lib.Leaf]:
-    """Step `step`'s leaves; `stack=False` may leave big rows as RowStacks
-    for the socket to gather."""
-    start = time.perf_counter()
-    leaves = _named(ds.info.name, _step(ds.info.name, step), ds.host_batch_leaves, step,
-                    r.global_batch_size, r.shard_index, r.shard_count,
-                    record_offset=r.record_offset, stack=stack)
-    metrics.current().produced(ds.info.name, time.perf_counter() - start)
-    return leaves
-
-def _account(ds: ServedDataset, r: pb.BatchRequest, step: int) -> None:
-  """Counts the records of host h's slice of `step` by mixture component
-  (server/data/provenance.py), where metrics are kept."""
-  recorded = metrics.current()
-  if not recorded.on:
-    return
-  rows = contract.host_positions(step, r.global_batch_size, r.shard_index, r.shard_count,
-                                 r.record_offset)
-  for component, n in provenance.counts(ds, rows.start, rows.stop,
-                                        r.global_batch_size).items():
-    if component != "_padding":
-      recorded.records_served(ds.info.name, component or ds.info.name, n)
-
-
-def _account_stream(ds: StreamDataset, leaves: list[np.ndarray]) -> None:
-  """A stream's host rows: its rows that are elements (the mask's, in
-  evaluation mode), and its tokens (the segment ids' non-padding slots)."""
-  recorded = metrics.current()
-  name = ds.info.name
-  paths = [l.path for l in ds.info.element_spec.leaves]
-  rows = len(leaves[0]) if leaves else 0
-  if contract.MASK_KEY in paths:
-    rows = int(np.count_nonzero(leaves[paths.index(contract.MASK_KEY)]))
-  recorded.records_served(name, name, rows)
-  tokens = sum(int(np.count_nonzero(a)) for p, a in zip(paths, leaves)
-               if p.endswith("segment_ids"))
-  if tokens:
-    recorded.tokens_served(name, name, tokens)
 
 
 def _check(ticket: Ticket) -> None:
   if not isinstance(ticket, Ticket):
     raise TypeError(f"a request is answered for a Ticket from RequestPath.admit, not "
                     f"{type(ticket).__name__}")
-
-
-def _named(dataset: str, where: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-  """`fn(...)`, its failure re-raised with `where` (the dataset and step)
-  in front of its message: as the same ElevatorError class, or, for an
-  exception from the pipeline, DATA_LOSS (this step's data cannot be made).
-  A cancelled request is no failure. Logged at most once a period for each
-  dataset and kind (the first with its traceback)."""
-  try:
-    return fn(*args, **kwargs)
-  except Cancelled:
-    raise
-  except ElevatorError as e:  # e.g. DATA_LOSS naming the shard and record
-    _failures.warning((dataset, type(e)), "%s: %s", where, e)
-    raise type(e)(f"{where}: {e}") from e
-  except Exception as e:  # pylint: disable=broad-except
-    _failures.warning((dataset, type(e)), "%s failed", where, exc_info=True)
-    raise DataLossError(f"{where}: {type(e).__name__}: {e}") from e
-
-
-def _step(dataset: str, step: int, position: str | None = None) -> str:
-  """Where a failure happened; a stream's position (JSON) is cut short."""
-  where = f"dataset {dataset!r}, step {step}"
-  if position is not None:
-    where += f" (stream position {position[:_POSITION_SHOWN]}"
-    where += "...)" if len(position) > _POSITION_SHOWN else ")"
-  return where

@@ -1,0 +1,149 @@
+"""How the request path serves a stream dataset (server/data/stream.py):
+steps continue from a position (stream_state), each global batch made once
+for all its hosts (stream_sessions.py), a skip fast-forwards without sending,
+and rows and tokens are counted as they go. Its sibling is step_shape.py;
+request_path.py picks one per dataset and calls nothing else of either."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Iterator
+
+import numpy as np
+
+from grain_elevator.proto import contract
+from grain_elevator.proto import elevator_pb2 as pb
+from grain_elevator.proto import wire
+from grain_elevator.proto.errors import Cancelled, EndOfDataError, InvalidRequestError
+from grain_elevator.proto.limits import MAX_SKIP_STEPS
+from grain_elevator.server.data import cancellation
+from grain_elevator.server.data import provenance
+from grain_elevator.server.data import stream as stream_lib
+from grain_elevator.server.data.stream import StreamDataset
+from grain_elevator.server.serving import metrics
+from grain_elevator.server.serving.stream_sessions import StreamSessions
+from grain_elevator.server.serving.step_errors import failures, named, where
+
+Step = tuple[int, list[np.ndarray], str]
+
+
+class StreamShape:
+  """Steps of stream datasets: one per RequestPath, whose sessions it keeps."""
+
+  def __init__(self, sessions: StreamSessions, max_stream_batch_bytes: int):
+    self.sessions = sessions
+    self._max_stream_batch_bytes = max_stream_batch_bytes
+
+  def check(self, ds: StreamDataset, r: pb.BatchRequest) -> None:
+    info = ds.info
+    global_bytes = r.global_batch_size * info.element_spec.record_bytes
+    if global_bytes > self._max_stream_batch_bytes:  # made whole, whatever rows are asked for
+      raise InvalidRequestError(
+          f"dataset {info.name!r} is a stream dataset, whose global batches are made "
+          f"whole: {r.global_batch_size} rows of {info.element_spec.record_bytes} bytes "
+          f"is {global_bytes} bytes, over the server's --max-stream-batch-bytes of "
+          f"{self._max_stream_batch_bytes}; use a smaller global_batch_size")
+    contract.check_steps(r.start_step, r.num_steps, info.stream_length,
+                         r.global_batch_size, r.record_offset, info.drop_remainder)
+    if r.record_offset:
+      raise InvalidRequestError(
+          f"dataset {info.name!r} is a stream dataset: it continues from stream_state, "
+          f"not from a record_offset ({r.record_offset})")
+
+  def steps(self, ds: StreamDataset, r: pb.BatchRequest,
+            is_active: Callable[[], bool]) -> Iterator[Step]:
+    """Host rows of global batches produced once for every host. Fewer than
+    asked if the stream ends, then EndOfDataError (OUT_OF_RANGE)."""
+    name = ds.info.name
+    batches = self.sessions.batches(ds, r.global_batch_size, _start(ds, r), r.num_steps,
+                                    (r.shard_count, r.shard_index), is_active)
+    rows = contract.host_rows(r.global_batch_size, r.shard_index, r.shard_count)
+    recorded = metrics.current()
+    step = r.start_step
+    at = where(name, step)  # a position is shown once it is the server's own
+    try:
+      while True:
+        began = time.perf_counter()
+        try:
+          got = named(name, at, next, batches, None)
+        except Cancelled:  # the request ended while its batch was being made
+          return
+        if got is None:
+          break
+        (leaves, state), produced = got
+        if produced:
+          recorded.produced(name, time.perf_counter() - began)
+        recorded.served(name, cached=not produced)
+        host = [a[rows.start:rows.stop] for a in leaves]
+        if recorded.on:
+          _account(ds, host)
+        yield step, host, state
+        step += 1
+        at = where(name, step, state)
+    finally:
+      batches.close()  # its session is released now, not when collected
+    if step < r.start_step + r.num_steps and is_active():
+      raise EndOfDataError(f"dataset {name!r}: the stream ends before step {step} "
+                           f"(asked for steps up to {r.start_step + r.num_steps - 1})")
+
+  def encoded_steps(self, ds: StreamDataset, r: pb.BatchRequest,
+                    is_active: Callable[[], bool]) -> Iterator[list[Any]]:
+    for step, leaves, state in self.steps(ds, r, is_active):
+      yield wire.encode_batch_parts(step, leaves, r.compression, state)
+
+  def skip(self, ds: StreamDataset, r: pb.BatchRequest,
+           is_active: Callable[[], bool]) -> pb.SkipResponse:
+    """The position after steps [start, start+num) of `r`, with none of
+    them sent (at most MAX_SKIP_STEPS). EndOfDataError if the stream ends
+    first."""
+    name = ds.info.name
+    if r.num_steps > MAX_SKIP_STEPS:
+      raise InvalidRequestError(
+          f"dataset {name!r}: a Skip moves at most {MAX_SKIP_STEPS} steps per call, "
+          f"asked for {r.num_steps}; split it")
+    start = _start(ds, r)
+    with cancellation.producing_for(is_active):
+      done, position = named(name, where(name, r.start_step, start), ds.fast_forward,
+                             r.global_batch_size, start, r.num_steps)
+    if done < r.num_steps:
+      raise EndOfDataError(
+          f"dataset {name!r}: a skip of {r.num_steps} steps from step {r.start_step} "
+          f"passes the end of the stream, which ends after step {r.start_step + done - 1}")
+    return pb.SkipResponse(next_step=r.start_step + r.num_steps, next_stream_state=position)
+
+  def explain(self, ds: StreamDataset, r: pb.BatchRequest) -> Any:
+    """Traced from the position where the step starts."""
+    name = ds.info.name
+    start = ds.info.stream_start
+    if r.stream_state:
+      start = stream_lib.parse_position(r.stream_state, start, name)
+    return named(name, where(name, r.start_step, start), provenance.explain_stream, ds,
+                 r.global_batch_size, r.shard_index, r.shard_count, r.start_step, start)
+
+
+def _start(ds: StreamDataset, r: pb.BatchRequest) -> str:
+  """The position `r` starts from: its stream_state, checked, or the stream's start."""
+  name = ds.info.name
+  if not r.stream_state:
+    return ds.info.stream_start
+  try:
+    return stream_lib.parse_position(r.stream_state, ds.info.stream_start, name)
+  except InvalidRequestError as e:
+    failures.warning((name, "position"), "%s", e)
+    raise
+
+
+def _account(ds: StreamDataset, leaves: list[np.ndarray]) -> None:
+  """A stream's host rows: its rows that are elements (the mask's, in
+  evaluation mode), and its tokens (the segment ids' non-padding slots)."""
+  recorded = metrics.current()
+  name = ds.info.name
+  paths = [l.path for l in ds.info.element_spec.leaves]
+  rows = len(leaves[0]) if leaves else 0
+  if contract.MASK_KEY in paths:
+    rows = int(np.count_nonzero(leaves[paths.index(contract.MASK_KEY)]))
+  recorded.records_served(name, name, rows)
+  tokens = sum(int(np.count_nonzero(a)) for p, a in zip(paths, leaves)
+               if p.endswith("segment_ids"))
+  if tokens:
+    recorded.tokens_served(name, name, tokens)
