@@ -24,23 +24,21 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import grain
-
-from grain_elevator.client import closing
 from grain_elevator.client import state as state_lib
-from grain_elevator.client import stats as stats_lib
 from grain_elevator.client import window as window_lib
 from grain_elevator.client.backend import Backend
-from grain_elevator.client.transport.connection import CancelToken, Step
+from grain_elevator.client.iterator import Arrivals, ClientIterator
+from grain_elevator.client.transport.connection import CancelToken
 from grain_elevator.proto import contract
 from grain_elevator.proto import elevator_pb2 as pb
-from grain_elevator.proto import tree
-from grain_elevator.proto import wire
 from grain_elevator.proto.errors import ElevatorError, EndOfDataError, InvalidRequestError
 from grain_elevator.proto.limits import MAX_SKIP_STEPS
 from grain_elevator.proto.spec import DatasetInfo
+
+if TYPE_CHECKING:
+  from grain_elevator.client.remote_dataset import RemoteDataset
 
 _END = object()  # the stream ended after the steps before it
 # Rows one Skip call fast-forwards past at most (G of them per step): each
@@ -48,51 +46,23 @@ _END = object()  # the stream ended after the steps before it
 SKIP_ROWS_PER_CALL = 1 << 12
 
 
-class _Arrivals(list):
-  """A chunk's steps as the fetch appends them: each goes to the iterator's
-  queue at once (the trainer may take it before the chunk ends)."""
-
-  def __init__(self, deliver: Any):
-    super().__init__()
-    self._deliver = deliver
-
-  def append(self, item: Step) -> None:
-    super().append(item)
-    self._deliver(item)
-
-
-class StreamIterator(grain.DatasetIterator):
+class StreamIterator(ClientIterator):
   """Delivers a stream dataset's steps in order, `prefetch` of them ahead."""
 
-  def __init__(self, ds: Any, backend: Backend, info: DatasetInfo):
-    super().__init__()
-    self._ds = ds
-    self._backend = backend
-    self._info = info
-    self._structure = info.element_spec.structure
+  def __init__(self, ds: RemoteDataset, backend: Backend, info: DatasetInfo):
     # Fixed: one fetch thread, one request at a time, whatever the workers.
-    self._window = window_lib.for_dataset(ds, info, window_lib.STREAM_REQUESTS)
-    self._step = 0  # the next step the trainer receives
-    self._position = info.stream_start  # where it starts
-    self._skips: state_lib.Skips = ()  # steps skipped ([a, b) ranges), for the cursor
+    window = window_lib.for_dataset(ds, info, window_lib.STREAM_REQUESTS)
+    ahead = max(window.prefetch, window.steps_per_request)
+    super().__init__(ds, backend, info, lambda: ahead)
+    self._window = window
+    self._ahead = ahead  # steps the fetch thread keeps ahead of the trainer
+    self._position = info.stream_start  # where the next step starts
     self._skip_token: CancelToken | None = None  # a skip's server calls, while one runs
     self._cond = threading.Condition()
     self._queue: collections.deque[Any] = collections.deque()  # Steps, then _END or an error
     self._fetcher: threading.Thread | None = None
     self._token: CancelToken | None = None
     self._stopped = False
-    self._closed = False
-    ahead = self._ahead
-    self._meter = stats_lib.meter_for(ds, backend, lambda: ahead)
-    closing.start()  # where a dropped iterator gets closed
-
-  def stats(self) -> stats_lib.Stats:
-    return self._meter.stats()
-
-  @property
-  def _ahead(self) -> int:
-    """Steps the fetch thread keeps ahead of the trainer."""
-    return max(self._window.prefetch, self._window.steps_per_request)
 
   # -- fetching -------------------------------------------------------------
 
@@ -106,19 +76,30 @@ class StreamIterator(grain.DatasetIterator):
 
   def _stop(self) -> None:
     """Ends the fetch thread and forgets what it fetched ahead."""
+    self._stop_fetcher()
+    self._join()
+
+  def _stop_fetcher(self) -> None:
     with self._cond:
       self._stopped = True
       self._cond.notify_all()
     if self._token is not None:
       self._token.cancel()
+
+  def _join(self) -> None:
     if self._fetcher is not None:
       self._fetcher.join()
     self._fetcher = self._token = None
     self._queue.clear()
 
+  def _cancel(self) -> None:
+    token = self._skip_token
+    if token is not None:
+      token.cancel()
+    self._stop_fetcher()
+
   def _fetch(self, step: int, position: str, token: CancelToken) -> None:
     """The fetch thread: chunk after chunk, each from where the last ended."""
-    ds = self._ds
     per_request = self._window.steps_per_request
     ahead = self._ahead
     try:
@@ -129,12 +110,8 @@ class StreamIterator(grain.DatasetIterator):
             self._cond.wait()
           if self._stopped:
             return
-        request = pb.BatchRequest(
-            dataset=ds.dataset, global_batch_size=ds.global_batch_size,
-            shard_index=ds.shard_index, shard_count=ds.shard_count, start_step=step,
-            num_steps=n, config_fingerprint=self._info.config_fingerprint,
-            compression=wire.COMPRESSIONS[ds.transport.compression], stream_state=position)
-        out = _Arrivals(self._put)
+        out = Arrivals(self._put)
+        request = self._request(step, n, stream_state=position)
         try:
           self._backend.fetch(request, token, out)
         except EndOfDataError:
@@ -157,8 +134,7 @@ class StreamIterator(grain.DatasetIterator):
   def __next__(self) -> Any:
     called_at = time.monotonic()
     with self._cond:
-      if self._closed:
-        raise ElevatorError(f"{self._ds} iterator is closed")
+      self._check_open()
     if self._fetcher is None:
       if self._queue and self._queue[0] is _END:
         raise StopIteration
@@ -178,9 +154,7 @@ class StreamIterator(grain.DatasetIterator):
       self._cond.notify_all()  # room for the next chunk
     self._step += 1
     self._position = item.next_stream_state
-    self._meter.delivered(called_at, time.monotonic(),
-                          sum(getattr(x, "nbytes", 0) for x in item.leaves))
-    return tree.unflatten(self._structure, item.leaves)
+    return self._delivered(called_at, item.leaves)
 
   # -- skipping -------------------------------------------------------------
 
@@ -190,8 +164,7 @@ class StreamIterator(grain.DatasetIterator):
     Skip call per SKIP_ROWS_PER_CALL rows), and the cursor records the
     range. InvalidRequestError for a count below 0, or one past the end of
     a finite stream (the iterator then stays where it was)."""
-    if self._closed:
-      raise ElevatorError(f"{self._ds} iterator is closed")
+    self._check_open()
     contract.check_skip(self._step, num_steps, self._ds.global_batch_size,
                         dataset=self._ds.dataset)
     skips = state_lib.add_skip(self._skips, self._step, num_steps)
@@ -211,12 +184,11 @@ class StreamIterator(grain.DatasetIterator):
   # -- checkpointing --------------------------------------------------------
 
   def get_state(self) -> dict[str, Any]:
-    return state_lib.make(
-        state_lib.Cursor(self._step, stream_state=self._position, skips=self._skips),
-        self._info, self._ds.global_batch_size)
+    return self._state(state_lib.Cursor(self._step, stream_state=self._position,
+                                        skips=self._skips))
 
   def set_state(self, state: dict[str, Any]) -> None:
-    cursor = state_lib.check(state, self._info, self._ds.global_batch_size)
+    cursor = self._cursor(state)
     self._stop()
     step, position = cursor.step, cursor.stream_state
     if cursor.pending is not None:  # a skip written into the state: make it now
@@ -225,30 +197,9 @@ class StreamIterator(grain.DatasetIterator):
       step = cursor.pending
     self._step, self._position, self._skips = step, position, cursor.skips
 
-  # -- lifecycle ------------------------------------------------------------
 
-  def close(self) -> None:
-    if self._closed:
-      return
-    self._closed = True
-    token = self._skip_token
-    if token is not None:
-      token.cancel()
-    self._stop()
-    self._backend.close()
-
-  # `later` bound now: at interpreter exit this module's globals may already
-  # be None when a finalizer runs.
-  def __del__(self, _later=closing.later) -> None:
-    if not getattr(self, "_closed", True):  # closed by the closing thread (client/closing.py)
-      _later(self.close)
-
-  def __str__(self) -> str:
-    return f"{self._ds} @ step {self._step}"
-
-
-def fast_forward(backend: Backend, ds: Any, info: DatasetInfo, step: int, position: str,
-                 num_steps: int, token: CancelToken) -> str:
+def fast_forward(backend: Backend, ds: RemoteDataset, info: DatasetInfo, step: int,
+                 position: str, num_steps: int, token: CancelToken) -> str:
   """The position of stream dataset `ds` (a RemoteDataset) `num_steps`
   global batches after `position` (where `step` starts), found by the
   servers without sending any batch: one Skip call per SKIP_ROWS_PER_CALL

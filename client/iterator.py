@@ -1,0 +1,125 @@
+"""What every iterator of a RemoteDataset shares, whichever reader it is.
+
+A dataset that answers for any step is read by client/step_iterator.py:
+requests for chunks of steps, many in flight, any one retried on its own. A
+stream dataset is read by client/stream_iterator.py: one request at a time,
+each from the position where the last ended. The rest is one skeleton: the
+request every chunk is, steps delivered in order to the trainer and metered,
+the cursor that `get_state` gives and `set_state` checks, and a life that
+ends in `close`, called by the trainer or, for an iterator it dropped, by the
+closing thread (client/closing.py).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any, Callable
+
+import grain
+
+from grain_elevator.client import closing
+from grain_elevator.client import state as state_lib
+from grain_elevator.client import stats as stats_lib
+from grain_elevator.client.backend import Backend
+from grain_elevator.client.transport.connection import Step
+from grain_elevator.proto import elevator_pb2 as pb
+from grain_elevator.proto import tree
+from grain_elevator.proto import wire
+from grain_elevator.proto.errors import ElevatorError
+from grain_elevator.proto.spec import DatasetInfo
+
+if TYPE_CHECKING:
+  from grain_elevator.client.remote_dataset import RemoteDataset
+
+
+class Arrivals(list):
+  """A request's steps, appended by a fetch as they arrive; `arrived(step)`
+  runs after each, so the trainer may take a step before its request ends."""
+
+  def __init__(self, arrived: Callable[[Step], None]):
+    super().__init__()
+    self._arrived = arrived
+
+  def append(self, item: Step) -> None:
+    super().append(item)
+    self._arrived(item)
+
+
+class ClientIterator(grain.DatasetIterator):
+  """The skeleton; a reader fills in how steps are fetched (`_cancel`,
+  `_join`), skipped, and where a restored cursor puts it."""
+
+  def __init__(self, ds: RemoteDataset, backend: Backend, info: DatasetInfo,
+               in_flight: Callable[[], int]):
+    """`in_flight`: the steps the reader keeps ahead now (for stats); it
+    must not hold the iterator, or the meter would keep it alive."""
+    super().__init__()
+    self._ds = ds
+    self._backend = backend
+    self._info = info
+    self._structure = info.element_spec.structure
+    self._step = 0  # the next step the trainer receives
+    self._skips: state_lib.Skips = ()  # steps skipped ([a, b) ranges), for the cursor
+    self._meter = stats_lib.meter_for(ds, backend, in_flight)
+    self._closed = False
+    closing.start()  # where a dropped iterator gets closed
+
+  def stats(self) -> stats_lib.Stats:
+    """Time waited for data, throughput, retries, fallbacks, the window."""
+    return self._meter.stats()
+
+  # -- what a reader uses -----------------------------------------------------
+
+  def _check_open(self) -> None:
+    if self._closed:
+      raise ElevatorError(f"{self._ds} iterator is closed")
+
+  def _request(self, start: int, num_steps: int, **fields: Any) -> pb.BatchRequest:
+    """The request for steps [start, start + num_steps) of this host."""
+    ds = self._ds
+    return pb.BatchRequest(
+        dataset=ds.dataset, global_batch_size=ds.global_batch_size,
+        shard_index=ds.shard_index, shard_count=ds.shard_count, start_step=start,
+        num_steps=num_steps, config_fingerprint=self._info.config_fingerprint,
+        compression=wire.COMPRESSIONS[ds.transport.compression], **fields)
+
+  def _delivered(self, called_at: float, leaves: list[Any]) -> Any:
+    """A step as the trainer receives it. The whole `__next__` call counts
+    as waiting for data: the trainer did nothing else meanwhile."""
+    self._meter.delivered(called_at, time.monotonic(),
+                          sum(getattr(x, "nbytes", 0) for x in leaves))
+    return tree.unflatten(self._structure, leaves)
+
+  def _state(self, cursor: state_lib.Cursor) -> dict[str, Any]:
+    return state_lib.make(cursor, self._info, self._ds.global_batch_size)
+
+  def _cursor(self, state: dict[str, Any]) -> state_lib.Cursor:
+    """`state` checked against this dataset and G (a precise error if not)."""
+    return state_lib.check(state, self._info, self._ds.global_batch_size)
+
+  # -- life ---------------------------------------------------------------
+
+  def _cancel(self) -> None:
+    """Ends every fetch in flight without waiting for it."""
+    raise NotImplementedError
+
+  def _join(self) -> None:
+    """Waits for the fetches `_cancel` ended (after the backend is closed)."""
+    raise NotImplementedError
+
+  def close(self) -> None:
+    if self._closed:
+      return
+    self._closed = True
+    self._cancel()
+    self._backend.close()
+    self._join()
+
+  # `later` bound now: at interpreter exit this module's globals may already
+  # be None when a finalizer runs.
+  def __del__(self, _later=closing.later) -> None:
+    if not getattr(self, "_closed", True):  # closed by the closing thread (client/closing.py)
+      _later(self.close)
+
+  def __str__(self) -> str:
+    return f"{self._ds} @ step {self._step}"

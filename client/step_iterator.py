@@ -1,0 +1,196 @@
+"""The reader of a dataset that answers for any step (1:1 and mixtures).
+
+Steps are asked for in chunks (requests of `steps_per_request`), several in
+flight over the pool's connections and replicas (client/transport/pool.py),
+up to `prefetch` steps ahead of the trainer, and delivered in step order,
+each as soon as it has arrived. Chunks end at multiples of their size,
+whatever step the trainer resumed at, so every trainer asks for the same
+chunks and the worker that owns one serves it once. A skip or a restored
+cursor is O(1): the cursor is a step (and the records before step 0).
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+from grain_elevator.client import state as state_lib
+from grain_elevator.client import window as window_lib
+from grain_elevator.client.backend import Backend
+from grain_elevator.client.iterator import Arrivals, ClientIterator
+from grain_elevator.client.transport.connection import CancelToken, Step
+from grain_elevator.proto import contract
+from grain_elevator.proto.errors import Cancelled, ElevatorError
+from grain_elevator.proto.spec import DatasetInfo
+
+if TYPE_CHECKING:
+  from grain_elevator.client.remote_dataset import RemoteDataset
+
+
+@dataclasses.dataclass(frozen=True)
+class _Chunk:
+  start: int
+  num_steps: int
+  steps: Arrivals
+  future: concurrent.futures.Future
+  token: CancelToken
+
+
+class StepIterator(ClientIterator):
+  """Delivers steps in order while keeping `prefetch` of them in flight."""
+
+  def __init__(self, ds: RemoteDataset, backend: Backend, info: DatasetInfo):
+    window = window_lib.for_dataset(ds, info, backend.parallelism)
+    # None: a window the user fixed (prefetch given)
+    tune = window_lib.Autotune(window) if window.adaptive else None
+    super().__init__(ds, backend, info, (lambda: tune.prefetch) if tune is not None
+                     else (lambda: window.prefetch))
+    self._window, self._tune = window, tune
+    self._offset = 0  # records before step 0: nonzero once G changed at a checkpoint
+    self._total = info.total_steps(ds.global_batch_size)
+    self._requested = 0  # first step not yet requested
+    self._chunks: collections.deque[_Chunk] = collections.deque()
+    self._lock = threading.Lock()
+    self._arrived = threading.Condition()  # a step arrived or a fetch ended
+    self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+  @property
+  def _prefetch(self) -> int:
+    """Steps to keep in flight now."""
+    return self._tune.prefetch if self._tune is not None else self._window.prefetch
+
+  # -- fetching -------------------------------------------------------------
+
+  def _fill(self) -> None:
+    """Requests steps until `prefetch` (at least 1) are in flight."""
+    prefetch, per_request = self._prefetch, self._window.steps_per_request
+    limit = self._step + max(1, prefetch)
+    if self._total is not None:
+      limit = min(limit, self._total)
+    if self._requested < limit and self._pool is None:
+      workers = max(1, -(-max(prefetch, self._window.most) // per_request))
+      self._pool = concurrent.futures.ThreadPoolExecutor(
+          max_workers=workers, thread_name_prefix="grain-elevator-fetch")
+    while self._requested < limit:
+      # Requests end at multiples of their size, whatever step the trainer
+      # resumed at: trainers then ask for the same chunks, which the same
+      # worker serves once (server/serving/batch_cache.py).
+      whole = per_request - self._requested % per_request
+      n = min(whole, limit - self._requested)
+      if n < whole and self._requested > self._step and (
+          self._total is None or self._requested + n < self._total):
+        break  # steps are in flight: wait until a whole request fits the window
+      token = CancelToken()
+      steps = Arrivals(self._wake)
+      request = self._request(self._requested, n, record_offset=self._offset)
+      future = self._pool.submit(self._backend.fetch, request, token, steps)
+      future.add_done_callback(self._wake)
+      self._chunks.append(_Chunk(self._requested, n, steps, future, token))
+      self._requested += n
+
+  def _wake(self, _: Step | concurrent.futures.Future) -> None:
+    with self._arrived:
+      self._arrived.notify_all()
+
+  def _take(self, chunk: _Chunk, i: int) -> list[Any]:
+    """Step `i` of `chunk` once it has arrived; the fetch's error if it failed first."""
+    with self._arrived:
+      while len(chunk.steps) <= i and not chunk.future.done():
+        self._arrived.wait()
+    if len(chunk.steps) > i:
+      taken = chunk.steps[i]
+      # The trainer's now, not the window's; the position stays (a retry continues from it).
+      chunk.steps[i] = Step([], taken.next_stream_state)
+      return taken.leaves
+    chunk.future.result()  # raises what ended the fetch
+    raise ElevatorError(f"{self._ds}: step {chunk.start + i} was not received")
+
+  def _cancel_all(self) -> None:
+    while self._chunks:
+      chunk = self._chunks.popleft()
+      chunk.token.cancel()
+      chunk.future.cancel()
+    self._requested = self._step
+
+  # -- the iterator ---------------------------------------------------------
+
+  def __next__(self) -> Any:
+    called_at = time.monotonic()
+    with self._lock:
+      self._check_open()
+      if self._total is not None and self._step >= self._total:
+        self._stop_pool()  # Ended: leave no threads behind.
+        raise StopIteration
+      self._fill()
+      chunk = self._chunks[0]
+      i = self._step - chunk.start
+      if self._tune is not None:  # arrived and untaken, this step included
+        ready = sum(len(c.steps) for c in self._chunks) - i
+        waited = len(chunk.steps) <= i
+      try:
+        leaves = self._take(chunk, i)
+      except Cancelled:
+        raise Cancelled(f"{self._ds} iterator was closed") from None
+      if self._step == chunk.start + chunk.num_steps - 1:
+        self._chunks.popleft()
+      self._step += 1
+      if self._tune is not None:
+        self._tune.observe(waited, ready)
+      if self._window.prefetch:
+        self._fill()  # keep the window full while the trainer works
+    return self._delivered(called_at, leaves)
+
+  def skip(self, num_steps: int) -> None:
+    """Drops the next `num_steps` global batches (rollback-and-skip), in
+    O(1): the cursor records the range, so every host and every later
+    checkpoint continues the same stream. InvalidRequestError for a count
+    below 0, or one past the end of a finite dataset."""
+    with self._lock:
+      self._check_open()
+      g = self._ds.global_batch_size
+      contract.check_skip(self._step, num_steps, g, self._offset, self._total,
+                          self._ds.dataset)
+      skips = state_lib.add_skip(self._skips, self._step, num_steps)
+      self._cancel_all()
+      if self._tune is not None:
+        self._tune.restart()
+      self._skips = skips
+      self._step = self._requested = self._step + num_steps
+
+  # -- checkpointing --------------------------------------------------------
+
+  def get_state(self) -> dict[str, Any]:
+    return self._state(state_lib.Cursor(self._step, self._offset, skips=self._skips))
+
+  def set_state(self, state: dict[str, Any]) -> None:
+    cursor = self._cursor(state)
+    with self._lock:
+      self._cancel_all()
+      if self._tune is not None:
+        self._tune.restart()
+      self._step = self._requested = cursor.step
+      self._skips = cursor.skips
+      self._offset = cursor.record_offset
+      self._total = self._info.total_steps(self._ds.global_batch_size, self._offset)
+
+  # -- life -----------------------------------------------------------------
+
+  def _stop_pool(self) -> None:
+    pool, self._pool = self._pool, None
+    if pool is not None:
+      pool.shutdown(wait=True, cancel_futures=True)
+
+  def _cancel(self) -> None:
+    # Tokens first, without the lock: a __next__ blocked on a fetch holds it.
+    for chunk in list(self._chunks):
+      chunk.token.cancel()
+    with self._lock:
+      self._cancel_all()
+
+  def _join(self) -> None:
+    with self._lock:
+      self._stop_pool()
