@@ -93,9 +93,9 @@ CONSTANTS = {
     "grain_elevator.server.data.head_reads": ["BLOCK", "BLOCKS_AHEAD"],
     "grain_elevator.server.data.parallel_head": [
         "TASK_ELEMENTS", "TASKS_AHEAD_PER_WORKER", "PROGRESS_EVERY_S", "PEER_SILENT_S",
-        "REDIAL_S"],
-    "grain_elevator.server.data.head_sockets": [
-        "HEAD_HANDSHAKE_TIMEOUT_S", "MAX_HEAD_HANDSHAKES", "HEAD_LOG_PERIOD_S"],
+        "REDIAL_S", "HEAD_LOG_PERIOD_S"],
+    "grain_elevator.server.process.head_sockets": [
+        "HEAD_HANDSHAKE_TIMEOUT_S", "MAX_HEAD_HANDSHAKES"],
     "grain_elevator.client.transport.connection": ["MAX_CONTROL_MESSAGE_BYTES"],
     "grain_elevator.client.transport.retry": ["RETRIABLE", "REFUSED"],
     "grain_elevator.client.state": ["CURSOR_VERSION", "MAX_SKIP_RANGES"],

@@ -12,10 +12,10 @@ which computes them from its own copy of the dataset: the same elements,
 whoever computes them, since an element depends on its index alone.
 
 Workers meet on Unix sockets in a private directory of the supervisor's
-(`HeadPeers`), one listening socket per worker index, each connection
-authenticated with the server's key (head_sockets.py: a handshake that
-fails or stalls past HEAD_HANDSHAKE_TIMEOUT_S closes that connection, never
-the accept loop, and dials time out too); nothing crosses the network, so
+(`Peers`, which server/process/head_sockets.py's `HeadPeers` is), one
+listening socket per worker index, each connection authenticated with the
+server's key (a handshake that fails or stalls past HEAD_HANDSHAKE_TIMEOUT_S
+closes that connection, never the accept loop, and dials time out too); nothing crosses the network, so
 pickling is safe here. A connection is one pair of processes and nothing
 else: no lock or buffer is shared by a third process, which a worker
 SIGKILLed in the middle of a write could leave broken for all.
@@ -49,18 +49,14 @@ import itertools
 import logging
 import multiprocessing.connection as mpc
 import multiprocessing.reduction
-import os
-import shutil
-import tempfile
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import grain
 
 from grain_elevator.proto.throttle import Throttled
 from grain_elevator.server.data import head_reads
-from grain_elevator.server.data import head_sockets
 
 log = logging.getLogger("grain_elevator.server")
 
@@ -79,34 +75,31 @@ PEER_SILENT_S = 5.0
 REDIAL_S = 1.0
 # How often a connection with nothing to read checks its peer's silence.
 _POLL_S = 0.25
-# The longest AF_UNIX path Linux takes (sun_path is 108 bytes, NUL included).
-_MAX_SOCKET_PATH = 107
+# One log line per period for each peer and kind of failure (the head
+# sockets' failed handshakes too).
+HEAD_LOG_PERIOD_S = 10.0
 # A progress note: an answer to no task.
 _PROGRESS = (None, None, "")
 
-_throttled = Throttled(head_sockets.HEAD_LOG_PERIOD_S, log)
+_throttled = Throttled(HEAD_LOG_PERIOD_S, log)
 
 
-class HeadPeers:
-  """Where the server's workers meet: a private directory (mode 0700) with
-  one socket per worker index, and the key that authenticates them. Made by
-  the supervisor, handed to every worker it spawns (restarts included)."""
+class Listening(Protocol):
+  def close(self) -> None: ...
 
-  def __init__(self, num_workers: int):
-    self.num_workers = num_workers
-    self.directory = tempfile.mkdtemp(prefix="elevator-head-")
-    if len(self.address(num_workers)) > _MAX_SOCKET_PATH:
-      # A long TMPDIR (a CI runner's, a pod's) would make the socket path
-      # longer than AF_UNIX allows; /tmp is short everywhere.
-      os.rmdir(self.directory)
-      self.directory = tempfile.mkdtemp(prefix="elevator-head-", dir="/tmp")
-    self.authkey = os.urandom(32)
 
-  def address(self, index: int) -> str:
-    return os.path.join(self.directory, f"{index}.sock")
+class Peers(Protocol):
+  """Where the server's workers meet (server/process/head_sockets.py's
+  HeadPeers): each listens on a socket of its own, the others dial it."""
 
-  def remove(self) -> None:
-    shutil.rmtree(self.directory, ignore_errors=True)
+  num_workers: int
+
+  def listen(self, index: int, serve: Callable[[mpc.Connection], None], *,
+             send_timeout_s: float | None) -> Listening: ...
+  def dial(self, index: int, *, recv_timeout_s: float | None,
+           send_timeout_s: float | None) -> mpc.Connection: ...
+  def shutdown(self, conn: mpc.Connection) -> None: ...
+  def describe(self, e: BaseException) -> str: ...
 
 
 class Counts:
@@ -134,7 +127,7 @@ class HeadService:
   """One worker's part: answers the other workers' tasks (a thread per
   connection), and deals its own streams' tasks to every worker."""
 
-  def __init__(self, peers: HeadPeers, index: int, datasets: Any,
+  def __init__(self, peers: Peers, index: int, datasets: Any,
                counts: Counts | None = None):
     self._peers = peers
     self._index = index
@@ -143,10 +136,9 @@ class HeadService:
     self._ids = itertools.count()
     self._turn = itertools.count(index)
     self._local = concurrent.futures.ThreadPoolExecutor(1, "elevator-head-local")
-    self._others = {j: _Peer(j, index, peers.address(j), peers.authkey, self._counts)
+    self._others = {j: _Peer(j, index, peers, self._counts)
                     for j in range(peers.num_workers) if j != index}
-    self._listener = head_sockets.Listener(peers.address(index), peers.authkey, self._answer,
-                                           send_timeout_s=PEER_SILENT_S)
+    self._listener = peers.listen(index, self._answer, send_timeout_s=PEER_SILENT_S)
 
   def stop(self) -> None:
     self._listener.close()
@@ -260,11 +252,10 @@ class _Peer:
   its own, which also watches the peer's silence. Thread-safe; `_lock`
   guards `_conn`, `_dialling`, `_redial_at`, `_pending`, `_heard`."""
 
-  def __init__(self, index: int, owner: int, address: str, authkey: bytes, counts: Counts):
+  def __init__(self, index: int, owner: int, peers: Peers, counts: Counts):
     self.index = index
     self._owner = owner
-    self._address = address
-    self._authkey = authkey
+    self._peers = peers
     self._counts = counts
     self._lock = threading.Lock()
     self._conn: mpc.Connection | None = None
@@ -294,7 +285,7 @@ class _Peer:
         self._conn.send(task)
       except (OSError, ValueError):
         del self._pending[task[0]]
-        head_sockets.shutdown(self._conn)  # a message may be cut: the reader ends it
+        self._peers.shutdown(self._conn)  # a message may be cut: the reader ends it
         return None
       return future
 
@@ -303,15 +294,15 @@ class _Peer:
       self._closed = True
       conn = self._conn
     if conn is not None:
-      head_sockets.shutdown(conn)
+      self._peers.shutdown(conn)
 
   def _dial(self) -> None:
     """Connects (authentication may wait on the peer: not under the lock),
     then reads answers until the connection ends; then fails the tasks
     still outstanding, so that their owner computes them."""
     try:
-      conn = head_sockets.dial(self._address, self._authkey, recv_timeout_s=PEER_SILENT_S,
-                               send_timeout_s=PEER_SILENT_S)
+      conn = self._peers.dial(self.index, recv_timeout_s=PEER_SILENT_S,
+                              send_timeout_s=PEER_SILENT_S)
     except Exception:  # pylint: disable=broad-except
       with self._lock:  # not there (restarting), or not answering (hung): later
         self._dialling, self._redial_at = False, time.monotonic() + REDIAL_S
@@ -368,7 +359,7 @@ class _Peer:
     except BlockingIOError:
       return "silent"
     except Exception as e:  # pylint: disable=broad-except
-      return head_sockets.describe(e)
+      return self._peers.describe(e)
 
 
 def _pickled(obj: Any) -> bytes:

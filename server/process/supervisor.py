@@ -52,7 +52,7 @@ from typing import Any, Iterator, NamedTuple
 from grain_elevator.proto import malloc
 from grain_elevator.proto.errors import ElevatorError
 from grain_elevator.server.data import config as config_lib
-from grain_elevator.server.data import parallel_head
+from grain_elevator.server.process import head_sockets
 from grain_elevator.server.data.shards import identity as shard_identity
 from grain_elevator.server.process import lifeline
 from grain_elevator.server.process import restarts
@@ -140,7 +140,7 @@ class Server:
     self._stop = threading.Event()
     self._supervisor: threading.Thread | None = None
     self._metrics: metrics_lib.Exporter | None = None
-    self._head_peers: parallel_head.HeadPeers | None = None
+    self._head_peers: head_sockets.HeadPeers | None = None
     # The health port (server/serving/health_port.py), answering from the
     # board that the workers and this supervisor write (health_board.py).
     self._health_board: HealthBoard | None = None
@@ -219,7 +219,7 @@ class Server:
                       for _ in range(self.num_workers)]
     self._start_health_port()
     # Stream datasets' heads are computed by every worker (server/data/parallel_head.py).
-    self._head_peers = (parallel_head.HeadPeers(self.num_workers)
+    self._head_peers = (head_sockets.HeadPeers(self.num_workers)
                         if self.num_workers > 1 else None)
     self._start_workers()
     self._supervisor = threading.Thread(target=self._supervise, daemon=True,

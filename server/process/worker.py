@@ -166,7 +166,7 @@ def run(config_path: str, opts: ServerOptions, index: int, num_workers: int,
   `last_request`: a shared double this worker sets to inf while it has a
   request in flight and to time.monotonic() when its last one ends (the
   supervisor's `--idle-exit-s`).
-  `head_peers`: the parallel_head.HeadPeers where the server's workers meet
+  `head_peers`: the head_sockets.HeadPeers where the server's workers meet
   to compute its stream datasets' heads together (None: one worker).
   `health_slot`: where this worker's health is seen from the health port
   (health_board.WorkerSlot)."""

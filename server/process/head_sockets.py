@@ -1,7 +1,9 @@
 """The Unix sockets on which a server's workers compute a stream's head together.
 
 Each worker listens on a socket of its own in a private directory
-(parallel_head.HeadPeers); the others dial it. Both ends prove they hold the
+(`HeadPeers`, which the supervisor makes and hands to every worker it
+spawns; server/data/parallel_head.py sees nothing else of this module); the
+others dial it. Both ends prove they hold the
 server's key with multiprocessing's challenge and response, then exchange
 pickled messages: nothing crosses the network, and nothing is unpickled
 from a peer before it has proved it holds the key.
@@ -28,13 +30,16 @@ from __future__ import annotations
 import logging
 import multiprocessing.connection as mpc
 import os
+import shutil
 import socket
 import struct
 import threading
+import tempfile
 import time
 from typing import Callable
 
 from grain_elevator.proto.throttle import Throttled
+from grain_elevator.server.data.parallel_head import HEAD_LOG_PERIOD_S
 
 log = logging.getLogger("grain_elevator.server")
 
@@ -44,12 +49,54 @@ HEAD_HANDSHAKE_TIMEOUT_S = 3.0
 # Handshakes in progress at once on one worker's socket; the legitimate ones
 # are one per other worker (each dials once, and again after a failure).
 MAX_HEAD_HANDSHAKES = 32
-# One log line per period for each kind of failed connection.
-HEAD_LOG_PERIOD_S = 10.0
 # Connections the kernel queues until the accept loop takes them.
 _BACKLOG = 16
 # After accept itself fails (out of descriptors), before the next try.
 _ACCEPT_BACKOFF_S = 0.1
+# The longest AF_UNIX path Linux takes (sun_path is 108 bytes, NUL included).
+_MAX_SOCKET_PATH = 107
+
+
+class HeadPeers:
+  """Where the server's workers meet: a private directory (mode 0700) with
+  one socket per worker index, and the key that authenticates them. Made by
+  the supervisor, handed to every worker it spawns (restarts included); the
+  parallel head listens, dials and closes through it (parallel_head.Peers)."""
+
+  def __init__(self, num_workers: int):
+    self.num_workers = num_workers
+    self.directory = tempfile.mkdtemp(prefix="elevator-head-")
+    if len(self.address(num_workers)) > _MAX_SOCKET_PATH:
+      # A long TMPDIR (a CI runner's, a pod's) would make the socket path
+      # longer than AF_UNIX allows; /tmp is short everywhere.
+      os.rmdir(self.directory)
+      self.directory = tempfile.mkdtemp(prefix="elevator-head-", dir="/tmp")
+    self.authkey = os.urandom(32)
+
+  def address(self, index: int) -> str:
+    return os.path.join(self.directory, f"{index}.sock")
+
+  def remove(self) -> None:
+    shutil.rmtree(self.directory, ignore_errors=True)
+
+  def listen(self, index: int, serve: Callable[[mpc.Connection], None], *,
+             send_timeout_s: float | None) -> "Listener":
+    """Worker `index`'s socket, each authenticated connection to `serve`."""
+    return Listener(self.address(index), self.authkey, serve, send_timeout_s=send_timeout_s)
+
+  def dial(self, index: int, *, recv_timeout_s: float | None,
+           send_timeout_s: float | None) -> mpc.Connection:
+    """An authenticated connection to worker `index` (`dial`)."""
+    return dial(self.address(index), self.authkey, recv_timeout_s=recv_timeout_s,
+                send_timeout_s=send_timeout_s)
+
+  @staticmethod
+  def shutdown(conn: mpc.Connection) -> None:
+    shutdown(conn)
+
+  @staticmethod
+  def describe(e: BaseException) -> str:
+    return describe(e)
 
 
 def set_timeouts(conn: mpc.Connection, recv_s: float | None, send_s: float | None) -> None:
