@@ -33,12 +33,14 @@ from grain_elevator.tools.bench import storage_servers
 
 # Each value means what the variable's absence means to everything that
 # reads it: our code reads these with `or`, CPython ignores an empty
-# PYTHONPATH, TMPDIR is what tempfile would pick, and WORKER_ENV's values are
-# what an in-process Server would give its workers.
+# PYTHONPATH, ld.so an empty LD_LIBRARY_PATH (which OpenCV's import extends),
+# TMPDIR is what tempfile would pick, and WORKER_ENV's values are what an
+# in-process Server would give its workers.
 DECLARED: dict[str, str] = {
     **{name: "" for name in storage_servers.ENV_NAMES},
     READER_ENV: "",
     "PYTHONPATH": "",
+    "LD_LIBRARY_PATH": "",
     "TMPDIR": tempfile.gettempdir(),
     **WORKER_ENV,
 }
