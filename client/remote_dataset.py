@@ -160,11 +160,12 @@ class RemoteDataset(grain.IterDataset):
       (info,) = backend.describe(self.dataset, self.global_batch_size)
       if info.name != self.dataset:
         raise UnknownDatasetError(f"server answered for {info.name!r}, not {self.dataset!r}")
+      # The reader of its shape: any step in O(1), or a stream from a position.
+      it: ClientIterator = (StreamIterator if info.stream else StepIterator)(
+          self, backend, info)
     except BaseException:
       backend.close()
       raise
-    # The reader of its shape: any step in O(1), or a stream from a position.
-    it: ClientIterator = (StreamIterator if info.stream else StepIterator)(self, backend, info)
     self._iterators.add(it)
     return it
 

@@ -44,6 +44,9 @@ class StepIterator(ClientIterator):
   """Delivers steps in order while keeping `prefetch` of them in flight."""
 
   def __init__(self, ds: RemoteDataset, backend: Backend, info: DatasetInfo):
+    # Everything that can refuse (G against the dataset) before the skeleton
+    # starts: a half-made iterator would reach the closing thread.
+    total = info.total_steps(ds.global_batch_size)
     window = window_lib.for_dataset(ds, info, backend.parallelism)
     # None: a window the user fixed (prefetch given)
     tune = window_lib.Autotune(window) if window.adaptive else None
@@ -51,7 +54,7 @@ class StepIterator(ClientIterator):
                      else (lambda: window.prefetch))
     self._window, self._tune = window, tune
     self._offset = 0  # records before step 0: nonzero once G changed at a checkpoint
-    self._total = info.total_steps(ds.global_batch_size)
+    self._total = total
     self._requested = 0  # first step not yet requested
     self._chunks: collections.deque[_Chunk] = collections.deque()
     self._lock = threading.Lock()
