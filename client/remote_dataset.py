@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import grain
 
 from grain_elevator.client import layout
 from grain_elevator.client import stats as stats_lib
+from grain_elevator.client import stream_summary
 from grain_elevator.client import window as window_lib
 from grain_elevator.client.backend import Backend, make_backend
 from grain_elevator.client.iterator import ClientIterator
@@ -30,7 +31,7 @@ from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.proto.errors import InvalidRequestError, UnknownDatasetError
 from grain_elevator.proto.spec import DatasetInfo
 from grain_elevator.client.step_iterator import StepIterator
-from grain_elevator.client.stream_iterator import StreamIterator
+from grain_elevator.client.stream_iterator import StreamIterator, fast_forward
 
 # What the TypeError for an option given as something else suggests.
 _EXAMPLES = {"transport": "TransportOptions(kind='grpc')",
@@ -194,14 +195,7 @@ class RemoteDataset(grain.IterDataset):
                            retry=self.retry, security=self.security)
     try:
       (info,) = backend.describe(self.dataset)
-      position = ""
-      if info.stream:
-        from grain_elevator.client import stream_iterator  # pylint: disable=g-import-not-at-top
-        if stream_state is not None:
-          position = contract.position_text(stream_state)
-        elif step:
-          position = stream_iterator.fast_forward(backend, self, info, 0, "", step,
-                                                  CancelToken())
+      position = self._position(backend, info, step, stream_state) if info.stream else ""
       return backend.explain(pb.ExplainRequest(request=pb.BatchRequest(
           dataset=self.dataset, global_batch_size=self.global_batch_size,
           shard_index=self.shard_index, shard_count=self.shard_count, start_step=step,
@@ -210,10 +204,19 @@ class RemoteDataset(grain.IterDataset):
     finally:
       backend.close()
 
-  def summary(self, start: int, end: int, *, record_offset: int = 0) -> dict[str, Any]:
-    """Records per mixture component (or of the dataset) in the whole global
-    batches [start, end), computed from the contract, not logged: the JSON
-    of docs/client.md ("Counts over a range of steps")."""
+  def summary(self, start: int, end: int, *, record_offset: int = 0,
+              stream_state: dict[str, Any] | None = None,
+              progress: Callable[[int], None] | None = None) -> dict[str, Any]:
+    """Counts per mixture component (or of the dataset) over the whole
+    global batches [start, end), computed, not logged: the JSON of
+    docs/client.md ("Counts over a range of steps"). Records, from the
+    contract, for a 1:1 dataset or mixture (any range, at once); tokens,
+    segments and documents for a stream dataset, each step traced from the
+    position where `start` begins: `stream_state` (a cursor's, saved at
+    `start`), or found from the stream's start by the servers (O(start)),
+    in calls of at most MAX_STREAM_SUMMARY_ROWS rows (`progress(steps)`
+    after each).
+    """
     for name, value in (("start", start), ("end", end)):
       if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise InvalidRequestError(f"summary needs a {name} step >= 0, got {value!r}")
@@ -227,12 +230,26 @@ class RemoteDataset(grain.IterDataset):
                            retry=self.retry, security=self.security)
     try:
       (info,) = backend.describe(self.dataset)
+      if info.stream:
+        position = self._position(backend, info, start, stream_state)
+        return stream_summary.summarize(backend, self.dataset, info, self.global_batch_size,
+                                        start, end, position, progress)
       return backend.explain(pb.ExplainRequest(summary=True, request=pb.BatchRequest(
           dataset=self.dataset, global_batch_size=self.global_batch_size, shard_count=1,
           start_step=start, num_steps=end - start, record_offset=record_offset,
           config_fingerprint=info.config_fingerprint)))
     finally:
       backend.close()
+
+  def _position(self, backend: Backend, info: DatasetInfo, step: int,
+                stream_state: dict[str, Any] | None) -> str:
+    """Where stream step `step` begins: `stream_state`'s position (a
+    cursor saved there), or fast-forwarded to from the stream's start."""
+    if stream_state is not None:
+      return contract.position_text(stream_state)
+    if not step:
+      return ""
+    return fast_forward(backend, self, info, 0, "", step, CancelToken())
 
   def stats(self) -> stats_lib.Stats:
     """Whether the trainer waits on data: `Stats` summed over this dataset's

@@ -54,7 +54,8 @@ ROOT_PAGES = {"README.md": "index.md", "BENCHMARKS.md": "benchmarks.md"}
 CONSTANTS = {
     "grain_elevator.proto.limits": ["MAX_REQUEST_BYTES", "LONG_STREAM_STEPS",
                                    "MAX_STREAM_STATE_BYTES", "MAX_SKIP_STEPS",
-                                   "MAX_EXPLAIN_ROWS", "MAX_SUMMARY_ROWS"],
+                                   "MAX_EXPLAIN_ROWS", "MAX_SUMMARY_ROWS",
+                                   "MAX_STREAM_SUMMARY_ROWS"],
     "grain_elevator.proto.rows": ["MIN_ROW_BYTES"],
     "grain_elevator.proto.wire": ["MIN_COMPRESSED_BYTES", "ZSTD_LEVEL"],
     "grain_elevator.proto.framing": ["MAGIC"],

@@ -27,6 +27,11 @@ message (client/transport/connection.py MAX_CONTROL_MESSAGE_BYTES).
 
 MAX_SUMMARY_ROWS: the most records one Explain summary counts (steps times
 G), arithmetic in chunks on the worker that answers it.
+
+MAX_STREAM_SUMMARY_ROWS: the most rows one Explain summary of a stream
+dataset traces (each step is made twice, served and traced: seconds per
+call, within a request's deadline); a client splits a longer range into
+calls of at most this many, each going on where the last ended.
 """
 
 MAX_REQUEST_BYTES = 64 << 10
@@ -35,3 +40,4 @@ MAX_STREAM_STATE_BYTES = MAX_REQUEST_BYTES // 4
 MAX_SKIP_STEPS = 1 << 16
 MAX_EXPLAIN_ROWS = 8192
 MAX_SUMMARY_ROWS = 1 << 28
+MAX_STREAM_SUMMARY_ROWS = 1 << 14

@@ -11,6 +11,7 @@ import json
 import os
 import pathlib
 import sys
+from typing import Any
 
 from grain_elevator.proto import dtypes
 from grain_elevator.proto.errors import ElevatorError
@@ -63,6 +64,41 @@ def _cursor_skip(args: argparse.Namespace) -> int:
   return 0
 
 
+def _saved_position(state: str | None, step: int) -> dict[str, Any] | None | bool:
+  """A stream's position at `step` from a cursor saved there (None: no
+  file given; False: a file of another step, said on stderr)."""
+  if not state:
+    return None
+  saved = json.loads(pathlib.Path(state).read_text())
+  if saved.get("step") != step:
+    print(f"elevator: error: {state} is a state at step {saved.get('step')!r}, not {step}",
+          file=sys.stderr)
+    return False
+  return saved.get("stream_state")
+
+
+def _summary(args: argparse.Namespace, ds: Any) -> int:
+  """`--summary START:END`: the counts as JSON; a stream's, traced call by
+  call, with progress on a terminal."""
+  start, sep, end = args.summary.partition(":")
+  if not sep or not start.isdigit() or not end.isdigit():
+    print(f"elevator: error: --summary takes START:END (whole steps), got {args.summary!r}",
+          file=sys.stderr)
+    return 2
+  position = _saved_position(args.state, int(start))
+  if position is False:
+    return 2
+  from rich.console import Console  # pylint: disable=g-import-not-at-top
+  from rich.progress import Progress  # pylint: disable=g-import-not-at-top
+  with Progress(console=Console(stderr=True), transient=True,
+                disable=not sys.stderr.isatty()) as bar:
+    task = bar.add_task("tracing steps", total=int(end) - int(start))
+    counted = ds.summary(int(start), int(end), record_offset=args.record_offset,
+                         stream_state=position, progress=lambda n: bar.advance(task, n))
+  print(json.dumps(counted, indent=1))
+  return 0
+
+
 def _explain(args: argparse.Namespace) -> int:
   from grain_elevator.client import RemoteDataset, Security  # pylint: disable=g-import-not-at-top
   target = args.target
@@ -72,25 +108,13 @@ def _explain(args: argparse.Namespace) -> int:
   ds = RemoteDataset(target, args.dataset, args.batch_size, shard_index=args.host,
                      shard_count=args.hosts, security=security)
   if args.summary:
-    start, sep, end = args.summary.partition(":")
-    if not sep or not start.isdigit() or not end.isdigit():
-      print(f"elevator: error: --summary takes START:END (whole steps), got {args.summary!r}",
-            file=sys.stderr)
-      return 2
-    print(json.dumps(ds.summary(int(start), int(end), record_offset=args.record_offset),
-                     indent=1))
-    return 0
+    return _summary(args, ds)
   if args.step is None:
     print("elevator: error: give --step K (or --summary START:END)", file=sys.stderr)
     return 2
-  position = None
-  if args.state:  # a cursor saved at the step: a stream's position there
-    saved = json.loads(pathlib.Path(args.state).read_text())
-    if saved.get("step") != args.step:
-      print(f"elevator: error: {args.state} is a state at step {saved.get('step')!r}, not "
-            f"{args.step}", file=sys.stderr)
-      return 2
-    position = saved.get("stream_state")
+  position = _saved_position(args.state, args.step)
+  if position is False:
+    return 2
   explained = ds.explain(args.step, record_offset=args.record_offset, stream_state=position)
   if args.json:
     print(json.dumps(explained, indent=1))
@@ -315,15 +339,17 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--step", type=int, default=None,
                  help="the global step (the cursor's, counting skipped steps)")
   p.add_argument("--summary", default=None, metavar="START:END",
-                 help="instead: records per mixture component over global steps "
-                      "[START, END), computed (JSON)")
+                 help="instead: counts per mixture component over global steps "
+                      "[START, END), computed (JSON): records, or a stream's tokens, "
+                      "segments and documents (each step traced)")
   p.add_argument("--host", type=int, default=0, help="h, this host's index (default 0)")
   p.add_argument("--hosts", type=int, default=1, help="H, the number of hosts (default 1)")
   p.add_argument("--record-offset", type=int, default=0,
                  help="the cursor's record_offset, after a change of G (default 0)")
   p.add_argument("--state", default=None,
-                 help="a stream dataset: a state JSON saved at STEP, whose position the "
-                      "trace starts from (default: found from the stream's start, O(STEP))")
+                 help="a stream dataset: a state JSON saved at STEP (or START), whose "
+                      "position the trace starts from (default: found from the stream's "
+                      "start, O(STEP))")
   p.add_argument("--json", action="store_true", help="print the JSON (docs/client.md)")
   p.add_argument("--auth-token-file", default=None,
                  help="file holding the bearer token of a server run with one")

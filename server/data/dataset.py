@@ -244,6 +244,8 @@ def open_dataset(config: DatasetConfig,
                                 check_files=_iter_files_check(files))
     from grain_elevator.server.data import provenance  # pylint: disable=g-import-not-at-top
     ds.origins = functools.partial(provenance.mixture_origins, mixture, global_batch_size=1)
+    ds.component_names = tuple(mixture.names)
+    ds.component_of = lambda positions: mixture.locate(positions, 1)[0]
     return ds
   opened = OpenedSource.open(config, identities)
   head = apply_pipeline(config, opened.raw_records, one_to_one=False)

@@ -23,15 +23,17 @@ mask), else the pipeline decides by values and explaining it is refused.
 
 from __future__ import annotations
 
+import itertools
 import json
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
 from grain_elevator.proto import contract
 from grain_elevator.proto import tree
-from grain_elevator.proto.errors import InvalidRequestError
-from grain_elevator.proto.limits import MAX_EXPLAIN_ROWS, MAX_SUMMARY_ROWS
+from grain_elevator.proto.errors import EndOfDataError, InvalidRequestError
+from grain_elevator.proto.limits import (MAX_EXPLAIN_ROWS, MAX_STREAM_SUMMARY_ROWS,
+                                         MAX_SUMMARY_ROWS)
 
 EXPLAIN_VERSION = 1
 # Positions located per numpy call while counting (bounds a summary's memory).
@@ -105,28 +107,10 @@ def explain_stream(ds: Any, global_batch_size: int, shard_index: int, shard_coun
     raise InvalidRequestError(
         f"dataset {info.name!r}: a host slice of {len(rows)} rows is more than one "
         f"explanation holds ({MAX_EXPLAIN_ROWS}); explain it in parts with more hosts")
-  served = ds.next_batch(ds.open(g, position), g)
-  if served is None:
+  traced = next(_traced_steps(ds, g, position), None)
+  if traced is None:
     raise InvalidRequestError(f"dataset {info.name!r}: the stream ends before step {step}")
-  traced_it = iter(ds.pipeline(g, head=lambda head: head.map_with_index(_tag).to_iter_dataset()))
-  if position:
-    from grain_elevator.server.data import grain_private  # pylint: disable=g-import-not-at-top
-    traced_it.set_state(grain_private.state_from_json(json.loads(position)))
-  traced, _, paths = tree.flatten(next(traced_it))
-  tagged = _tagged_paths(ds.head, paths)
-  if not tagged:
-    raise InvalidRequestError(
-        f"dataset {info.name!r}: explain traces token sequences (1-D integer leaves) "
-        "through a stream's pipeline, and this one's elements have none")
-  for path, real, got in zip(paths, served[0], traced):
-    if path not in tagged and not np.array_equal(np.asarray(got), real):
-      raise InvalidRequestError(
-          f"dataset {info.name!r}: its pipeline cannot be traced: leaf {path!r} differs "
-          "when its tokens are replaced by codes (it decides by token values, not lengths)")
-  codes = np.asarray(traced[paths.index(tagged[0])])
-  mask = (np.asarray(served[0][paths.index(contract.MASK_KEY)])
-          if contract.MASK_KEY in paths else None)
-  length_preserving = len(ds.head) == len(ds.records)
+  leaf, _, codes, mask = traced
   out_rows = []
   for i, r in enumerate(rows):
     row: dict[str, Any] = {"row": i, "global_row": r}
@@ -135,7 +119,7 @@ def explain_stream(ds: Any, global_batch_size: int, shard_index: int, shard_coun
     else:
       row["segments"] = _segments(codes[r])
     out_rows.append(row)
-  if length_preserving and ds.origins is not None:  # element index = record position
+  if _elements_are_records(ds) and ds.origins is not None:
     elements = sorted({s["element"] for row in out_rows for s in row.get("segments", ())})
     found = dict(zip(elements, ds.origins(elements)))
     for row in out_rows:
@@ -145,7 +129,109 @@ def explain_stream(ds: Any, global_batch_size: int, shard_index: int, shard_coun
       "version": EXPLAIN_VERSION, "dataset": info.name,
       "config_fingerprint": info.config_fingerprint, "kind": "stream", "step": step,
       "global_batch_size": g, "shard_index": shard_index, "shard_count": shard_count,
-      "stream_state": position, "traced_leaf": tagged[0], "rows": out_rows}
+      "stream_state": position, "traced_leaf": leaf, "rows": out_rows}
+
+
+def summary_stream(ds: Any, start: int, num_steps: int, global_batch_size: int,
+                   position: str) -> dict[str, Any]:
+  """Tokens, segments and documents per source in a stream dataset's whole
+  global batches [start, start + num_steps), which begin at `position`:
+  each step traced as `explain_stream` traces one, counted with numpy. A
+  document counts where its first token is; a segment is a run of one
+  document's tokens in a row. Sources are the mixture's components where
+  the stream's elements are the mixture's records (the pipeline keeps its
+  length), else the dataset. At most MAX_STREAM_SUMMARY_ROWS rows a call;
+  `next_stream_state` is where the next call goes on."""
+  info = ds.info
+  g = global_batch_size
+  if num_steps > steps_per_summary(g):
+    raise InvalidRequestError(
+        f"dataset {info.name!r}: a stream summary traces every row, at most "
+        f"{MAX_STREAM_SUMMARY_ROWS} a call (MAX_STREAM_SUMMARY_ROWS, or one step); "
+        f"{num_steps} steps of {g} are {num_steps * g}: split the range "
+        "(RemoteDataset.summary does)")
+  names = (tuple(ds.component_names)
+           if ds.component_of is not None and _elements_are_records(ds) else (info.name,))
+  tokens, segments, documents = (np.zeros(len(names), np.int64) for _ in range(3))
+  rows = padding = done = 0
+  after = position
+  for _, after, codes, mask in itertools.islice(_traced_steps(ds, g, position), num_steps):
+    done += 1
+    real = codes if mask is None else codes[np.asarray(mask, bool)]
+    padding += g - len(real)
+    rows += len(real)
+    real = real.reshape(len(real), -1)
+    before = np.pad(real[:, :-1], ((0, 0), (1, 0)))  # each slot's left neighbour, 0 first
+    used = real != 0
+    starts = ((before == 0) | (real != before + 1))[used]  # of the used slots
+    codes_used = real[used]
+    element = (codes_used - 1) // _STRIDE
+    first = (codes_used - 1) % _STRIDE == 0
+    if len(names) > 1:
+      unique, inverse = np.unique(element, return_inverse=True)
+      source = np.asarray(ds.component_of(unique), np.int64)[inverse]
+    else:
+      source = np.zeros(len(element), np.int64)
+    tokens += np.bincount(source, minlength=len(names))
+    segments += np.bincount(source[starts], minlength=len(names))
+    documents += np.bincount(source[first], minlength=len(names))
+  if done < num_steps:
+    raise EndOfDataError(
+        f"dataset {info.name!r}: a summary of steps [{start}, {start + num_steps}) passes the "
+        f"end of the stream, which ends after step {start + done - 1}")
+  total = int(tokens.sum())
+  return {
+      "version": EXPLAIN_VERSION, "dataset": info.name,
+      "config_fingerprint": info.config_fingerprint, "kind": "stream",
+      "steps": [start, start + num_steps], "global_batch_size": g,
+      "stream_state": position, "next_stream_state": after, "rows": rows,
+      "padding_rows": padding, "tokens": total,
+      "components": {name: {"tokens": int(t), "segments": int(n), "documents": int(d),
+                            "share": int(t) / total if total else 0.0}
+                     for name, t, n, d in zip(names, tokens, segments, documents)}}
+
+
+def steps_per_summary(global_batch_size: int) -> int:
+  """The most steps of G one stream summary call traces."""
+  return max(1, MAX_STREAM_SUMMARY_ROWS // global_batch_size)
+
+
+def _traced_steps(ds: Any, global_batch_size: int, position: str
+                  ) -> Iterator[tuple[str, str, np.ndarray, np.ndarray | None]]:
+  """A stream's global batches from `position`, each made twice, served and
+  traced (module docstring): (the traced leaf, the position after the
+  batch, its codes, the served mask or None). The served pipeline's head
+  checks cancellation (server/data/cancellation.py)."""
+  info = ds.info
+  g = global_batch_size
+  served_it = ds.open(g, position)
+  traced_it = iter(ds.pipeline(g, head=lambda head: head.map_with_index(_tag).to_iter_dataset()))
+  if position:
+    from grain_elevator.server.data import grain_private  # pylint: disable=g-import-not-at-top
+    traced_it.set_state(grain_private.state_from_json(json.loads(position)))
+  tagged: list[str] | None = None
+  while (served := ds.next_batch(served_it, g)) is not None:
+    traced, _, paths = tree.flatten(next(traced_it))
+    if tagged is None:
+      tagged = _tagged_paths(ds.head, paths)
+      if not tagged:
+        raise InvalidRequestError(
+            f"dataset {info.name!r}: explain traces token sequences (1-D integer leaves) "
+            "through a stream's pipeline, and this one's elements have none")
+    for path, real, got in zip(paths, served[0], traced):
+      if path not in tagged and not np.array_equal(np.asarray(got), real):
+        raise InvalidRequestError(
+            f"dataset {info.name!r}: its pipeline cannot be traced: leaf {path!r} differs "
+            "when its tokens are replaced by codes (it decides by token values, not lengths)")
+    mask = (np.asarray(served[0][paths.index(contract.MASK_KEY)])
+            if contract.MASK_KEY in paths else None)
+    yield tagged[0], served[1], np.asarray(traced[paths.index(tagged[0])]), mask
+
+
+def _elements_are_records(ds: Any) -> bool:
+  """Whether head element i is record position i (the pipeline keeps the
+  length: maps, filters' holes), so an element has a record's origin."""
+  return len(ds.head) == len(ds.records)
 
 
 def _tag(index: int, element: Any) -> Any:
@@ -219,10 +305,6 @@ def summary(ds: Any, start: int, num_steps: int, global_batch_size: int,
   """Records per mixture component in whole global batches [start, start +
   num_steps): computed from the contract, not logged."""
   info = ds.info
-  if info.stream:
-    raise InvalidRequestError(
-        f"dataset {info.name!r} is a stream dataset: a summary over steps is not built for "
-        "it (explain its steps one by one)")
   rows = num_steps * global_batch_size
   if rows > MAX_SUMMARY_ROWS:
     raise InvalidRequestError(

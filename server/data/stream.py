@@ -115,6 +115,10 @@ class StreamDataset:
     # Record stream position -> where it is stored (server/data/provenance.py);
     # set by whoever opened the records (dataset.py), None if nobody can say.
     self.origins: Callable[[list[int]], list[dict[str, Any]]] | None = None
+    # A stream over a mixture: the component of each record position (an
+    # int array in, indices into component_names out), for per-source counts.
+    self.component_names: tuple[str, ...] = ()
+    self.component_of: Callable[[np.ndarray], np.ndarray] | None = None
     first, start = self._first_batch()
     self._spec = ElementSpec.of(first)  # of one row
     self._leaves = self._spec.leaves

@@ -266,12 +266,13 @@ class GrpcService:
 
   def Explain(self, requests: Iterator[pb.ExplainRequest],
               context: grpc.ServicerContext) -> pb.ExplainResponse:
-    """Where each row of a host's slice of one step came from (JSON)."""
+    """Where each row of a host's slice of one step came from, or counts
+    per source over steps (JSON)."""
     request = first_request(requests, context, pb.ExplainRequest)
     if request is None:
       return pb.ExplainResponse()  # the call is over: never sent
     with _answering(context), self._path.admitted(_token(context)) as ticket:
-      return self._path.explain(ticket, request)
+      return self._path.explain(ticket, request, context.is_active)
 
 
 def _pass_through(message: bytes) -> bytes:

@@ -38,7 +38,6 @@ from grain_elevator.proto import wire
 from grain_elevator.proto.errors import (InvalidRequestError, ShardChangedError,
                                          StreamMismatchError, UnauthenticatedError)
 from grain_elevator.proto.spec import DatasetInfo
-from grain_elevator.server.data import provenance
 from grain_elevator.server.data.dataset import Datasets
 from grain_elevator.server.data.served import ServedDataset
 from grain_elevator.server.data.stream import StreamDataset
@@ -47,7 +46,6 @@ from grain_elevator.server.serving.options import (DEFAULT_MAX_MESSAGE_BYTES,
 from grain_elevator.server.serving.admission import Admission, Ticket
 from grain_elevator.server.serving.batch_cache import BatchCache
 from grain_elevator.server.serving.read_plan import ReadPlanner
-from grain_elevator.server.serving.step_errors import named, where
 from grain_elevator.server.serving.step_shape import StepShape
 from grain_elevator.server.serving.stream_sessions import StreamSessions
 from grain_elevator.server.serving.stream_shape import StreamShape
@@ -69,6 +67,7 @@ class Shape(Protocol):
   def skip(self, ds: Any, r: pb.BatchRequest, is_active: Callable[[], bool]
            ) -> pb.SkipResponse: ...
   def explain(self, ds: Any, r: pb.BatchRequest) -> Any: ...
+  def summary(self, ds: Any, r: pb.BatchRequest, is_active: Callable[[], bool]) -> Any: ...
 
 
 class RequestPath:
@@ -207,23 +206,20 @@ class RequestPath:
     ds = self.validate(r)
     return self.shape(ds).skip(ds, r, is_active)
 
-  def explain(self, ticket: Ticket, e: pb.ExplainRequest) -> pb.ExplainResponse:
+  def explain(self, ticket: Ticket, e: pb.ExplainRequest,
+              is_active: Callable[[], bool] = lambda: True) -> pb.ExplainResponse:
     """Where each row of host h's slice of global batch start_step came
     from (server/data/provenance.py), as JSON; validated as a request for
-    that one step is. With `summary`, the records per component of the
-    request's whole global batches instead."""
+    that one step is. With `summary`, counts per source over the request's
+    whole global batches instead."""
     _check(ticket)
     r = e.request
-    if e.summary:
-      ds = self.validate(r)
-      summary = named(ds.info.name, where(ds.info.name, r.start_step), provenance.summary,
-                      ds, r.start_step, r.num_steps, r.global_batch_size, r.record_offset)
-      return pb.ExplainResponse(json=json.dumps(summary, separators=(",", ":")))
-    if r.num_steps != 1:
+    if not e.summary and r.num_steps != 1:
       raise InvalidRequestError(f"Explain covers one step: num_steps must be 1, got "
                                 f"{r.num_steps}")
     ds = self.validate(r)
-    explained = self.shape(ds).explain(ds, r)
+    shape = self.shape(ds)
+    explained = shape.summary(ds, r, is_active) if e.summary else shape.explain(ds, r)
     return pb.ExplainResponse(json=json.dumps(explained, separators=(",", ":")))
 
 

@@ -90,6 +90,14 @@ class StepShape:
     return named(name, where(name, r.start_step), provenance.explain, ds, r.start_step,
                  r.global_batch_size, r.shard_index, r.shard_count, r.record_offset)
 
+  def summary(self, ds: ServedDataset, r: pb.BatchRequest,
+              is_active: Callable[[], bool]) -> Any:
+    """Counted from the contract: arithmetic, nothing made."""
+    del is_active
+    name = ds.info.name
+    return named(name, where(name, r.start_step), provenance.summary, ds, r.start_step,
+                 r.num_steps, r.global_batch_size, r.record_offset)
+
   def _plan(self, ds: ServedDataset, r: pb.BatchRequest) -> None:
     """Plans the reads of `r`'s steps and the next chunks'; a failure to
     plan only costs the read-ahead (the steps read what they need)."""

@@ -121,6 +121,17 @@ class StreamShape:
                  r.global_batch_size, r.shard_index, r.shard_count, r.start_step, start)
 
 
+  def summary(self, ds: StreamDataset, r: pb.BatchRequest,
+              is_active: Callable[[], bool]) -> Any:
+    """Every step of the range traced from the position where it starts
+    (at most MAX_STREAM_SUMMARY_ROWS rows), stopped when the caller goes."""
+    name = ds.info.name
+    start = _start(ds, r)
+    with cancellation.producing_for(is_active):
+      return named(name, where(name, r.start_step, start), provenance.summary_stream, ds,
+                   r.start_step, r.num_steps, r.global_batch_size, start)
+
+
 def _start(ds: StreamDataset, r: pb.BatchRequest) -> str:
   """The position `r` starts from: its stream_state, checked, or the stream's start."""
   name = ds.info.name

@@ -7,7 +7,9 @@ embedded, on 1, 2 and 4 hosts."""
 from __future__ import annotations
 
 import json
+import os
 import pathlib
+import sys
 import textwrap
 
 import grain
@@ -16,8 +18,10 @@ import pytest
 from array_record.python import array_record_data_source
 
 from grain_elevator.client import EndOfDataError, InvalidRequestError, RemoteDataset
+from grain_elevator.client.backend import make_backend
 from grain_elevator.pipelines import examples, text
 from grain_elevator.proto import contract
+from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.tools import cli
 from grain_elevator.tools import text_corpus
 from grain_elevator.tools import tokenizer as tokenizer_lib
@@ -102,6 +106,29 @@ STREAMS = textwrap.dedent("""\
     [datasets.lm_once.iter_options]
     length = 32
     num_packing_bins = 4
+
+    [datasets.fixed_mix]
+    mixture = { a = 0.6, b = 0.4 }
+    [datasets.lm_mix]        # packed "tokens" (pixels) over a mixture's records
+    source = "fixed_mix"
+    pipeline = "pixel_tokens:tokens"
+    iter_pipeline = "grain_elevator.pipelines.text:chunk_and_pack"
+    batch_fn = "grain.experimental:batch_and_pad"
+    [datasets.lm_mix.iter_options]
+    length = 32
+    num_packing_bins = 4
+    """)
+
+# lm_mix's pipeline: each image's first 1 + label % 40 pixels as "tokens"
+# (documents of many lengths, from a mixture's components).
+PIXEL_TOKENS = textwrap.dedent("""\
+    import numpy as np
+
+    def _tokens(e):
+      return {"tokens": e["image"].reshape(-1)[:1 + int(e["label"]) % 40].astype(np.int32)}
+
+    def tokens(ds):
+      return ds.map(_tokens)
     """)
 
 
@@ -111,13 +138,17 @@ def explain_config(data_dir: pathlib.Path, tmp_path_factory) -> pathlib.Path:
   (root / "shards").symlink_to(data_dir / "shards")
   text_corpus.write_jsonl_shards(str(root / "text"), 40, num_shards=2, seed=7)
   tokenizer_lib.train(root / "tokenizer.json", vocab_size=384)
+  (root / "pixel_tokens.py").write_text(PIXEL_TOKENS)
   (root / "elevator.toml").write_text(CONFIG + "\n" + STREAMS)
-  return root / "elevator.toml"
+  sys.path.insert(0, str(root))  # pixel_tokens, for embedded mode
+  yield root / "elevator.toml"
+  sys.path.remove(str(root))
 
 
 @pytest.fixture(scope="module")
 def explain_server(explain_config):
-  with LocalServer(str(explain_config), workers=2) as s:
+  path = os.pathsep.join([str(explain_config.parent), os.environ.get("PYTHONPATH", "")])
+  with LocalServer(str(explain_config), workers=2, env={"PYTHONPATH": path}) as s:
     yield s
 
 
@@ -287,6 +318,73 @@ def test_a_summary_counts_what_explain_names_step_by_step(explain_server, explai
     RemoteDataset(explain_server.target, "eval", G).summary(4, 4)
 
 
+def _counted(explained: list[dict], name: str) -> dict[str, dict[str, int]]:
+  """Steps' explanations counted per source: tokens, segments, documents
+  (segments from a document's first token)."""
+  out: dict[str, dict[str, int]] = {}
+  for rows in explained:
+    for row in rows:
+      for seg in row.get("segments", ()):
+        c = out.setdefault(seg.get("component", name),
+                           {"tokens": 0, "segments": 0, "documents": 0})
+        c["tokens"] += seg["length"]
+        c["segments"] += 1
+        c["documents"] += seg["token_offset"] == 0
+  return out
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", ["lm", "lm_once", "lm_mix"])
+def test_a_stream_summary_counts_what_explain_names_step_by_step(
+    explain_server, explain_config, monkeypatch, name):
+  """A stream's summary per source is its steps' explanations counted, by
+  mixture component for a stream over a mixture; its tokens are the served
+  batches' tokens; served, embedded, and in calls of two steps each
+  (embedded, with the per-call bound made small) alike."""
+  steps = _stream_steps(explain_config, name, 1000 if name == "lm_once" else 9)
+  # lm_once: its last steps, to the padded end
+  first, end = (len(steps) - 4, len(steps)) if name == "lm_once" else (3, 9)
+  state = steps[first][0]["stream_state"]
+  want = _counted([RemoteDataset(explain_server.target, name, G).explain(
+      k, stream_state=steps[k][0]["stream_state"])["rows"] for k in range(first, end)], name)
+  served_tokens = sum(int(np.count_nonzero(b["tokens_segment_ids"]))
+                      for _, b in steps[first:end])
+  padding = sum(int(np.count_nonzero(~b[contract.MASK_KEY].astype(bool)))
+                for _, b in steps[first:end] if contract.MASK_KEY in b)
+  got = {}
+  for how in ("served", "embedded", "in calls"):
+    if how == "in calls":
+      from grain_elevator.client import stream_summary  # pylint: disable=g-import-not-at-top
+      from grain_elevator.server.data import provenance  # pylint: disable=g-import-not-at-top
+      monkeypatch.setattr(stream_summary, "MAX_STREAM_SUMMARY_ROWS", 2 * G)
+      monkeypatch.setattr(provenance, "MAX_STREAM_SUMMARY_ROWS", 2 * G)
+    target = explain_server.target if how == "served" else f"local:{explain_config}"
+    got[how] = RemoteDataset(target, name, G).summary(first, end, stream_state=state)
+    counts = {k: {f: v[f] for f in ("tokens", "segments", "documents")}
+              for k, v in got[how]["components"].items()}
+    assert counts == want, how
+    assert got[how]["tokens"] == served_tokens and got[how]["padding_rows"] == padding
+    assert got[how]["rows"] == (end - first) * G - padding and got[how]["steps"] == [first, end]
+    if end < len(steps):  # where the next step starts
+      assert got[how]["next_stream_state"] == steps[end][0]["stream_state"]
+  assert got["served"] == got["embedded"] == got["in calls"]
+  if name == "lm_mix":
+    assert sorted(want) == ["a", "b"]
+    assert RemoteDataset(explain_server.target, name, G).summary(first, end) == got["served"]
+    # One call over the bound, straight to the server: refused, naming it.
+    backend = make_backend(explain_server.target)
+    try:
+      with pytest.raises(InvalidRequestError, match="MAX_STREAM_SUMMARY_ROWS"):
+        backend.explain(pb.ExplainRequest(summary=True, request=pb.BatchRequest(
+            dataset=name, global_batch_size=G, shard_count=1, num_steps=1 << 20,
+            config_fingerprint=got["served"]["config_fingerprint"])))
+    finally:
+      backend.close()
+  if name == "lm_once":  # past its end
+    with pytest.raises(EndOfDataError, match="passes the end of the stream"):
+      RemoteDataset(explain_server.target, name, G).summary(0, len(steps) + 1)
+
+
 def test_the_cli_summary(explain_server, capsys):
   assert cli.main(["explain", explain_server.target, "mix", "-G", str(G),
                    "--summary", "0:10"]) == 0
@@ -294,6 +392,11 @@ def test_the_cli_summary(explain_server, capsys):
   assert sum(c["records"] for c in got["components"].values()) == 10 * G
   assert cli.main(["explain", explain_server.target, "mix", "-G", str(G),
                    "--summary", "ten"]) == 2
+  capsys.readouterr()
+  assert cli.main(["explain", explain_server.target, "lm_mix", "-G", str(G),
+                   "--summary", "0:3"]) == 0
+  got = json.loads(capsys.readouterr().out)
+  assert got["kind"] == "stream" and sorted(got["components"]) == ["a", "b"]
 
 
 @pytest.mark.timeout(300)
