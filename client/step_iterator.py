@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import functools
 import threading
 import time
 from typing import TYPE_CHECKING, Any
@@ -59,6 +60,7 @@ class StepIterator(ClientIterator):
     self._chunks: collections.deque[_Chunk] = collections.deque()
     self._lock = threading.Lock()
     self._arrived = threading.Condition()  # a step arrived or a fetch ended
+    self._awaited: int | None = None  # the chunk (its start) the trainer waits on
     self._pool: concurrent.futures.ThreadPoolExecutor | None = None
 
   @property
@@ -88,22 +90,30 @@ class StepIterator(ClientIterator):
           self._total is None or self._requested + n < self._total):
         break  # steps are in flight: wait until a whole request fits the window
       token = CancelToken()
-      steps = Arrivals(self._wake)
+      wake = functools.partial(self._wake, self._requested)
+      steps = Arrivals(wake)
       request = self._request(self._requested, n, record_offset=self._offset)
       future = self._pool.submit(self._backend.fetch, request, token, steps)
-      future.add_done_callback(self._wake)
+      future.add_done_callback(wake)
       self._chunks.append(_Chunk(self._requested, n, steps, future, token))
       self._requested += n
 
-  def _wake(self, _: Step | concurrent.futures.Future) -> None:
-    with self._arrived:
-      self._arrived.notify_all()
+  def _wake(self, start: int, _: Step | concurrent.futures.Future) -> None:
+    """A step of the chunk at `start` arrived, or its fetch ended: the
+    trainer is woken only if it waits on that chunk. Every arrival woke it
+    before, and with many chunks in flight most wake-ups were for nothing:
+    half the client's CPU went to such hand-offs (BENCHMARKS.md)."""
+    if self._awaited == start:  # set under the lock before the trainer checks
+      with self._arrived:
+        self._arrived.notify_all()
 
   def _take(self, chunk: _Chunk, i: int) -> list[Any]:
     """Step `i` of `chunk` once it has arrived; the fetch's error if it failed first."""
     with self._arrived:
+      self._awaited = chunk.start
       while len(chunk.steps) <= i and not chunk.future.done():
         self._arrived.wait()
+      self._awaited = None
     if len(chunk.steps) > i:
       taken = chunk.steps[i]
       # The trainer's now, not the window's; the position stays (a retry continues from it).
