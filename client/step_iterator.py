@@ -100,9 +100,8 @@ class StepIterator(ClientIterator):
 
   def _wake(self, start: int, _: Step | concurrent.futures.Future) -> None:
     """A step of the chunk at `start` arrived, or its fetch ended: the
-    trainer is woken only if it waits on that chunk. Every arrival woke it
-    before, and with many chunks in flight most wake-ups were for nothing:
-    half the client's CPU went to such hand-offs (BENCHMARKS.md)."""
+    trainer is woken only if it waits on that chunk: with many chunks in
+    flight, most arrivals are for others (BENCHMARKS.md, the client's CPU)."""
     if self._awaited == start:  # set under the lock before the trainer checks
       with self._arrived:
         self._arrived.notify_all()

@@ -14,7 +14,7 @@ from typing import Any, Callable
 from grain_elevator.client.backend import Backend
 from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.proto.errors import InternalError
-from grain_elevator.proto.limits import MAX_STREAM_SUMMARY_ROWS
+from grain_elevator.proto import limits
 from grain_elevator.proto.spec import DatasetInfo
 
 _SUMMED = ("rows", "padding_rows", "tokens")
@@ -26,7 +26,7 @@ def summarize(backend: Backend, dataset: str, info: DatasetInfo, global_batch_si
               progress: Callable[[int], None] | None = None) -> dict[str, Any]:
   """Steps [start, end) of stream `dataset`, `position` being where `start`
   begins: the servers' calls, merged; `progress(steps)` after each call."""
-  per_call = max(1, MAX_STREAM_SUMMARY_ROWS // global_batch_size)
+  per_call = limits.stream_summary_steps(global_batch_size)
   parts = []
   step = start
   while step < end:

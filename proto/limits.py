@@ -41,3 +41,9 @@ MAX_SKIP_STEPS = 1 << 16
 MAX_EXPLAIN_ROWS = 8192
 MAX_SUMMARY_ROWS = 1 << 28
 MAX_STREAM_SUMMARY_ROWS = 1 << 14
+
+
+def stream_summary_steps(global_batch_size: int) -> int:
+  """The most steps of G one Explain summary of a stream dataset traces:
+  MAX_STREAM_SUMMARY_ROWS rows, or one step if G is more."""
+  return max(1, MAX_STREAM_SUMMARY_ROWS // global_batch_size)

@@ -32,8 +32,8 @@ import numpy as np
 from grain_elevator.proto import contract
 from grain_elevator.proto import tree
 from grain_elevator.proto.errors import EndOfDataError, InvalidRequestError
-from grain_elevator.proto.limits import (MAX_EXPLAIN_ROWS, MAX_STREAM_SUMMARY_ROWS,
-                                         MAX_SUMMARY_ROWS)
+from grain_elevator.proto import limits
+from grain_elevator.proto.limits import MAX_EXPLAIN_ROWS, MAX_SUMMARY_ROWS
 
 EXPLAIN_VERSION = 1
 # Positions located per numpy call while counting (bounds a summary's memory).
@@ -144,10 +144,10 @@ def summary_stream(ds: Any, start: int, num_steps: int, global_batch_size: int,
   `next_stream_state` is where the next call goes on."""
   info = ds.info
   g = global_batch_size
-  if num_steps > steps_per_summary(g):
+  if num_steps > limits.stream_summary_steps(g):
     raise InvalidRequestError(
         f"dataset {info.name!r}: a stream summary traces every row, at most "
-        f"{MAX_STREAM_SUMMARY_ROWS} a call (MAX_STREAM_SUMMARY_ROWS, or one step); "
+        f"{limits.MAX_STREAM_SUMMARY_ROWS} a call (MAX_STREAM_SUMMARY_ROWS, or one step); "
         f"{num_steps} steps of {g} are {num_steps * g}: split the range "
         "(RemoteDataset.summary does)")
   names = (tuple(ds.component_names)
@@ -160,7 +160,6 @@ def summary_stream(ds: Any, start: int, num_steps: int, global_batch_size: int,
     real = codes if mask is None else codes[np.asarray(mask, bool)]
     padding += g - len(real)
     rows += len(real)
-    real = real.reshape(len(real), -1)
     before = np.pad(real[:, :-1], ((0, 0), (1, 0)))  # each slot's left neighbour, 0 first
     used = real != 0
     starts = ((before == 0) | (real != before + 1))[used]  # of the used slots
@@ -189,11 +188,6 @@ def summary_stream(ds: Any, start: int, num_steps: int, global_batch_size: int,
       "components": {name: {"tokens": int(t), "segments": int(n), "documents": int(d),
                             "share": int(t) / total if total else 0.0}
                      for name, t, n, d in zip(names, tokens, segments, documents)}}
-
-
-def steps_per_summary(global_batch_size: int) -> int:
-  """The most steps of G one stream summary call traces."""
-  return max(1, MAX_STREAM_SUMMARY_ROWS // global_batch_size)
 
 
 def _traced_steps(ds: Any, global_batch_size: int, position: str

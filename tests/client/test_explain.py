@@ -354,10 +354,8 @@ def test_a_stream_summary_counts_what_explain_names_step_by_step(
   got = {}
   for how in ("served", "embedded", "in calls"):
     if how == "in calls":
-      from grain_elevator.client import stream_summary  # pylint: disable=g-import-not-at-top
-      from grain_elevator.server.data import provenance  # pylint: disable=g-import-not-at-top
-      monkeypatch.setattr(stream_summary, "MAX_STREAM_SUMMARY_ROWS", 2 * G)
-      monkeypatch.setattr(provenance, "MAX_STREAM_SUMMARY_ROWS", 2 * G)
+      from grain_elevator.proto import limits  # pylint: disable=g-import-not-at-top
+      monkeypatch.setattr(limits, "MAX_STREAM_SUMMARY_ROWS", 2 * G)
     target = explain_server.target if how == "served" else f"local:{explain_config}"
     got[how] = RemoteDataset(target, name, G).summary(first, end, stream_state=state)
     counts = {k: {f: v[f] for f in ("tokens", "segments", "documents")}
