@@ -114,9 +114,7 @@ class StreamShape:
   def explain(self, ds: StreamDataset, r: pb.BatchRequest) -> Any:
     """Traced from the position where the step starts."""
     name = ds.info.name
-    start = ds.info.stream_start
-    if r.stream_state:
-      start = stream_lib.parse_position(r.stream_state, start, name)
+    start = _start(ds, r)
     return named(name, where(name, r.start_step, start), provenance.explain_stream, ds,
                  r.global_batch_size, r.shard_index, r.shard_count, r.start_step, start)
 
