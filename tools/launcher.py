@@ -2,7 +2,9 @@
 
 Used by the demo, the benchmarks and the tests; a real process, so what they
 exercise is exactly what an operator runs. (In-process, use
-`grain_elevator.server.Server`.)
+`grain_elevator.server.Server`.) The child is tied to this process
+(server/process/lifeline.py `tied`): a killed test run or bench leaves no
+server behind.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import sys
 import threading
 from typing import Mapping, Sequence
 
+from grain_elevator.server.process import lifeline
 from grain_elevator.server.process.supervisor import parse_ready_line
 
 ELEVATOR = (sys.executable, "-m", "grain_elevator.tools.cli")
@@ -32,8 +35,8 @@ class LocalServer:
     is ready after `start_timeout_s` is killed and reported, not waited on."""
     self.config = str(config)
     self.proc = subprocess.Popen(
-        [*prefix, *ELEVATOR, "serve", "--config", str(config), "--host", host,
-         "--port", str(port), "--workers", str(workers), *extra_args],
+        lifeline.tied([*prefix, *ELEVATOR, "serve", "--config", str(config), "--host", host,
+                       "--port", str(port), "--workers", str(workers), *extra_args]),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env={**os.environ, **env} if env else None)
     self._stderr: list[str] = []

@@ -14,6 +14,15 @@ loads gRPC, its datasets and the request path (worker.run), about a second
 earlier. What the spawn bootstrap loads before any target runs (the parent's
 main module, the pickled arguments) can still precede it; the parent check is
 what makes that harmless.
+
+`tied` gives any other program the same tie, to the process that starts it:
+run as `python -m grain_elevator.server.process.lifeline PID -- PROGRAM ...`,
+this module ties itself to PID and then becomes PROGRAM (execve keeps the
+parent-death signal). The launchers of `elevator serve` and of the storage
+emulators (tools/launcher.py, tools/bench/storage_servers.py) start theirs
+so: a test run or a bench that is killed leaves none behind. Linux signals
+a child when the *thread* that forked it ends, so start one only from a
+thread that lasts as long as the child must.
 """
 
 from __future__ import annotations
@@ -22,11 +31,12 @@ import ctypes
 import os
 import signal
 import sys
-from typing import Any
+from typing import Any, Sequence
 
 _PR_SET_PDEATHSIG = 1
 # Exit status of a worker that found its supervisor gone; nobody waits for it.
 EXIT_ORPHANED = 3
+_MODULE = "grain_elevator.server.process.lifeline"
 
 
 def tie(supervisor_pid: int | None, sig: int = signal.SIGTERM) -> None:
@@ -52,3 +62,21 @@ def start_worker(supervisor_pid: int, *args: Any, **kwargs: Any) -> None:
   tie(supervisor_pid)
   from grain_elevator.server.process import worker  # pylint: disable=g-import-not-at-top
   worker.run(*args, supervisor_pid=supervisor_pid, **kwargs)
+
+
+def tied(argv: Sequence[str]) -> list[str]:
+  """`argv` as a command line that runs it tied to this process: it gets
+  SIGTERM when this process dies, and never starts if it has died already."""
+  return [sys.executable, "-m", _MODULE, str(os.getpid()), "--", *argv]
+
+
+def _exec_tied(args: Sequence[str]) -> None:
+  """`PID -- PROGRAM ARGS...`: tie to PID, then become PROGRAM."""
+  if len(args) < 3 or args[1] != "--" or not args[0].isdigit():
+    sys.exit(f"usage: python -m {_MODULE} PID -- PROGRAM [ARGS...]")
+  tie(int(args[0]))
+  os.execvp(args[2], list(args[2:]))
+
+
+if __name__ == "__main__":
+  _exec_tied(sys.argv[1:])

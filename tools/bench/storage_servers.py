@@ -1,8 +1,9 @@
 """Object-storage servers on 127.0.0.1 for the tests and the storage bench.
 
 `S3Server` runs moto's server mode and `GcsServer` gcp-storage-emulator,
-each a subprocess of this Python on a free port; both come from PyPI with
-the [test] extra. `FaultProxy` (fault_proxy.py) goes in front of either.
+each a subprocess of this Python on a free port, tied to this process
+(server/process/lifeline.py `tied`: it dies with it); both come from PyPI
+with the [test] extra. `FaultProxy` (fault_proxy.py) goes in front of either.
 Nothing here reaches beyond 127.0.0.1.
 
 gcp-storage-emulator speaks GCS's JSON API; object_store (obstore) reads GCS
@@ -26,6 +27,8 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from typing import Any
+
+from grain_elevator.server.process import lifeline
 
 # Where a server must answer within, once started (moto imports for ~3 s on
 # a loaded 2-core machine).
@@ -82,7 +85,7 @@ class _Subprocess:
     self._log_path = os.path.join(self._dir, "server.log")
     argv = [a.replace("{port}", str(self.port)) for a in argv]
     self._log = open(self._log_path, "wb")
-    self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT,
+    self.proc = subprocess.Popen(lifeline.tied(argv), stdout=self._log, stderr=subprocess.STDOUT,
                                  stdin=subprocess.DEVNULL, cwd=self._dir,
                                  env={**os.environ, **env} if env else None)
     _wait_http(self.url + probe_path, self.proc, self._log_path)
