@@ -1,6 +1,6 @@
 """Seed shards for the fuzzer, written by ArrayRecordWriter itself: the
 layouts the shard reader meets (group_size 1 and N, zstd and uncompressed),
-with small, empty, compressible and big incompressible records, some of
+with small, empty, compressible and big incompressible records (and none), some of
 them across 64 KiB block boundaries."""
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ SEEDS: list[tuple[str, str, list[int]]] = [
     ("g2_none_big", "group_size:2,uncompressed", [20, 70_000, 65_400, 5, -2_000]),
     ("g64_zstd", "group_size:64", [3] * 70 + [-100]),
     ("g2_zstd1", "zstd:1,group_size:2", [-1_000, 1_000, 0, 0, 40]),
+    ("g1_empty", "group_size:1", []),  # no record chunk at all
 ]
 
 

@@ -474,7 +474,7 @@ def mutate(rng: random.Random, seed: bytes, hash_fn: Hash) -> tuple[bytes, list[
   if r < 0.65:
     edit = None
     for _ in range(rng.choice((1, 1, 1, 2, 3))):
-      if rng.random() < 0.15:
+      if not shard.records or rng.random() < 0.15:  # an empty shard: its footer
         edit, what = footer_edit(rng)
         steps.append(what)  # filled in when the footer is built
         continue
