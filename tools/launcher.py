@@ -4,7 +4,8 @@ Used by the demo, the benchmarks and the tests; a real process, so what they
 exercise is exactly what an operator runs. (In-process, use
 `grain_elevator.server.Server`.) The child is tied to this process
 (server/process/lifeline.py `tied`): a killed test run or bench leaves no
-server behind.
+server behind. Linux signals the child when the thread that started it
+ends, so start one from a thread that outlives it (the main thread).
 """
 
 from __future__ import annotations
