@@ -50,17 +50,18 @@ def oracle_batch(oracle, dataset: str, step: int, g: int, h: int = 0, n: int = 1
 
 
 def worker_pids(server) -> list[int]:
-  """PIDs of a LocalServer's worker processes (not the spawn resource tracker)."""
+  """PIDs of a LocalServer's worker processes (named elevator-wN by
+  lifeline.py; their parent is the fork server, the supervisor's child)."""
   import psutil  # pylint: disable=g-import-not-at-top
   try:
-    children = psutil.Process(server.proc.pid).children()
+    family = psutil.Process(server.proc.pid).children(recursive=True)
   except psutil.NoSuchProcess:
     return []
   out = []
-  for child in children:
+  for p in family:
     try:
-      if "resource_tracker" not in " ".join(child.cmdline()):
-        out.append(child.pid)
+      if p.name().startswith("elevator-w"):
+        out.append(p.pid)
     except psutil.NoSuchProcess:
       pass
   return out

@@ -1,22 +1,23 @@
 """A worker's tie to its supervisor: no worker outlives it, even one starting.
 
-Linux sends a process its parent-death signal (PR_SET_PDEATHSIG) only if the
-parent dies after the process asked for it. A worker spawned just before its
-supervisor was SIGKILLed would otherwise ask too late, finish starting as an
-orphan and serve the shared port for good. So a worker asks first thing, then
-checks that its parent is still the supervisor that spawned it: a different
-parent (init, a subreaper) means the supervisor died before the signal was
-set, and the worker exits at once. It checks again before it binds a port.
+Workers are forked by multiprocessing's fork server (supervisor.py), so a
+worker's parent is that server, not the supervisor. What tells a worker
+that its supervisor died is the pipe its start-up came through, whose other
+end the supervisor holds until it dies (`multiprocessing.parent_process()`):
+first thing, a worker checks it, and a thread then waits on it and sends
+the worker SIGTERM when it ends. The end of a pipe stays, so a worker
+started just before its supervisor was SIGKILLed exits at once instead of
+finishing its start as an orphan and serving the shared port for good. It
+checks again before it binds a port. A worker also asks for SIGTERM on its
+parent's death (PR_SET_PDEATHSIG), should the fork server die first.
 
-`start_worker` is the spawn target, so this module is the first of ours a
-worker runs; it imports nothing heavy, so the tie is made before the worker
-loads gRPC, its datasets and the request path (worker.run), about a second
-earlier. What the spawn bootstrap loads before any target runs (the parent's
-main module, the pickled arguments) can still precede it; the parent check is
-what makes that harmless.
+`start_worker` is the process target, so this module is the first of ours a
+worker runs; it also gives the worker the environment its supervisor meant
+for it (a forked worker has its fork server's), and a name in `ps` and
+`top` (`elevator-w3`).
 
-`tied` gives any other program the same tie, to the process that starts it:
-run as `python -m grain_elevator.server.process.lifeline PID -- PROGRAM ...`,
+`tied` ties any other program to the process that starts it, by the
+parent-death signal and a check that its parent is that process: run as `python -m grain_elevator.server.process.lifeline PID -- PROGRAM ...`,
 this module ties itself to PID and then becomes PROGRAM (execve keeps the
 parent-death signal). The launchers of `elevator serve` and of the storage
 emulators (tools/launcher.py, tools/bench/storage_servers.py) start theirs
@@ -28,20 +29,23 @@ thread that lasts as long as the child must.
 from __future__ import annotations
 
 import ctypes
+import multiprocessing
 import os
 import signal
 import sys
-from typing import Any, Sequence
+import threading
+from typing import Any, Mapping, Sequence
 
 _PR_SET_PDEATHSIG = 1
+_PR_SET_NAME = 15
 # Exit status of a worker that found its supervisor gone; nobody waits for it.
 EXIT_ORPHANED = 3
 _MODULE = "grain_elevator.server.process.lifeline"
 
 
 def tie(supervisor_pid: int | None, sig: int = signal.SIGTERM) -> None:
-  """Asks for `sig` when the parent dies; exits now if the parent is no
-  longer `supervisor_pid` (None: no check)."""
+  """Asks for `sig` when the parent dies; exits now if `supervisor_pid` is
+  gone (`orphaned`; None: no check)."""
   if sys.platform.startswith("linux"):
     try:
       ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(sig))
@@ -52,16 +56,69 @@ def tie(supervisor_pid: int | None, sig: int = signal.SIGTERM) -> None:
 
 
 def orphaned(supervisor_pid: int | None) -> bool:
-  """True when this process's parent is no longer `supervisor_pid`."""
-  return supervisor_pid is not None and os.getppid() != supervisor_pid
+  """True when `supervisor_pid` (None: no check) is gone: for a process
+  multiprocessing started from it, its start-up pipe says so; for any other,
+  its parent is no longer that process."""
+  if supervisor_pid is None:
+    return False
+  parent = multiprocessing.parent_process()
+  if parent is not None and parent.pid == supervisor_pid:
+    return not parent.is_alive()
+  return os.getppid() != supervisor_pid
 
 
-def start_worker(supervisor_pid: int, *args: Any, **kwargs: Any) -> None:
-  """Spawn target of a worker: ties it to `supervisor_pid`, then runs
-  worker.run(*args, **kwargs)."""
+def start_worker(supervisor_pid: int, *args: Any, env: Mapping[str, str] | None = None,
+                 title: str | None = None, **kwargs: Any) -> None:
+  """Process target of a worker: ties it to `supervisor_pid`, takes `env` as
+  its environment and `title` as its name, then runs worker.run(*args,
+  **kwargs)."""
   tie(supervisor_pid)
+  _watch_supervisor()
+  if env is not None:
+    _adopt(env)
+  if title is not None:
+    _set_name(title)
   from grain_elevator.server.process import worker  # pylint: disable=g-import-not-at-top
   worker.run(*args, supervisor_pid=supervisor_pid, **kwargs)
+
+
+def _watch_supervisor() -> None:
+  """SIGTERM to this process when the supervisor that started it dies. The
+  parent-death signal comes from the fork server, which outlives the
+  supervisor while any worker holds the descriptor that keeps it up."""
+  parent = multiprocessing.parent_process()
+  if parent is None:
+    return
+
+  def watch() -> None:
+    parent.join()
+    os.kill(os.getpid(), signal.SIGTERM)
+  threading.Thread(target=watch, name="elevator-lifeline", daemon=True).start()
+
+
+def _adopt(env: Mapping[str, str]) -> None:
+  """`env` as this process's environment; glibc's allocator settings in it
+  applied too (glibc reads them only when a process starts)."""
+  for name in [n for n in os.environ if n not in env]:
+    del os.environ[name]
+  for name, value in env.items():
+    if os.environ.get(name) != value:
+      os.environ[name] = value
+  from grain_elevator.proto import malloc  # pylint: disable=g-import-not-at-top
+  if all(name in env for name in malloc.ENV):
+    try:
+      malloc.tune_malloc(int(env["MALLOC_MMAP_THRESHOLD_"]), int(env["MALLOC_TRIM_THRESHOLD_"]))
+    except ValueError:
+      pass  # not numbers: glibc ignores them too
+
+
+def _set_name(title: str) -> None:
+  """This process's name (at most 15 bytes) as `ps`, `top` and psutil show it."""
+  if sys.platform.startswith("linux"):
+    try:
+      ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_NAME, title.encode()[:15])
+    except (OSError, AttributeError):
+      pass
 
 
 def tied(argv: Sequence[str]) -> list[str]:

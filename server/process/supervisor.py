@@ -23,19 +23,21 @@ its connection reaches (SO_REUSEPORT), and a server that keeps losing a
 worker resets some clients' connections whichever one answered. Requests
 are still served; only health reports the loop.
 
-Workers are started with multiprocessing's "spawn": a program that starts a
-Server at import time must guard it with `if __name__ == "__main__":`. Their
-spawn target is lifeline.start_worker, which ties each to this process (a
-worker gets SIGTERM when it dies, or exits if it died already) before the
-worker loads anything heavy. Linux sends that signal when the spawning
-thread ends, so workers are spawned only by the thread that calls `start`
-and by the supervise thread, which both last as long as the server.
+Workers are forked by multiprocessing's fork server, which imported the
+worker's modules once (_PRELOAD): a worker is up in a fraction of a second,
+not after the ~2.5 CPU-seconds of imports a fresh interpreter pays (Grain
+imports JAX), at start-up and at every restart. As with "spawn", a worker
+imports the main module first, so a program that starts a Server at import
+time must guard it with `if __name__ == "__main__":`. The target is
+lifeline.start_worker, which ties each worker to this process (SIGTERM when
+it dies, an exit if it died already) and gives it the environment this
+process has when it starts the worker (`_worker_env`) before the worker runs
+anything else.
 """
 
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import logging
 import math
@@ -47,7 +49,7 @@ import re
 import signal
 import threading
 import time
-from typing import Any, Iterator, NamedTuple
+from typing import Any, NamedTuple
 
 from grain_elevator.proto import malloc
 from grain_elevator.proto.errors import ElevatorError
@@ -80,37 +82,54 @@ _POLL_S = 0.2
 # without.
 WORKER_ENV = {**malloc.ENV, "NUMPY_MADVISE_HUGEPAGE": "0"}
 _env_lock = threading.Lock()
+# What the fork server imports once, for every worker it forks.
+_PRELOAD = ["grain_elevator.server.process.worker"]
+_fork_server_failed = False
 
 
 class StartError(ElevatorError):
   """The workers could not start (bad dataset, port in use)."""
 
 
-@contextlib.contextmanager
-def _worker_environment(forced: dict[str, str]) -> Iterator[None]:
-  """WORKER_ENV's defaults and `forced` in os.environ while a worker is
-  spawned (it inherits them: glibc reads its allocator's at exec, Grain
-  imports prometheus_client before any of ours runs), and this process's
-  own environment as it was after.
+def _worker_env(forced: dict[str, str]) -> dict[str, str]:
+  """A worker's environment: this process's, WORKER_ENV's defaults where it
+  has none, and `forced` (the metrics folder)."""
+  return {**WORKER_ENV, **os.environ, **forced}
+
+
+def _fork_server_running() -> bool:
+  """Starts multiprocessing's fork server unless it runs, with WORKER_ENV's
+  defaults in os.environ meanwhile: it inherits them, and so do the workers
+  it forks, for what is read once per process (glibc's allocator settings at
+  exec, numpy's huge-page advice at import; lifeline.py sets the rest).
+  False where it cannot start: its socket's path under a TMPDIR too long for
+  AF_UNIX (a CI runner's, a pod's); workers are then spawned, each paying
+  its own imports (logged once).
 
   Adding variables to a process whose native threads read the environment
   (gRPC's, as they connect) can crash it: glibc's setenv of a new name may
-  move the array a concurrent getenv walks. It does not when the array
-  keeps its size, as it does for one name added and removed in turn. So
-  `serve` puts the defaults in its environment once, before any thread runs,
-  and only `forced` (the metrics folder) comes and goes here."""
+  move the array a concurrent getenv walks. So `serve` puts the defaults in
+  its environment once, before any thread runs, and here they come and go
+  only when this process has none, once per fork server."""
+  global _fork_server_failed
+  from multiprocessing import forkserver  # pylint: disable=g-import-not-at-top
   with _env_lock:
-    before = {k: os.environ.get(k) for k in [*WORKER_ENV, *forced]}
-    os.environ.update({k: v for k, v in WORKER_ENV.items() if before[k] is None})
-    os.environ.update(forced)
+    before = {k: os.environ.get(k) for k in WORKER_ENV}
+    missing = {k: v for k, v in WORKER_ENV.items() if before[k] is None}
+    os.environ.update(missing)
     try:
-      yield
+      forkserver.ensure_running()
+      return True
+    except OSError as e:
+      if not _fork_server_failed:
+        _fork_server_failed = True
+        log.warning("multiprocessing's fork server cannot start (%s); every worker is "
+                    "spawned and imports its modules itself, a few seconds more per start "
+                    "(a shorter TMPDIR fixes it)", e)
+      return False
     finally:
-      for k, v in before.items():
-        if v is None:
-          os.environ.pop(k, None)
-        else:
-          os.environ[k] = v
+      for k in missing:
+        os.environ.pop(k, None)
 
 
 class Server:
@@ -130,7 +149,8 @@ class Server:
     self.config_path = str(config)
     self.options = options
     self.config: config_lib.ServerConfig | None = None
-    self._ctx = mp.get_context("spawn")
+    self._ctx = mp.get_context("forkserver")
+    self._ctx.set_forkserver_preload(_PRELOAD)
     self._ready = self._ctx.Queue()
     self._procs: dict[int, mp.process.BaseProcess] = {}
     self._history: collections.defaultdict[int, restarts.SlotHistory] = (
@@ -265,17 +285,19 @@ class Server:
   def _spawn(self, index: int) -> None:
     """Starts worker `index`; call only from a thread that lasts as long as
     the server (module docstring)."""
-    p = self._ctx.Process(
+    ctx = self._ctx if _fork_server_running() else mp.get_context("spawn")
+    p = ctx.Process(
         target=lifeline.start_worker,
         args=(os.getpid(), self.config_path, self.options, index, self.num_workers,
               self._ready, self._identities),
         kwargs={"crash_loop": self._crash_loop, "last_request": self._activity[index],
                 "head_peers": self._head_peers,
-                "health_slot": self._health_board.slot(index)},
+                "health_slot": self._health_board.slot(index),
+                "env": _worker_env(self._metrics.worker_env() if self._metrics else {}),
+                "title": f"elevator-w{index}"},
         name=f"elevator-worker-{index}", daemon=True)
     self._health_board.reset(index)
-    with _worker_environment(self._metrics.worker_env() if self._metrics else {}):
-      p.start()
+    p.start()
     self._procs[index] = p
     self._history[index].started(time.monotonic())
 
@@ -439,9 +461,12 @@ def parse_ready_line(line: str) -> Ready | None:
 def serve(config: str | os.PathLike[str], options: ServerOptions = ServerOptions()) -> int:
   """Runs a server until SIGINT/SIGTERM; returns the process exit code.
   Owns its process: puts WORKER_ENV's defaults in its environment first,
-  before any thread runs (_worker_environment)."""
+  before any thread runs (_fork_server_running), and starts the fork server
+  at once, so that its imports overlap the config's checks."""
   for k, v in WORKER_ENV.items():
     os.environ.setdefault(k, v)
+  mp.set_forkserver_preload(_PRELOAD)
+  _fork_server_running()
   server = Server(config, options)
   stop = threading.Event()
   signal.signal(signal.SIGTERM, lambda *_: stop.set())

@@ -266,6 +266,10 @@ def start_recording() -> None:
   """In a worker: record when the supervisor asked for metrics (ENV set)."""
   global _current
   if os.environ.get(ENV) and not isinstance(_current, _Recording):
+    # prometheus_client picks its multiprocess values when first imported,
+    # which in a worker forked by the fork server was before ENV was set.
+    from prometheus_client import values  # pylint: disable=g-import-not-at-top
+    values.ValueClass = values.get_value_class()
     _current = _Recording()
 
 

@@ -79,3 +79,32 @@ def test_the_ready_line_names_what_serves(config_path):
     assert line.startswith("elevator: serving [aug2, eval, forever, plain, raw, seed3, seed3fast]")
     assert supervisor.parse_ready_line(line) == (
         "127.0.0.1", server.port, server.bulk_port, server.health_port)
+
+
+_PROBE = '''
+import os
+import numpy as np
+
+def probe(ds):
+  """Each record: the worker's $ELEVATOR_TEST_PROBE as the server reads it."""
+  return ds.map(lambda _: {"probe": np.int64(os.environ.get("ELEVATOR_TEST_PROBE", "-1"))})
+'''
+
+
+@pytest.mark.parametrize("value", ["7", "42"])
+def test_a_worker_has_the_environment_its_server_started_with(
+    tmp_path, data_dir, config_path, monkeypatch, value):
+  """Workers are forked by a fork server started with an earlier environment
+  (the first server's): each worker takes its own server's."""
+  with Server(config_path, ServerOptions(port=0, workers=1)):
+    pass  # the fork server runs, without the variable
+  (tmp_path / "env_probe.py").write_text(_PROBE)
+  config = tmp_path / "elevator.toml"
+  config.write_text(f'[datasets.probe]\npaths = ["{data_dir}/shards/*.array_record"]\n'
+                    f'pipeline = "env_probe:probe"\n')
+  monkeypatch.syspath_prepend(str(tmp_path))
+  monkeypatch.setenv("ELEVATOR_TEST_PROBE", value)
+  with Server(str(config), ServerOptions(port=0, workers=2)) as server:
+    with RemoteDataset(server.target, "probe", 64) as ds:
+      for _, batch in zip(range(4), ds):
+        assert set(batch["probe"].tolist()) == {int(value)}

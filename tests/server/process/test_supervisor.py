@@ -112,18 +112,13 @@ def _alive(pid: int) -> bool:
 
 
 def _restarted(server: LocalServer, known: set[int], timeout: float = 60.0) -> int:
-  """The pid of a worker not in `known`, once it runs Python (after exec)."""
+  """The pid of a worker not in `known`, once it has named itself (after its
+  tie to the supervisor: lifeline.py)."""
   found: list[int] = []
 
   def new_worker() -> bool:
-    for pid in set(worker_pids(server)) - known:
-      try:
-        if "spawn_main" in " ".join(psutil.Process(pid).cmdline()):
-          found.append(pid)
-          return True
-      except psutil.NoSuchProcess:
-        pass
-    return False
+    found.extend(set(worker_pids(server)) - known)
+    return bool(found)
   assert _wait_for(new_worker, timeout, every=0.005), server.stderr()
   return found[0]
 
