@@ -72,8 +72,9 @@ def start_worker(supervisor_pid: int, *args: Any, env: Mapping[str, str] | None 
   """Process target of a worker: ties it to `supervisor_pid`, takes `env` as
   its environment and `title` as its name, then runs worker.run(*args,
   **kwargs)."""
+  signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the fork server ignores it
   tie(supervisor_pid)
-  _watch_supervisor()
+  _watch_supervisor(supervisor_pid)
   if env is not None:
     _adopt(env)
   if title is not None:
@@ -82,23 +83,34 @@ def start_worker(supervisor_pid: int, *args: Any, env: Mapping[str, str] | None 
   worker.run(*args, supervisor_pid=supervisor_pid, **kwargs)
 
 
-def _watch_supervisor() -> None:
-  """SIGTERM to this process when the supervisor that started it dies. The
-  parent-death signal comes from the fork server, which outlives the
-  supervisor while any worker holds the descriptor that keeps it up."""
+def _watch_supervisor(supervisor_pid: int) -> None:
+  """SIGTERM to this process when the supervisor dies: when its start-up
+  pipe ends, or its pidfd says so (a child the supervisor forked, holding
+  the pipe's end, would keep the pipe open). The parent-death signal comes
+  from the fork server, which outlives the supervisor while any worker holds
+  the descriptor that keeps it up."""
+  from multiprocessing import connection  # pylint: disable=g-import-not-at-top
   parent = multiprocessing.parent_process()
   if parent is None:
     return
+  handles: list[Any] = [parent.sentinel]
+  try:
+    handles.append(os.pidfd_open(supervisor_pid))
+  except (AttributeError, OSError):  # no pidfd (Linux < 5.3), or already gone
+    pass
+  if orphaned(supervisor_pid):  # gone before its pidfd was opened
+    os._exit(EXIT_ORPHANED)  # pylint: disable=protected-access
 
   def watch() -> None:
-    parent.join()
+    connection.wait(handles)
     os.kill(os.getpid(), signal.SIGTERM)
   threading.Thread(target=watch, name="elevator-lifeline", daemon=True).start()
 
 
 def _adopt(env: Mapping[str, str]) -> None:
-  """`env` as this process's environment; glibc's allocator settings in it
-  applied too (glibc reads them only when a process starts)."""
+  """`env` as this process's environment, with what in it is read only once
+  per process applied too: glibc's allocator settings (read at exec) and
+  numpy's huge-page advice (at import), which the fork server read before."""
   for name in [n for n in os.environ if n not in env]:
     del os.environ[name]
   for name, value in env.items():
@@ -110,6 +122,11 @@ def _adopt(env: Mapping[str, str]) -> None:
       malloc.tune_malloc(int(env["MALLOC_MMAP_THRESHOLD_"]), int(env["MALLOC_TRIM_THRESHOLD_"]))
     except ValueError:
       pass  # not numbers: glibc ignores them too
+  if "NUMPY_MADVISE_HUGEPAGE" in env and "numpy" in sys.modules:  # read at numpy's import
+    multiarray = getattr(getattr(sys.modules["numpy"], "_core", None), "multiarray", None)
+    advise = getattr(multiarray, "_set_madvise_hugepage", None)
+    if advise is not None:
+      advise(env["NUMPY_MADVISE_HUGEPAGE"] != "0")
 
 
 def _set_name(title: str) -> None:

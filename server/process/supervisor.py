@@ -32,7 +32,10 @@ time must guard it with `if __name__ == "__main__":`. The target is
 lifeline.start_worker, which ties each worker to this process (SIGTERM when
 it dies, an exit if it died already) and gives it the environment this
 process has when it starts the worker (`_worker_env`) before the worker runs
-anything else.
+anything else. The fork server ignores SIGTERM (fork_server.py) and holds
+the workers' exit statuses: a worker whose fork server died is killed and
+started again through a new one. Where the fork server cannot start (a
+TMPDIR too long for its socket), workers are spawned, as before.
 """
 
 from __future__ import annotations
@@ -81,14 +84,23 @@ _POLL_S = 0.2
 # ~20% of a worker's CPU samples on the large bench workload (perf), ~2%
 # without.
 WORKER_ENV = {**malloc.ENV, "NUMPY_MADVISE_HUGEPAGE": "0"}
-_env_lock = threading.Lock()
 # What the fork server imports once, for every worker it forks.
-_PRELOAD = ["grain_elevator.server.process.worker"]
+_PRELOAD = ["grain_elevator.server.process.fork_server",
+            "grain_elevator.server.process.worker"]
 _fork_server_failed = False
 
 
 class StartError(ElevatorError):
   """The workers could not start (bad dataset, port in use)."""
+
+
+def _running(pid: int | None) -> bool:
+  """True while `pid` runs (not a zombie)."""
+  try:
+    with open(f"/proc/{pid}/stat", "rb") as f:
+      return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+  except (OSError, IndexError):
+    return False
 
 
 def _worker_env(forced: dict[str, str]) -> dict[str, str]:
@@ -97,39 +109,21 @@ def _worker_env(forced: dict[str, str]) -> dict[str, str]:
   return {**WORKER_ENV, **os.environ, **forced}
 
 
-def _fork_server_running() -> bool:
-  """Starts multiprocessing's fork server unless it runs, with WORKER_ENV's
-  defaults in os.environ meanwhile: it inherits them, and so do the workers
-  it forks, for what is read once per process (glibc's allocator settings at
-  exec, numpy's huge-page advice at import; lifeline.py sets the rest).
-  False where it cannot start: its socket's path under a TMPDIR too long for
-  AF_UNIX (a CI runner's, a pod's); workers are then spawned, each paying
-  its own imports (logged once).
-
-  Adding variables to a process whose native threads read the environment
-  (gRPC's, as they connect) can crash it: glibc's setenv of a new name may
-  move the array a concurrent getenv walks. So `serve` puts the defaults in
-  its environment once, before any thread runs, and here they come and go
-  only when this process has none, once per fork server."""
-  global _fork_server_failed
+def _fork_server_running() -> None:
+  """Starts multiprocessing's fork server unless it runs. Raises OSError
+  where it cannot: its socket's path under a TMPDIR too long for AF_UNIX (a
+  CI runner's, a pod's)."""
   from multiprocessing import forkserver  # pylint: disable=g-import-not-at-top
-  with _env_lock:
-    before = {k: os.environ.get(k) for k in WORKER_ENV}
-    missing = {k: v for k, v in WORKER_ENV.items() if before[k] is None}
-    os.environ.update(missing)
-    try:
-      forkserver.ensure_running()
-      return True
-    except OSError as e:
-      if not _fork_server_failed:
-        _fork_server_failed = True
-        log.warning("multiprocessing's fork server cannot start (%s); every worker is "
-                    "spawned and imports its modules itself, a few seconds more per start "
-                    "(a shorter TMPDIR fixes it)", e)
-      return False
-    finally:
-      for k in missing:
-        os.environ.pop(k, None)
+  forkserver.ensure_running()
+
+
+def _fork_server_failed_once(e: OSError) -> None:
+  global _fork_server_failed
+  if not _fork_server_failed:
+    _fork_server_failed = True
+    log.warning("multiprocessing's fork server cannot start workers (%s); each is "
+                "spawned and imports its modules itself, a few seconds more per start "
+                "(a shorter TMPDIR fixes it)", e)
 
 
 class Server:
@@ -285,19 +279,26 @@ class Server:
   def _spawn(self, index: int) -> None:
     """Starts worker `index`; call only from a thread that lasts as long as
     the server (module docstring)."""
-    ctx = self._ctx if _fork_server_running() else mp.get_context("spawn")
-    p = ctx.Process(
-        target=lifeline.start_worker,
-        args=(os.getpid(), self.config_path, self.options, index, self.num_workers,
-              self._ready, self._identities),
-        kwargs={"crash_loop": self._crash_loop, "last_request": self._activity[index],
-                "head_peers": self._head_peers,
-                "health_slot": self._health_board.slot(index),
-                "env": _worker_env(self._metrics.worker_env() if self._metrics else {}),
-                "title": f"elevator-w{index}"},
-        name=f"elevator-worker-{index}", daemon=True)
+    def process(ctx: Any) -> mp.process.BaseProcess:
+      return ctx.Process(
+          target=lifeline.start_worker,
+          args=(os.getpid(), self.config_path, self.options, index, self.num_workers,
+                self._ready, self._identities),
+          kwargs={"crash_loop": self._crash_loop, "last_request": self._activity[index],
+                  "head_peers": self._head_peers,
+                  "health_slot": self._health_board.slot(index),
+                  "env": _worker_env(self._metrics.worker_env() if self._metrics else {}),
+                  "title": f"elevator-w{index}"},
+          name=f"elevator-worker-{index}", daemon=True)
     self._health_board.reset(index)
-    p.start()
+    try:
+      _fork_server_running()
+      p = process(self._ctx)
+      p.start()
+    except OSError as e:  # a fork server that cannot start, or died starting
+      _fork_server_failed_once(e)
+      p = process(mp.get_context("spawn"))
+      p.start()
     self._procs[index] = p
     self._history[index].started(time.monotonic())
 
@@ -365,6 +366,9 @@ class Server:
     code = p.exitcode
     why = (f"killed by signal {signal.Signals(-code).name}" if code and code < 0
            else f"exited with code {code}")
+    if _running(p.pid):  # its fork server died, which held its exit status
+      os.kill(p.pid, signal.SIGKILL)  # no two workers in one slot
+      why = "lost its fork server, and was killed"
     if history.crash_loop:
       log.error("worker %d (pid %s) %s; restarting it in %.1fs; crash loop: died %d "
                 "times in a row, each within %.0fs of its start", index, p.pid, why,
@@ -461,12 +465,15 @@ def parse_ready_line(line: str) -> Ready | None:
 def serve(config: str | os.PathLike[str], options: ServerOptions = ServerOptions()) -> int:
   """Runs a server until SIGINT/SIGTERM; returns the process exit code.
   Owns its process: puts WORKER_ENV's defaults in its environment first,
-  before any thread runs (_fork_server_running), and starts the fork server
-  at once, so that its imports overlap the config's checks."""
+  before any thread runs, and starts the fork server at once, so that its
+  imports overlap the config's checks."""
   for k, v in WORKER_ENV.items():
     os.environ.setdefault(k, v)
   mp.set_forkserver_preload(_PRELOAD)
-  _fork_server_running()
+  try:
+    _fork_server_running()
+  except OSError:
+    pass  # the first worker's start says why, and spawns instead
   server = Server(config, options)
   stop = threading.Event()
   signal.signal(signal.SIGTERM, lambda *_: stop.set())

@@ -10,6 +10,8 @@ import pathlib
 import re
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from typing import Callable
@@ -225,3 +227,79 @@ def test_a_crash_loop_backs_off_is_logged_and_fails_health(one_dataset):
     # exit is the machine's speed, seconds on a loaded one).
     log = server.stderr()
     assert _logged_at(log, restarting) + next_delay > _logged_at(log, "stopping: "), log
+
+
+def _fork_server(server: LocalServer) -> psutil.Process:
+  """The fork server of a LocalServer: its child that forks the workers."""
+  (fork_server,) = [p for p in psutil.Process(server.proc.pid).children()
+                    if any(c.name().startswith("elevator-w") for c in p.children())]
+  return fork_server
+
+
+def test_a_sigterm_to_every_process_of_the_server_stops_it_cleanly(one_dataset):
+  """As systemd stops a unit (and `pkill` matches them all): the fork server
+  ignores SIGTERM, so no live worker is taken for dead and restarted while
+  the server stops."""
+  server = LocalServer(one_dataset, workers=2)
+  try:
+    family = [server.proc.pid, _fork_server(server).pid, *worker_pids(server)]
+    for pid in family:
+      os.kill(pid, signal.SIGTERM)
+    assert server.proc.wait(60) == 0, server.stderr()
+    assert _wait_for(lambda: not any(map(_alive, family)), 60), (
+        f"left running: {[p for p in family if _alive(p)]}")
+    assert "restarting it" not in server.stderr(), server.stderr()
+  finally:
+    server.stop()
+
+
+def test_a_fork_server_killed_leaves_no_worker_twice_in_its_slot(one_dataset):
+  """SIGKILLed (the OOM killer), the fork server takes its workers' exit
+  statuses with it: the supervisor kills the workers it can no longer
+  watch, and restarts them through a new fork server."""
+  with LocalServer(one_dataset, workers=1) as server:
+    (first,) = worker_pids(server)
+    old = _fork_server(server)
+    old.kill()
+    assert _wait_for(lambda: "is serving again" in server.stderr(), 60), server.stderr()
+    assert "lost its fork server, and was killed" in server.stderr()
+    assert _wait_for(lambda: not _alive(first), 60)
+    (second,) = worker_pids(server)
+    assert second != first and _fork_server(server).pid != old.pid
+    assert _health(server.target) == SERVING
+
+
+_FORKS_THEN_WAITS = """
+import os, sys, threading
+from grain_elevator.server import Server, ServerOptions
+if __name__ == "__main__":
+  server = Server(sys.argv[1], ServerOptions(port=0, workers=1))
+  server.start()
+  child = os.fork()  # holds every descriptor of the server, its pipes too
+  if child == 0:
+    threading.Event().wait()
+  print(child, *server.worker_pids(), flush=True)
+  threading.Event().wait()
+"""
+
+
+def test_workers_outlive_no_supervisor_whose_fork_holds_their_pipes(one_dataset, tmp_path):
+  """A program serving through the Server API forks (a fork-start
+  multiprocessing pool): its child holds the pipes that tell a worker its
+  supervisor lives. SIGKILLed, the supervisor still takes its workers with it."""
+  script = tmp_path / "forks.py"
+  script.write_text(_FORKS_THEN_WAITS)
+  proc = subprocess.Popen([sys.executable, str(script), one_dataset], stdout=subprocess.PIPE,
+                          stderr=subprocess.DEVNULL, text=True)
+  child, *workers = [int(p) for p in proc.stdout.readline().split()]
+  try:
+    assert workers and all(map(_alive, workers))
+    proc.kill()
+    proc.wait(30)
+    assert _wait_for(lambda: not any(map(_alive, workers)), 60), (
+        f"left running: {[p for p in workers if _alive(p)]}")
+  finally:
+    for pid in [child, *workers]:
+      if _alive(pid):
+        os.kill(pid, signal.SIGKILL)
+    proc.kill()
