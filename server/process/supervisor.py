@@ -88,6 +88,8 @@ WORKER_ENV = {**malloc.ENV, "NUMPY_MADVISE_HUGEPAGE": "0"}
 _PRELOAD = ["grain_elevator.server.process.fork_server",
             "grain_elevator.server.process.worker"]
 _fork_server_failed = False
+# The exit code multiprocessing reports for a worker whose fork server died.
+_LOST_STATUS = 255
 
 
 class StartError(ElevatorError):
@@ -366,7 +368,7 @@ class Server:
     code = p.exitcode
     why = (f"killed by signal {signal.Signals(-code).name}" if code and code < 0
            else f"exited with code {code}")
-    if _running(p.pid):  # its fork server died, which held its exit status
+    if code == _LOST_STATUS and _running(p.pid):  # its fork server died, holding its status
       os.kill(p.pid, signal.SIGKILL)  # no two workers in one slot
       why = "lost its fork server, and was killed"
     if history.crash_loop:
