@@ -51,7 +51,9 @@ def log(msg: str) -> None:
 
 
 @functools.cache
-def _forks() -> Any:
+def forks() -> Any:
+  """A fork server that imported the client and numpy once: a process
+  started from it measures from its first step, not after ~2.5 s of imports."""
   context = multiprocessing.get_context("forkserver")
   context.set_forkserver_preload(_PRELOAD)
   return context
@@ -72,7 +74,7 @@ def _call_here(fn: Callable[[Any], Any], arg: Any, out: Any) -> None:
 def forked(fn: Callable[[Any], Any], arg: Any, name: str) -> Any:
   """`fn(arg)` (a module-level function) in a new process forked from the
   fork server; its result, or a RuntimeError with the child's traceback."""
-  context = _forks()
+  context = forks()
   receive, send = context.Pipe(duplex=False)
   proc = context.Process(target=_call_here, args=(fn, arg, send), name=f"bench {name}")
   proc.start()

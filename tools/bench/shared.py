@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import multiprocessing
 import pathlib
 import statistics
 import sys
@@ -23,6 +22,7 @@ import tempfile
 import time
 from typing import Any
 
+from grain_elevator.tools.bench import harness
 from grain_elevator.tools.bench import workloads as workloads_lib
 from grain_elevator.tools.launcher import LocalServer
 
@@ -69,7 +69,7 @@ def _server_cpu_s(server: LocalServer) -> float:
 def trial(server: LocalServer, dataset: str, g: int, readers: int, start: int,
           steps: int) -> dict[str, float]:
   """N readers at once: the server's CPU seconds and the slowest reader's rate."""
-  ctx = multiprocessing.get_context("spawn")
+  ctx = harness.forks()
   ready, out, go = ctx.Queue(), ctx.Queue(), ctx.Event()
   procs = [ctx.Process(target=_read, args=(server.target, dataset, g, start, steps,
                                            ready, go, out)) for _ in range(readers)]
