@@ -130,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     return 2
   try:
     source = cli.make_source(args)
-    staging = shards.open_staging(args.out_dir, overwrite=args.overwrite)
+    staging = shards.open_staging(args.out_dir, overwrite=args.overwrite,
+                                  upload_retry_s=args.upload_retry_s)
     staging.check()
     if isinstance(staging, BucketStaging) and args.overwrite:
       staging.withdraw_config()  # the workers replace shards in place

@@ -26,26 +26,42 @@ import uuid
 from typing import Any, Sequence
 
 from grain_elevator.server.data.storage import objects as objects_lib
+from grain_elevator.server.data.storage import settings as settings_lib
 from grain_elevator.server.data.storage import urls
+from grain_elevator.server.data.storage.settings import StorageSettings
 from grain_elevator.tools.convert.errors import ConvertError
+
+
+def _settings(retry_s: float | None) -> StorageSettings:
+  """The upload's retry budget (`--upload-retry-s`), checked as a dataset's
+  `retry_s` is; endpoint and credentials come from the environment."""
+  if retry_s is None:
+    return StorageSettings()
+  try:
+    retry_s, timeout_s = settings_lib.budget(float(retry_s))
+  except ValueError as e:
+    raise ConvertError(f"--upload-retry-s: {e}") from None
+  return StorageSettings(retry_s=retry_s, request_timeout_s=timeout_s)
 
 
 class BucketStaging:
   """shards.Staging for an OUT_DIR that is a gs://, s3:// or az:// URL."""
 
-  def __init__(self, out_url: str, *, overwrite: bool = False, token: str | None = None):
+  def __init__(self, out_url: str, *, overwrite: bool = False, token: str | None = None,
+               retry_s: float | None = None):
     scheme, bucket, key = urls.split(out_url)
     key = key.strip("/")
     self._prefix = key + "/" if key else ""
     self.out_dir = urls.join(scheme, bucket, key)
     self.overwrite = overwrite
     self.token = token or uuid.uuid4().hex[:8]
+    self.settings = _settings(retry_s)
     self.tmp_dir = os.path.join(tempfile.gettempdir(), f"elevator-convert-{self.token}.tmp")
     self._store = self._open_store()
 
   def _open_store(self) -> Any:
     try:
-      store, _ = objects_lib.store_of(self.out_dir + "/")
+      store, _ = objects_lib.store_of(self.out_dir + "/", self.settings)
     except Exception as e:  # a ConfigError: no obstore, a bad endpoint
       raise ConvertError(f"OUT_DIR {self.out_dir}: {e}") from e
     return store

@@ -7,6 +7,7 @@ import argparse
 import sys
 from typing import Any
 
+from grain_elevator.server.data.storage.settings import DEFAULT_RETRY_S
 from grain_elevator.tools.convert.errors import ConvertError
 
 DESCRIPTION = """\
@@ -39,6 +40,9 @@ def _common(p: argparse.ArgumentParser, local: bool) -> None:
                  help="dataset name in the printed config (default: OUT_DIR's name)")
   p.add_argument("--overwrite", action="store_true",
                  help="replace an OUT_DIR that holds shards from an earlier conversion")
+  p.add_argument("--upload-retry-s", type=float, default=DEFAULT_RETRY_S, metavar="S",
+                 help="OUT_DIR in a bucket: how long one upload keeps retrying transient "
+                      f"errors before the conversion fails (default {DEFAULT_RETRY_S:g})")
   if local:
     p.add_argument("--workers", type=int, default=None, metavar="N",
                    help="processes (default: the usable CPU count)")
@@ -176,7 +180,7 @@ def run(args: argparse.Namespace) -> int:
     summary = shards.convert(
         make_source(args), args.out_dir, num_shards=args.shards, workers=args.workers,
         overwrite=args.overwrite, prefix=args.prefix, name=args.name,
-        progress=not args.quiet)
+        progress=not args.quiet, upload_retry_s=args.upload_retry_s)
   except ConvertError as e:
     print(f"elevator: error: {e}", file=sys.stderr)
     return 2

@@ -361,10 +361,11 @@ def finish(source: Source, staging: Staging, the_plan: Plan,
   return printed, config
 
 
-def open_staging(out_dir: str, *, overwrite: bool = False) -> Staging | BucketStaging:
+def open_staging(out_dir: str, *, overwrite: bool = False,
+                 upload_retry_s: float | None = None) -> Staging | BucketStaging:
   """OUT_DIR's staging: a local folder, or a bucket's prefix (bucket_out.py)."""
   if urls.is_url(out_dir):
-    return BucketStaging(out_dir, overwrite=overwrite)
+    return BucketStaging(out_dir, overwrite=overwrite, retry_s=upload_retry_s)
   return Staging(out_dir, overwrite=overwrite)
 
 
@@ -427,7 +428,8 @@ def _bar(enabled: bool, **kwargs):
 def convert(source: Source, out_dir: str, *, num_shards: int | None = None,
             workers: int | None = None, overwrite: bool = False, prefix: str = "train",
             name: str | None = None, progress: bool = True,
-            log: Callable[[str], None] | None = None) -> Summary:
+            log: Callable[[str], None] | None = None,
+            upload_retry_s: float | None = None) -> Summary:
   """Converts `source` into ArrayRecord shards in `out_dir`, all or nothing.
 
   Raises ConvertError (CorruptInputError for damaged inputs) and leaves no
@@ -440,7 +442,7 @@ def convert(source: Source, out_dir: str, *, num_shards: int | None = None,
   if workers < 1:
     raise ConvertError(f"--workers must be >= 1, got {workers}")
   name = name or default_name(out_dir)
-  staging = open_staging(out_dir, overwrite=overwrite)
+  staging = open_staging(out_dir, overwrite=overwrite, upload_retry_s=upload_retry_s)
   staging.check()
   for left in staging.leftovers():
     log(f"note: {left} was left by an interrupted conversion; delete it")

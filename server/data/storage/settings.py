@@ -34,6 +34,7 @@ from grain_elevator.proto.errors import ConfigError
 # the object; the client then retries the step. A storage outage shorter
 # than this costs time, never data.
 DEFAULT_RETRY_S = 30.0
+MAX_RETRY_S = 600.0
 # One HTTP request's limit, connection included: a stalled read is cut here
 # and retried (within the retry budget).
 REQUEST_TIMEOUT_S = 20.0
@@ -70,17 +71,27 @@ def parse(dataset: str, table: Any) -> StorageSettings:
     if not isinstance(value, _KEYS[key]) or (key != "anonymous" and isinstance(value, bool)):
       raise ConfigError(f"dataset {dataset!r}: storage key {key!r} has the wrong type: "
                         f"{type(value).__name__}")
-  retry_s = float(table.get("retry_s", DEFAULT_RETRY_S))
-  if not 0 < retry_s <= 600:
-    raise ConfigError(f"dataset {dataset!r}: storage key 'retry_s' must be in (0, 600], "
-                      f"got {retry_s}")
-  timeout_s = float(table.get("request_timeout_s", min(REQUEST_TIMEOUT_S, retry_s)))
-  if not 0 < timeout_s <= retry_s:
-    raise ConfigError(f"dataset {dataset!r}: storage key 'request_timeout_s' must be in "
-                      f"(0, retry_s = {retry_s:g}], got {timeout_s:g}")
+  timeout_s = table.get("request_timeout_s")
+  try:
+    retry_s, timeout_s = budget(float(table.get("retry_s", DEFAULT_RETRY_S)),
+                                None if timeout_s is None else float(timeout_s))
+  except ValueError as e:
+    raise ConfigError(f"dataset {dataset!r}: storage key {e}") from None
   return StorageSettings(endpoint=table.get("endpoint"), region=table.get("region"),
                          anonymous=table.get("anonymous", False), retry_s=retry_s,
                          request_timeout_s=timeout_s)
+
+
+def budget(retry_s: float, timeout_s: float | None = None) -> tuple[float, float]:
+  """(retry_s, request_timeout_s), checked; a request's timeout defaults to
+  REQUEST_TIMEOUT_S within the retry budget. ValueError names the bound."""
+  if not 0 < retry_s <= MAX_RETRY_S:
+    raise ValueError(f"'retry_s' must be in (0, {MAX_RETRY_S:g}], got {retry_s}")
+  timeout_s = min(REQUEST_TIMEOUT_S, retry_s) if timeout_s is None else timeout_s
+  if not 0 < timeout_s <= retry_s:
+    raise ValueError(f"'request_timeout_s' must be in (0, retry_s = {retry_s:g}], "
+                     f"got {timeout_s:g}")
+  return retry_s, timeout_s
 
 
 def _client_options(endpoint: str | None, settings: StorageSettings) -> dict[str, Any]:

@@ -96,17 +96,26 @@ def test_an_out_prefix_in_use_is_refused_then_replaced_with_overwrite(bucket, bu
                    "train-00001-of-00002.array_record"]
 
 
-@pytest.mark.slow  # the upload retries for the default retry budget first
 def test_a_failed_upload_leaves_no_config(bucket, bucket_env, jsonl):
   prefix = f"failed-{bucket.kind}"
-  # Every PUT fails: the upload gives up within the retry budget.
+  # Every PUT fails: the upload gives up once its retry budget is spent.
   bucket.proxy.faults_only_for = lambda method, path: method in ("PUT", "POST")
   bucket.proxy.outage(600)
-  result = _convert(jsonl, bucket.url(prefix), bucket_env)
+  result = _convert(jsonl, bucket.url(prefix), bucket_env, "--upload-retry-s", "2")
   bucket.proxy.clear()
   assert result.returncode == 2
   assert f"cannot upload to OUT_DIR {bucket.url(prefix)}/" in result.stderr
   assert "elevator.toml" not in _objects(bucket, prefix)
+
+
+@pytest.mark.parametrize("value", ["0", "601", "-1"])
+def test_an_upload_retry_budget_out_of_range_is_refused_before_any_work(jsonl, tmp_path,
+                                                                       value):
+  result = _convert(jsonl, "s3://no-such-bucket/out", {"TMPDIR": str(tmp_path)},
+                    "--upload-retry-s", value)
+  assert result.returncode == 2
+  assert "elevator: error: --upload-retry-s: 'retry_s' must be in (0, 600]" in result.stderr
+  assert not list(tmp_path.iterdir())  # no staging folder was made
 
 
 @pytest.mark.slow
