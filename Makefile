@@ -44,8 +44,9 @@ demo: $(STAMP)
 # starts its own server; its output follows the main run's. The set-ups, too,
 # run at once: they share nothing, and each waits on pip.
 #
-# The main run has a budget (TEST_BUDGET_S: its usual time on an idle 2-core
-# machine, ~45 min, with room for one core kept busy by something else):
+# The main run has a budget (TEST_BUDGET_S: the suite takes ~26 min on an
+# idle 2-core machine and ~29 with one core kept busy by something else, and
+# took ~45 before workers were forked; the budget leaves room for a slower one):
 # past it, pytest gets SIGINT and prints what failed so far and where it was,
 # instead of a CI runner's limit killing it with nothing said.
 TEST_BUDGET_S ?= 4800
