@@ -28,20 +28,19 @@ from typing import Any, Sequence
 from grain_elevator.server.data.storage import objects as objects_lib
 from grain_elevator.server.data.storage import settings as settings_lib
 from grain_elevator.server.data.storage import urls
-from grain_elevator.server.data.storage.settings import StorageSettings
 from grain_elevator.tools.convert.errors import ConvertError
 
 
-def _settings(retry_s: float | None) -> StorageSettings:
+def _settings(retry_s: float | None) -> settings_lib.StorageSettings:
   """The upload's retry budget (`--upload-retry-s`), checked as a dataset's
   `retry_s` is; endpoint and credentials come from the environment."""
   if retry_s is None:
-    return StorageSettings()
+    return settings_lib.StorageSettings()
   try:
     retry_s, timeout_s = settings_lib.budget(float(retry_s))
   except ValueError as e:
     raise ConvertError(f"--upload-retry-s: {e}") from None
-  return StorageSettings(retry_s=retry_s, request_timeout_s=timeout_s)
+  return settings_lib.StorageSettings(retry_s=retry_s, request_timeout_s=timeout_s)
 
 
 class BucketStaging:
