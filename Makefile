@@ -1,11 +1,24 @@
 # The two commands a newcomer needs: `make demo` and `make test`.
+SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast test-grain-lowest fuzz proto clean host-tools beam-venv \
-  beam-venv-or-skip docs
+.PHONY: demo test test-fast test-grain-lowest test-newest lock lock-diff fuzz proto clean host-tools \
+  beam-venv beam-venv-or-skip docs
+
+# Every venv installs from a lock: lock/main.txt (.venv) and lock/beam.txt
+# (.venv-beam) name every package and its version, those the suite last passed
+# with, so a fresh clone gets what CI got. pyproject.toml keeps the ranges a
+# library user installs against. The lock is a constraints file exported to
+# pip as PIP_CONSTRAINT, which also binds the build of this package (its
+# setuptools) and what the tests install (tests/deploy/test_install.py).
+# `make test-newest` installs the newest versions the ranges admit instead;
+# `make lock` then writes what it got into lock/ (README.md, "Refreshing the lock").
+LOCK ?= lock/main.txt
+BEAM_LOCK ?= lock/beam.txt
+pip_with = $(if $(1),PIP_CONSTRAINT=$(CURDIR)/$(1) )
 
 # System tools the tests use beyond Python: iptables (random loss on the
 # netns test's link). Installed with apt where we are root and it is missing;
@@ -14,12 +27,13 @@ HOST_TOOLS := iptables
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
+	$(call pip_with,$(LOCK))$(PY) -m pip install --quiet --upgrade pip
 
 # PyTorch for the torch client's tests and `elevator demo-torch`, kept out of
 # pyproject's test extra: `torch` unpinned would pull a CUDA build of several
 # GB. pip takes torch 2.13.0's CPU build (192 MB, 754 MB installed, ~30 s)
 # from this machine's wheel folder; elsewhere the pin downloads PyPI's build.
+# The pin stands in `make test-newest` too (PyTorch's CPU index is not PyPI).
 # `make test TORCH=` skips it (tests/client/test_torch.py then skips).
 TORCH ?= 'torch==2.13.0' 'torchdata>=0.11'
 
@@ -29,8 +43,8 @@ TORCH ?= 'torch==2.13.0' 'torchdata>=0.11'
 # Bytecode is compiled after the install on every core (pip compiles file by
 # file: ~45 s of a fresh install here, ~25 s this way); a third-party file that
 # does not compile (Python 2 test data) is skipped, as pip skips it.
-$(STAMP): $(PY) pyproject.toml
-	$(PY) -m pip install --quiet --no-compile -e '.[test,demo]' $(TORCH)
+$(STAMP): $(PY) pyproject.toml $(LOCK)
+	$(call pip_with,$(LOCK))$(PY) -m pip install --quiet --no-compile -e '.[test,demo]' $(TORCH)
 	$(PY) -m compileall -q -j 0 $(VENV)/lib > /dev/null || true
 	touch $(STAMP)
 
@@ -53,7 +67,8 @@ TEST_BUDGET_S ?= 4800
 test:
 	$(MAKE) --no-print-directory -j3 $(STAMP) host-tools beam-venv-or-skip $(GRAIN_LOWEST_DIR)/.installed
 	@$(MAKE) --no-print-directory test-grain-lowest > $(VENV)/grain-lowest.log 2>&1 & lowest=$$!; \
-	timeout -s INT -k 60 $(TEST_BUDGET_S) $(PY) -m pytest $(PYTEST_ARGS); main=$$?; \
+	$(call pip_with,$(LOCK))ELEVATOR_BEAM_VENV=$(CURDIR)/$(BEAM_VENV) \
+	  timeout -s INT -k 60 $(TEST_BUDGET_S) $(PY) -m pytest $(PYTEST_ARGS); main=$$?; \
 	wait $$lowest; low=$$?; \
 	echo "--- make test-grain-lowest (run beside the main run) ---"; cat $(VENV)/grain-lowest.log; \
 	exit $$(( main != 0 || low != 0 ))
@@ -115,10 +130,10 @@ BEAM_STAMP := $(BEAM_VENV)/.installed
 BEAM_PACKAGES := 'apache-beam>=2.60' 'array-record>=0.8.6' 'numpy>=2.0' 'pyarrow>=14' \
   'google-crc32c>=1.5' 'tqdm>=4.66' 'obstore>=0.12'
 
-$(BEAM_STAMP): pyproject.toml Makefile
+$(BEAM_STAMP): pyproject.toml Makefile $(BEAM_LOCK)
 	$(PYTHON) -m venv $(BEAM_VENV)
-	$(BEAM_VENV)/bin/python -m pip install --quiet --upgrade pip
-	$(BEAM_VENV)/bin/python -m pip install --quiet $(BEAM_PACKAGES)
+	$(call pip_with,$(BEAM_LOCK))$(BEAM_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(call pip_with,$(BEAM_LOCK))$(BEAM_VENV)/bin/python -m pip install --quiet $(BEAM_PACKAGES)
 	@# The converter's sources, live, without building the package (an editable
 	@# install would rebuild server/data/shards/_riegeli*.so in place under running tests):
 	@# grain_elevator.{tools,pipelines,proto,server} are this checkout's folders; of proto the
@@ -136,6 +151,38 @@ beam-venv-or-skip:
 	@$(MAKE) --no-print-directory beam-venv || \
 	  echo "could not build $(BEAM_VENV); tests/tools/test_convert_beam.py will be skipped"
 
+# Drift found on purpose, not by a red CI: fresh venvs (.venv-newest,
+# .venv-beam-newest) with the newest versions pyproject.toml and BEAM_PACKAGES
+# admit, no lock, and the whole of `make test` on them. What they installed is
+# printed after the run; `make lock` writes it into lock/.
+NEWEST := VENV=.venv-newest BEAM_VENV=.venv-beam-newest LOCK= BEAM_LOCK=
+test-newest:
+	rm -rf .venv-newest .venv-beam-newest
+	@$(MAKE) --no-print-directory test $(NEWEST); status=$$?; \
+	  echo "--- make test-newest: what differs from lock/ (exit $$status) ---"; \
+	  $(MAKE) --no-print-directory -s lock-diff; exit $$status
+
+# The lock from the venvs `make test-newest` built: run that first, and write
+# the lock only from a green run.
+LOCK_FREEZE = $(1)/bin/python -m pip freeze --all --exclude-editable | \
+  sed -e 's/+[a-z0-9.]*$$//' | sort -f
+LOCK_HEADER = \# The versions `make test` installs ($(1)): written by `make lock` from\n\# the venv `make test-newest` built (README.md, "Refreshing the lock").
+lock:
+	@test -x .venv-newest/bin/python && test -x .venv-beam-newest/bin/python || \
+	  { echo "make lock: run make test-newest first (it builds the venvs to lock)"; exit 2; }
+	printf '$(call LOCK_HEADER,.venv)\n' > lock/main.txt
+	$(call LOCK_FREEZE,.venv-newest) >> lock/main.txt
+	printf '$(call LOCK_HEADER,.venv-beam)\n' > lock/beam.txt
+	$(call LOCK_FREEZE,.venv-beam-newest) >> lock/beam.txt
+
+lock-diff:
+	@for pair in .venv-newest:lock/main.txt .venv-beam-newest:lock/beam.txt; do \
+	  venv=$${pair%%:*}; lock=$${pair#*:}; \
+	  test -x $$venv/bin/python || continue; \
+	  $(call LOCK_FREEZE,$$venv) | diff <(grep -v '^#' $$lock) - | \
+	    sed -n -e "s|^< |$$lock: |p" -e "s|^> |$$venv: |p"; \
+	done
+
 # The documentation site (mkdocs.yml, docs/hooks.py) on http://127.0.0.1:8000,
 # rebuilt as docs/, README.md or BENCHMARKS.md change.
 docs: $(STAMP)
@@ -146,4 +193,4 @@ proto: $(STAMP)
 	$(PY) -m grain_elevator.proto.generate
 
 clean:
-	rm -rf $(VENV) $(BEAM_VENV) .venv-grain-* build *.egg-info
+	rm -rf $(VENV) $(BEAM_VENV) .venv-newest .venv-beam-newest .venv-grain-* build *.egg-info

@@ -176,18 +176,20 @@ def no_leftovers(out_dir: pathlib.Path) -> None:
   assert not hidden, hidden
 
 
-BEAM_PYTHON = ROOT / ".venv-beam" / "bin" / "python"
+# The Beam venv `make test` built (.venv-beam; `make test-newest` builds another).
+BEAM_PYTHON = pathlib.Path(os.environ.get("ELEVATOR_BEAM_VENV", ROOT / ".venv-beam"),
+                           "bin", "python")
 
 
 def beam_python() -> str:
-  """.venv-beam's Python (`make beam-venv`), or the test is skipped saying why."""
+  """The Beam venv's Python (`make beam-venv`), or the test is skipped saying why."""
   import pytest  # pylint: disable=g-import-not-at-top
   if not BEAM_PYTHON.exists():
     pytest.skip(f"{BEAM_PYTHON} is missing: `make beam-venv` builds it (make test tries)")
   probe = subprocess.run([str(BEAM_PYTHON), "-c", "import apache_beam, array_record"],
                          capture_output=True, text=True, check=False)
   if probe.returncode:
-    pytest.skip(f".venv-beam cannot import apache_beam: {probe.stderr.strip()[-300:]}")
+    pytest.skip(f"{BEAM_PYTHON} cannot import apache_beam: {probe.stderr.strip()[-300:]}")
   return str(BEAM_PYTHON)
 
 

@@ -2,16 +2,37 @@
 
 from __future__ import annotations
 
+import importlib.metadata
+import re
+import tomllib
+
 import numpy as np
 import pytest
 
 from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.proto import generate, tree, wire
-from helpers import proto_batch, proto_leaves
+from helpers import ROOT, proto_batch, proto_leaves
 
 
 def test_committed_stubs_match_the_proto():
   assert generate.main(["--check"]) == 0, "run `make proto`"
+
+
+def test_the_stubs_need_no_more_than_the_package_requires():
+  """The stubs refuse a grpcio older than the generator that made them, and
+  a protobuf older than its protoc: those versions are pyproject.toml's
+  floors, and the test extra pins that generator, so the check above
+  compares with the generator that made them (a newer one stamps its own
+  version and fails it)."""
+  grpc_stamp = re.search(r"GRPC_GENERATED_VERSION = '([0-9.]+)'",
+                         (generate.PROTO_DIR / "elevator_pb2_grpc.py").read_text())[1]
+  protobuf_stamp = re.search(r"# Protobuf Python Version: ([0-9.]+)",
+                             (generate.PROTO_DIR / "elevator_pb2.py").read_text())[1]
+  project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+  assert f"grpcio>={grpc_stamp}" in project["dependencies"]
+  assert f"protobuf>={protobuf_stamp}" in project["dependencies"]
+  assert f"grpcio-tools=={grpc_stamp}" in project["optional-dependencies"]["test"]
+  assert importlib.metadata.version("grpcio-tools") == grpc_stamp
 
 
 @pytest.mark.parametrize("array", [

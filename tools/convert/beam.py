@@ -30,6 +30,7 @@ imports grain_elevator.proto or grpc.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import tempfile
@@ -41,20 +42,37 @@ from grain_elevator.tools.convert.bucket_out import BucketStaging
 from grain_elevator.tools.convert.errors import ConvertError
 
 
-def _index(item: tuple[int, str], source: shards.Source) -> tuple[int, str, shards.Indexed]:
-  i, unit = item
-  return i, unit, source.index(unit)
-
-
 Staging = shards.Staging | BucketStaging
 
 
-def _plan(indexes: Sequence[tuple[int, str, shards.Indexed]], source: shards.Source,
-          num_shards: int | None, prefix: str, staging: Staging) -> shards.Plan:
+@dataclasses.dataclass(frozen=True)
+class Job:
+  """What every step of the pipeline needs, passed to each as one side
+  argument. A concrete class on purpose: Beam checks a side argument against
+  its annotation with issubclass, which a Protocol such as `shards.Source`
+  refuses (apache-beam 2.78's beartype check raised TypeError on it)."""
+
+  source: shards.Source
+  staging: Staging
+  num_shards: int | None
+  prefix: str
+  name: str
+
+  @property
+  def to_bucket(self) -> bool:
+    return isinstance(self.staging, BucketStaging)
+
+
+def _index(item: tuple[int, str], job: Job) -> tuple[int, str, shards.Indexed]:
+  i, unit = item
+  return i, unit, job.source.index(unit)
+
+
+def _plan(indexes: Sequence[tuple[int, str, shards.Indexed]], job: Job) -> shards.Plan:
   ordered = [(unit, ix) for _, unit, ix in sorted(indexes, key=lambda t: t[0])]
-  the_plan = shards.plan(ordered, source, num_shards=num_shards, prefix=prefix)
-  if not isinstance(staging, BucketStaging):  # a bucket's are local to each worker
-    os.makedirs(staging.tmp_dir, exist_ok=True)
+  the_plan = shards.plan(ordered, job.source, num_shards=job.num_shards, prefix=job.prefix)
+  if not job.to_bucket:  # a bucket's are local to each worker
+    os.makedirs(job.staging.tmp_dir, exist_ok=True)
   return the_plan
 
 
@@ -62,20 +80,20 @@ def _tasks(the_plan: shards.Plan) -> Sequence[shards.ShardTask]:
   return the_plan.tasks
 
 
-def _write(task: shards.ShardTask, source: shards.Source, staging: Staging) -> shards.ShardResult:
-  if not isinstance(staging, BucketStaging):
-    return shards.write_shard(source, task, staging.tmp_dir)
+def _write(task: shards.ShardTask, job: Job) -> shards.ShardResult:
+  if not isinstance(job.staging, BucketStaging):
+    return shards.write_shard(job.source, task, job.staging.tmp_dir)
   with tempfile.TemporaryDirectory(prefix="elevator-shard-") as folder:
-    result = shards.write_shard(source, task, folder)
-    staging.upload(os.path.join(folder, task.name), task.name)
+    result = shards.write_shard(job.source, task, folder)
+    job.staging.upload(os.path.join(folder, task.name), task.name)
   return result
 
 
-def _commit(results: Sequence[shards.ShardResult], the_plan: shards.Plan,
-            source: shards.Source, staging: Staging, name: str) -> str:
+def _commit(results: Sequence[shards.ShardResult], the_plan: shards.Plan, job: Job) -> str:
+  staging = job.staging
   if isinstance(staging, BucketStaging):
     os.makedirs(staging.tmp_dir, exist_ok=True)  # the side files and config, on this worker
-  printed, _ = shards.finish(source, staging, the_plan, results, name=name)
+  printed, _ = shards.finish(job.source, staging, the_plan, results, name=job.name)
   if isinstance(staging, BucketStaging):
     staging.commit(uploaded=[r.name for r in results])
   else:
@@ -83,24 +101,23 @@ def _commit(results: Sequence[shards.ShardResult], the_plan: shards.Plan,
   return printed
 
 
-def build(pipeline: Any, source: shards.Source, staging: Staging, *,
-          num_shards: int | None, prefix: str, name: str) -> Any:
+def build(pipeline: Any, job: Job) -> Any:
   """Adds the conversion to a Beam pipeline; returns the PCollection holding
   the printed config (one element, once committed)."""
   import apache_beam as beam  # pylint: disable=g-import-not-at-top
-  units = list(enumerate(source.units()))
+  units = list(enumerate(job.source.units()))
   plan = (pipeline
           | "Units" >> beam.Create(units)
           | "SpreadUnits" >> beam.Reshuffle()
-          | "Index" >> beam.Map(_index, source)
+          | "Index" >> beam.Map(_index, job)
           | "AllIndexes" >> beam.combiners.ToList()
-          | "Plan" >> beam.Map(_plan, source, num_shards, prefix, staging))
+          | "Plan" >> beam.Map(_plan, job))
   return (plan
           | "Tasks" >> beam.FlatMap(_tasks)
           | "SpreadTasks" >> beam.Reshuffle()
-          | "Write" >> beam.Map(_write, source, staging)
+          | "Write" >> beam.Map(_write, job)
           | "AllShards" >> beam.combiners.ToList()
-          | "Commit" >> beam.Map(_commit, beam.pvalue.AsSingleton(plan), source, staging, name))
+          | "Commit" >> beam.Map(_commit, beam.pvalue.AsSingleton(plan), job))
 
 
 def _convert_error(e: BaseException) -> ConvertError | None:
@@ -138,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     name = args.name or shards.default_name(args.out_dir)
     try:
       with beam.Pipeline(options=PipelineOptions(beam_args)) as p:
-        build(p, source, staging, num_shards=args.shards, prefix=args.prefix, name=name)
+        build(p, Job(source, staging, num_shards=args.shards, prefix=args.prefix, name=name))
     except BaseException:
       staging.abort()  # where the staging folder is visible from here
       raise
