@@ -15,7 +15,7 @@ from typing import Iterator
 import pytest
 
 from grain_elevator.pipelines import examples
-from grain_elevator.tools.launcher import LocalServer
+from grain_elevator.tools.testing.launcher import LocalServer
 import stable_environ
 
 stable_environ.declare()  # before any thread starts: tests/stable_environ.py

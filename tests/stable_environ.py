@@ -29,7 +29,7 @@ import tempfile
 from grain_elevator.server.data.shards.reader import READER_ENV
 from grain_elevator.server.process.supervisor import WORKER_ENV
 from grain_elevator.server.serving import metrics
-from grain_elevator.tools.bench import storage_servers
+from grain_elevator.tools.testing import storage_servers
 
 # Each value means what the variable's absence means to everything that
 # reads it: our code reads these with `or`, CPython ignores an empty

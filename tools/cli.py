@@ -250,7 +250,7 @@ def _bench_feed(args: argparse.Namespace) -> int:
   import tempfile  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
   from grain_elevator.tools.bench import feed, workloads  # pylint: disable=g-import-not-at-top
-  from grain_elevator.tools.launcher import LocalServer  # pylint: disable=g-import-not-at-top
+  from grain_elevator.tools.testing.launcher import LocalServer  # pylint: disable=g-import-not-at-top
   w = workloads.WORKLOADS["small"]
   root = pathlib.Path(args.data or os.path.join(tempfile.gettempdir(), "grain-elevator-bench"))
   config = workloads.prepare(root, w, args.records or w.default_records)

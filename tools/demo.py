@@ -198,7 +198,7 @@ def run(steps: int = 200, workers: int = 2, data_dir: str | None = None,
   import jax  # pylint: disable=g-import-not-at-top
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
   from grain_elevator.client import RemoteDataset, to_device  # pylint: disable=g-import-not-at-top
-  from grain_elevator.tools.launcher import LocalServer  # pylint: disable=g-import-not-at-top
+  from grain_elevator.tools.testing.launcher import LocalServer  # pylint: disable=g-import-not-at-top
 
   tmp = None
   if data_dir is None:

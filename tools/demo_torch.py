@@ -130,7 +130,7 @@ def _run_job(world: int, *args) -> None:
 
 def run(workers: int = 2, data_dir: str | None = None) -> int:
   """Runs the demo; 0 when every record was seen once and the loss fell."""
-  from grain_elevator.tools.launcher import LocalServer  # pylint: disable=g-import-not-at-top
+  from grain_elevator.tools.testing.launcher import LocalServer  # pylint: disable=g-import-not-at-top
 
   tmp = None
   if data_dir is None:

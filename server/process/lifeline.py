@@ -20,7 +20,7 @@ for it (a forked worker has its fork server's), and a name in `ps` and
 parent-death signal and a check that its parent is that process: run as `python -m grain_elevator.server.process.lifeline PID -- PROGRAM ...`,
 this module ties itself to PID and then becomes PROGRAM (execve keeps the
 parent-death signal). The launchers of `elevator serve` and of the storage
-emulators (tools/launcher.py, tools/bench/storage_servers.py) start theirs
+emulators (tools/testing/launcher.py, tools/testing/storage_servers.py) start theirs
 so: a test run or a bench that is killed leaves none behind. Linux signals
 a child when the *thread* that forked it ends, so start one only from a
 thread that lasts as long as the child must.

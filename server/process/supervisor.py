@@ -430,7 +430,7 @@ class Server:
     self.stop()
 
 
-# The line `serve` prints once every worker is ready; tools/launcher.py reads
+# The line `serve` prints once every worker is ready; tools/testing/launcher.py reads
 # the addresses from it.
 _READY = re.compile(r" on (\S+):(\d+) with \d+ worker processes(?:, bulk port (\d+))?"
                     r"(?:, health port (\d+))? ")

@@ -25,7 +25,7 @@ from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.tools import cli
 from grain_elevator.tools import text_corpus
 from grain_elevator.tools import tokenizer as tokenizer_lib
-from grain_elevator.tools.launcher import LocalServer
+from grain_elevator.tools.testing.launcher import LocalServer
 
 IMAGE = {"height": 4, "width": 4, "channels": 3}
 G = 12  # 1000 records: the last evaluation batch has 8 padding rows

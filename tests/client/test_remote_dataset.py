@@ -145,7 +145,7 @@ def test_close_from_another_thread_unblocks_a_waiting_next(config_path):
   """A trainer thread blocked in next() on a frozen server is released by close()."""
   import os
   import signal
-  from grain_elevator.tools.launcher import LocalServer
+  from grain_elevator.tools.testing.launcher import LocalServer
   with LocalServer(config_path, workers=1) as server:
     ds = RemoteDataset(server.target, "plain", 8, prefetch=0)
     it = iter(ds)

@@ -19,7 +19,7 @@ from grain_elevator.client import state as state_lib
 from grain_elevator.tools import cli
 from grain_elevator.tools import text_corpus
 from grain_elevator.tools import tokenizer as tokenizer_lib
-from grain_elevator.tools.launcher import LocalServer
+from grain_elevator.tools.testing.launcher import LocalServer
 from helpers import assert_streams_equal
 
 G = 4

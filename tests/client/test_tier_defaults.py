@@ -18,7 +18,7 @@ from grain_elevator.client import RemoteDataset, TransportOptions
 from grain_elevator.client.window import REQUESTS_PER_WORKER, STREAM_REQUESTS
 from grain_elevator.server import Server, ServerOptions
 from grain_elevator.tools import top
-from grain_elevator.tools.launcher import LocalServer
+from grain_elevator.tools.testing.launcher import LocalServer
 from helpers import assert_streams_equal
 
 G = 8  # rows of 4x4x3 images: tiny steps

@@ -21,7 +21,7 @@ torch = pytest.importorskip("torch", reason="the torch extra is not installed")
 from grain_elevator.client import RemoteDataset, StreamMismatchError, TransportOptions
 from grain_elevator.client.torch import STATE_KEY, TorchLoader, data_parallel_shard, to_tensors
 from grain_elevator.proto.errors import InvalidRequestError
-from grain_elevator.tools.launcher import LocalServer
+from grain_elevator.tools.testing.launcher import LocalServer
 from helpers import ROOT, oracle_batch
 
 G = 96

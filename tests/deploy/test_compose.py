@@ -15,7 +15,7 @@ import time
 import pytest
 
 from grain_elevator.client import RemoteDataset
-from grain_elevator.tools.launcher import ELEVATOR
+from grain_elevator.tools.testing.launcher import ELEVATOR
 from helpers import ROOT, assert_streams_equal
 
 pytestmark = pytest.mark.slow

@@ -98,7 +98,7 @@ from grain_elevator.server.data import config as config_lib
 from grain_elevator.server.data import dataset as dataset_lib
 from grain_elevator.server.serving.bulk import HANDSHAKE_TIMEOUT_S
 from grain_elevator.server.serving.request_path import RequestPath
-from grain_elevator.tools.launcher import LocalServer
+from grain_elevator.tools.testing.launcher import LocalServer
 # pylint: enable=g-import-not-at-top,wrong-import-position
 
 PREFIX = "fuzz-wire:"

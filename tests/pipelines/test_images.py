@@ -14,7 +14,7 @@ import pytest
 from grain_elevator.client import DataLossError, RemoteDataset
 from grain_elevator.pipelines import examples
 from grain_elevator.pipelines import images
-from grain_elevator.tools.launcher import LocalServer
+from grain_elevator.tools.testing.launcher import LocalServer
 from helpers import assert_streams_equal
 
 cv2 = pytest.importorskip("cv2")

@@ -12,7 +12,7 @@ from grain_elevator.pipelines import MIN_ROW_BYTES, RowStack
 from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.proto import tree, wire
 from grain_elevator.server.data import collate
-from grain_elevator.tools.launcher import LocalServer
+from grain_elevator.tools.testing.launcher import LocalServer
 from helpers import assert_streams_equal, proto_batch
 
 BIG = {"height": 96, "width": 96, "channels": 3}  # 27,648 B of pixels a record

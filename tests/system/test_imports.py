@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 
-from grain_elevator.tools.launcher import LocalServer
+from grain_elevator.tools.testing.launcher import LocalServer
 from helpers import ROOT, worker_pids
 
 # What importing each package may load of the others.

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from grain_elevator.tools.launcher import LocalServer
+from grain_elevator.tools.testing.launcher import LocalServer
 from helpers import SCRIPTS
 
 pytestmark = pytest.mark.netns

@@ -66,7 +66,7 @@ def test_in_flight_settings_do_not_change_the_stream(server, config_path, prefet
 def test_server_reading_through_array_record_matches_oracle(config_path, dataset, g, n, h):
   """The same stream whichever reader a server uses: ArrayRecord's here,
   server/data/shards/reader.py in embedded mode (and in the `server` fixture)."""
-  from grain_elevator.tools.launcher import LocalServer
+  from grain_elevator.tools.testing.launcher import LocalServer
   with LocalServer(config_path, workers=1, env={"ELEVATOR_SHARD_READER": "arrayrecord"}) as srv:
     with RemoteDataset(srv.target, dataset, g, shard_index=h, shard_count=n) as remote:
       with RemoteDataset.embedded(config_path, dataset, g, shard_index=h,

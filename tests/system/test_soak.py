@@ -22,7 +22,7 @@ import psutil
 import pytest
 
 from grain_elevator.client import RemoteDataset, RetryPolicy
-from grain_elevator.tools.launcher import LocalServer
+from grain_elevator.tools.testing.launcher import LocalServer
 from helpers import oracle_batch, worker_pids
 
 pytestmark = pytest.mark.slow

@@ -13,7 +13,7 @@ import subprocess
 import pytest
 
 from grain_elevator.tools.bench import workloads
-from grain_elevator.tools.launcher import ELEVATOR
+from grain_elevator.tools.testing.launcher import ELEVATOR
 
 pytestmark = pytest.mark.slow
 

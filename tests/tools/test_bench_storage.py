@@ -15,9 +15,9 @@ import pytest
 from grain_elevator.pipelines import examples
 from grain_elevator.server.data.record_source import BatchedArrayRecordSource
 from grain_elevator.tools.bench import bucket_sources
-from grain_elevator.tools.bench import storage_servers
-from grain_elevator.tools.bench.fault_proxy import FaultProxy
-from grain_elevator.tools.launcher import ELEVATOR
+from grain_elevator.tools.testing import storage_servers
+from grain_elevator.tools.testing.fault_proxy import FaultProxy
+from grain_elevator.tools.testing.launcher import ELEVATOR
 
 BUCKET = "elevator-bench-test"
 

@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from grain_elevator.tools.launcher import ELEVATOR
+from grain_elevator.tools.testing.launcher import ELEVATOR
 
 pytest.importorskip("tensorflow_datasets")
 pytestmark = pytest.mark.slow

@@ -13,7 +13,7 @@ import pytest
 from grain_elevator.server import ServerOptions
 from grain_elevator.server.serving import options as options_lib
 from grain_elevator.tools import cli
-from grain_elevator.tools.launcher import ELEVATOR
+from grain_elevator.tools.testing.launcher import ELEVATOR
 
 
 @pytest.mark.parametrize("local", [False, True])

@@ -172,7 +172,7 @@ def test_served_by_a_real_server_as_in_embedded_mode(tmp_path, capsys):
   """`elevator convert npz`, then `elevator serve` on the printed table: the
   batches equal embedded mode's and the input's rows."""
   from grain_elevator.client import RemoteDataset  # pylint: disable=g-import-not-at-top
-  from grain_elevator.tools.launcher import LocalServer  # pylint: disable=g-import-not-at-top
+  from grain_elevator.tools.testing.launcher import LocalServer  # pylint: disable=g-import-not-at-top
   from helpers import assert_streams_equal  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng(3)
   arrays = {"image": rng.integers(0, 256, (96, 8, 8), dtype=np.uint8),

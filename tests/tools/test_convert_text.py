@@ -16,7 +16,7 @@ from grain_elevator.tools.convert import shards
 from grain_elevator.tools.convert import text as text_lib
 from grain_elevator.tools.convert.errors import CorruptInputError
 from grain_elevator.tools.convert.text import JsonlSource, TextSource
-from grain_elevator.tools.launcher import ELEVATOR
+from grain_elevator.tools.testing.launcher import ELEVATOR
 from helpers import no_leftovers, read_shards, shard_bytes
 
 

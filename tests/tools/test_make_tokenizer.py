@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from grain_elevator.tools.launcher import ELEVATOR
+from grain_elevator.tools.testing.launcher import ELEVATOR
 
 tokenizers = pytest.importorskip("tokenizers")
 

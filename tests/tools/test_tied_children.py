@@ -20,11 +20,11 @@ _GONE_WITHIN_S = 60.0
 
 _START = {
     "server": """
-        from grain_elevator.tools.launcher import LocalServer
+        from grain_elevator.tools.testing.launcher import LocalServer
         child = LocalServer(sys.argv[1], workers=1).proc
     """,
     "emulator": """
-        from grain_elevator.tools.bench import storage_servers
+        from grain_elevator.tools.testing import storage_servers
         try:
           child = storage_servers.S3Server().proc
         except storage_servers.ServerUnavailable as e:

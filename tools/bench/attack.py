@@ -32,7 +32,7 @@ defend against:
   watch         130 connections to the gRPC port, each holding one health
                 Watch sent without a token; reopened when ended or closed
 
-The last four are raw HTTP/2 peers (the `h2` library, tools/bench/h2peer.py),
+The last four are raw HTTP/2 peers (the `h2` library, tools/testing/h2peer.py),
 what no gRPC client library sends on purpose; each says on stderr, when it
 ends, how many calls the server cut, refused (REFUSED_STREAM) and let it hold.
 
@@ -69,7 +69,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.proto import elevator_pb2_grpc as pb_grpc
 from grain_elevator.proto import framing
-from grain_elevator.tools.bench.h2peer import H2Peer
+from grain_elevator.tools.testing.h2peer import H2Peer
 
 KINDS = ("grpc-unread", "bulk-unread", "bulk-idle", "oversize", "slowloris",
          "headers", "halfsent", "idlegrpc", "watch")
@@ -442,7 +442,7 @@ def main() -> int:
   if not set(kinds) <= set(KINDS):
     parser.error(f"--kinds: unknown {sorted(set(kinds) - set(KINDS))}; choose from {KINDS}")
   from grain_elevator.tools import demo  # pylint: disable=g-import-not-at-top
-  from grain_elevator.tools.launcher import LocalServer  # pylint: disable=g-import-not-at-top
+  from grain_elevator.tools.testing.launcher import LocalServer  # pylint: disable=g-import-not-at-top
   with tempfile.TemporaryDirectory() as root:
     config = demo.write_dataset(pathlib.Path(root), "generated").config
     with LocalServer(config, workers=args.workers) as server:

@@ -28,8 +28,8 @@ from grain_elevator.tools.bench import harness
 from grain_elevator.tools.bench import images
 from grain_elevator.tools.bench import text
 from grain_elevator.tools.bench import workloads as workloads_lib
-from grain_elevator.tools.bench.storage_servers import free_port
-from grain_elevator.tools.launcher import LocalServer
+from grain_elevator.tools.testing.storage_servers import free_port
+from grain_elevator.tools.testing.launcher import LocalServer
 
 # Documents: a corpus moto holds in memory, in shards of about a MiB (moto
 # copies the object for every ranged GET).

@@ -36,10 +36,10 @@ from grain_elevator.tools.bench import harness
 from grain_elevator.tools.bench import images
 from grain_elevator.tools.bench import run as run_lib
 from grain_elevator.tools.bench import workloads as workloads_lib
-from grain_elevator.tools.bench.fault_proxy import FaultProxy
+from grain_elevator.tools.testing.fault_proxy import FaultProxy
 from grain_elevator.tools import top
-from grain_elevator.tools.bench.storage_servers import S3Server, free_port
-from grain_elevator.tools.launcher import LocalServer
+from grain_elevator.tools.testing.storage_servers import S3Server, free_port
+from grain_elevator.tools.testing.launcher import LocalServer
 
 BUCKET = "elevator-bench"
 DEFAULT_LATENCY_MS = 20.0

@@ -37,7 +37,7 @@ from grain_elevator.tools.bench import portfile
 from grain_elevator.tools.bench import run as run_lib
 from grain_elevator.tools.bench import sleeping
 from grain_elevator.tools.bench import workloads as workloads_lib
-from grain_elevator.tools.launcher import LocalServer
+from grain_elevator.tools.testing.launcher import LocalServer
 
 EXPLORE: dict[str, dict[str, Any]] = {}  # more label -> client settings (--explore)
 WORKLOADS = ("small", "large", "image", "text")

@@ -239,7 +239,7 @@ def run(*, data: pathlib.Path, records: int, workers: int, steps: int,
   import jax  # pylint: disable=g-import-not-at-top
   jax.config.update("jax_enable_x64", True)  # int64 leaves stay int64: exact
   from grain_elevator.client import RemoteDataset  # pylint: disable=g-import-not-at-top
-  from grain_elevator.tools.launcher import LocalServer  # pylint: disable=g-import-not-at-top
+  from grain_elevator.tools.testing.launcher import LocalServer  # pylint: disable=g-import-not-at-top
   w = workloads.WORKLOADS["large"]
   config = workloads.prepare(data, w, records)
   workloads.warm_page_cache(workloads.shard_files(data, w))

@@ -29,7 +29,7 @@ import psutil
 from grain_elevator.tools.bench import harness
 from grain_elevator.tools.bench import tfdata as tfdata_lib
 from grain_elevator.tools.bench import workloads as workloads_lib
-from grain_elevator.tools.launcher import LocalServer
+from grain_elevator.tools.testing.launcher import LocalServer
 
 GRAIN_SETTINGS = ((0, 0), (0, 2), (16, 0), (16, 2))  # (read threads, mp_prefetch workers)
 IDLE_CORES = 0.05  # the servers are "idle" below this many busy cores

@@ -19,7 +19,7 @@ import tempfile
 
 from grain_elevator.tools.bench import harness
 from grain_elevator.tools.bench import workloads as workloads_lib
-from grain_elevator.tools.launcher import LocalServer
+from grain_elevator.tools.testing.launcher import LocalServer
 
 COMPONENTS = {"c1": 1, "c2": 2, "c3": 3}
 WEIGHTS = {"c1": 0.5, "c2": 0.3, "c3": 0.2}

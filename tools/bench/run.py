@@ -15,7 +15,7 @@ from grain_elevator.server.process.supervisor import WORKER_ENV
 from grain_elevator.tools.bench import harness
 from grain_elevator.tools.bench import portfile
 from grain_elevator.tools.bench import workloads as workloads_lib
-from grain_elevator.tools.launcher import LocalServer
+from grain_elevator.tools.testing.launcher import LocalServer
 
 TCP = [sys.executable, "-m", "grain_elevator.tools.bench.tcp"]
 FLOOR = [sys.executable, "-m", "grain_elevator.tools.bench.floor"]

@@ -24,7 +24,7 @@ from typing import Any
 
 from grain_elevator.tools.bench import harness
 from grain_elevator.tools.bench import workloads as workloads_lib
-from grain_elevator.tools.launcher import LocalServer
+from grain_elevator.tools.testing.launcher import LocalServer
 
 READERS = (1, 2, 4)
 # Trials start this many steps apart, so no trial finds another's steps cached.

@@ -29,7 +29,7 @@ import numpy as np
 
 from grain_elevator.client import RemoteDataset
 from grain_elevator.tools.bench import text as text_bench
-from grain_elevator.tools.launcher import LocalServer
+from grain_elevator.tools.testing.launcher import LocalServer
 
 
 def _iterator(target: str, g: int, start: int):

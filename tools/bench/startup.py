@@ -21,7 +21,7 @@ from typing import Sequence
 _DRIVER = r'''
 import datetime, json, os, re, signal, sys, time
 import psutil
-from grain_elevator.tools.launcher import LocalServer
+from grain_elevator.tools.testing.launcher import LocalServer
 
 def stamp(line):
   return datetime.datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()

@@ -22,8 +22,8 @@ import resource
 import time
 from typing import Callable
 
-from grain_elevator.tools.bench.fault_proxy import FaultProxy
-from grain_elevator.tools.bench.storage_servers import S3Server
+from grain_elevator.tools.testing.fault_proxy import FaultProxy
+from grain_elevator.tools.testing.storage_servers import S3Server
 
 BUCKET = "bench"
 # moto copies or hashes the whole object for each ranged GET (~1.5 ms per MiB

@@ -69,8 +69,8 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--batches", type=int, default=40, help="batches of 8 timed per row")
   args = parser.parse_args(argv)
   from grain_elevator.pipelines import examples  # pylint: disable=g-import-not-at-top
-  from grain_elevator.tools.bench.fault_proxy import FaultProxy  # pylint: disable=g-import-not-at-top
-  from grain_elevator.tools.bench.storage_servers import S3Server  # pylint: disable=g-import-not-at-top
+  from grain_elevator.tools.testing.fault_proxy import FaultProxy  # pylint: disable=g-import-not-at-top
+  from grain_elevator.tools.testing.storage_servers import S3Server  # pylint: disable=g-import-not-at-top
   root = pathlib.Path(tempfile.mkdtemp(prefix="elevator-stream-head-"))
   examples.write_image_shards(str(root / "shards"), num_records=2000, num_shards=4,
                               height=32, width=32, channels=3)

@@ -33,7 +33,7 @@ from grain_elevator.tools import tokenizer as tokenizer_lib
 from grain_elevator.tools.bench import harness
 from grain_elevator.tools.bench import images as images_bench
 from grain_elevator.tools.bench import workloads as workloads_lib
-from grain_elevator.tools.launcher import LocalServer
+from grain_elevator.tools.testing.launcher import LocalServer
 
 GRAIN_SETTINGS = images_bench.GRAIN_SETTINGS
 FIGURES = ("tokens_per_s", "padding_fraction", "client_cpu_s_per_mtok",

@@ -142,7 +142,7 @@ def _run_measure(spec: dict[str, Any]) -> dict[str, Any]:
 def run(data: str | None, records: int, workers: int, seconds: float, warmup_s: float,
         repeats: int) -> dict[str, Any]:
   """Every system on both datasets, interleaved `repeats` times; medians."""
-  from grain_elevator.tools.launcher import LocalServer  # pylint: disable=g-import-not-at-top
+  from grain_elevator.tools.testing.launcher import LocalServer  # pylint: disable=g-import-not-at-top
   root = pathlib.Path(data or os.path.join(tempfile.gettempdir(), "grain-elevator-bench-tfds"))
   root.mkdir(parents=True, exist_ok=True)
   config = prepare(root, records)

@@ -23,7 +23,7 @@ from typing import Callable
 
 import pytest
 
-from grain_elevator.tools.launcher import LocalServer
+from grain_elevator.tools.testing.launcher import LocalServer
 from helpers import SCRIPTS
 
 pytestmark = pytest.mark.netns

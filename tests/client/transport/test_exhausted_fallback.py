@@ -16,7 +16,7 @@ import grpc
 from grain_elevator.client import RemoteDataset
 from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.proto import elevator_pb2_grpc as pb_grpc
-from grain_elevator.tools.launcher import LocalServer
+from grain_elevator.tools.testing.launcher import LocalServer
 from helpers import assert_streams_equal
 
 ENDLESS = pb.BatchRequest(dataset="forever", global_batch_size=256, shard_count=1,

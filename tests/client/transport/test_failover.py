@@ -13,7 +13,7 @@ import pytest
 
 from grain_elevator.client import (RemoteDataset, RetryPolicy, ServiceUnavailableError,
                                    TransportOptions)
-from grain_elevator.tools.launcher import LocalServer
+from grain_elevator.tools.testing.launcher import LocalServer
 from helpers import oracle_batch, wait_for_log, worker_pids
 
 pytestmark = pytest.mark.slow

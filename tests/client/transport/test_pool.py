@@ -12,7 +12,7 @@ from grain_elevator.client.transport.pool import ConnectionPool
 from grain_elevator.client.transport.slots import Slot, owner_of
 from grain_elevator.client.window import REQUESTS_PER_WORKER
 from grain_elevator.proto import elevator_pb2 as pb
-from grain_elevator.tools.launcher import LocalServer
+from grain_elevator.tools.testing.launcher import LocalServer
 
 
 def _pool(targets, per_target: int, kind: str = "auto") -> ConnectionPool:

@@ -7,7 +7,7 @@ import collections
 import pytest
 
 from grain_elevator.client import RemoteDataset, TransportOptions
-from grain_elevator.tools.launcher import LocalServer
+from grain_elevator.tools.testing.launcher import LocalServer
 from helpers import assert_streams_equal
 
 

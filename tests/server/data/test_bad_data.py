@@ -12,7 +12,7 @@ import pytest
 from grain_elevator.client import (ConfigError, DataLossError, ElevatorError, RemoteDataset,
                                    StreamMismatchError, TransportOptions)
 from grain_elevator.pipelines import examples
-from grain_elevator.tools.launcher import LocalServer
+from grain_elevator.tools.testing.launcher import LocalServer
 
 RECORD = 16 + 4 * 4 * 3
 

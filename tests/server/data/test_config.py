@@ -11,7 +11,7 @@ import pytest
 from grain_elevator.proto.errors import ConfigError
 from grain_elevator.server.data import dataset as dataset_lib
 from grain_elevator.server.data.config import load_config
-from grain_elevator.tools.launcher import ELEVATOR
+from grain_elevator.tools.testing.launcher import ELEVATOR
 
 GOOD = """\
 [datasets.d]

@@ -16,7 +16,7 @@ from grain_elevator.client.embedded import EmbeddedBackend
 from grain_elevator.proto import contract
 from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.proto import elevator_pb2_grpc as pb_grpc
-from grain_elevator.tools.launcher import LocalServer
+from grain_elevator.tools.testing.launcher import LocalServer
 from helpers import assert_trees_equal, oracle_batch
 
 pytestmark = pytest.mark.grain_contract  # run again on the lowest Grain admitted

@@ -24,7 +24,7 @@ from grain_elevator.client import RemoteDataset, RetryPolicy, TransportOptions
 from grain_elevator.server.data import parallel_head
 from grain_elevator.server.process import head_sockets
 from grain_elevator.tools import top
-from grain_elevator.tools.launcher import LocalServer
+from grain_elevator.tools.testing.launcher import LocalServer
 from helpers import assert_streams_equal, worker_pids
 
 G = 12

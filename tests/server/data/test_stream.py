@@ -21,7 +21,7 @@ from grain_elevator.pipelines import examples, text
 from grain_elevator.proto import contract
 from grain_elevator.tools import text_corpus
 from grain_elevator.tools import tokenizer as tokenizer_lib
-from grain_elevator.tools.launcher import LocalServer
+from grain_elevator.tools.testing.launcher import LocalServer
 from helpers import assert_streams_equal
 
 IMAGE = {"height": 4, "width": 4, "channels": 3}

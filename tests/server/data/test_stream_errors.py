@@ -14,7 +14,7 @@ from grain_elevator.client import DataLossError, RemoteDataset
 from grain_elevator.proto.errors import ConfigError
 from grain_elevator.server.data import config as config_lib
 from grain_elevator.server.data import dataset as dataset_lib
-from grain_elevator.tools.launcher import LocalServer
+from grain_elevator.tools.testing.launcher import LocalServer
 from helpers import assert_streams_equal
 
 _PIPES = '''

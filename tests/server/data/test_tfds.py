@@ -24,7 +24,7 @@ from grain_elevator.proto.errors import ConfigError
 from grain_elevator.server.data import dataset as dataset_lib
 from grain_elevator.server.data.config import load_config
 from grain_elevator.tools import tfds_example
-from grain_elevator.tools.launcher import ELEVATOR, LocalServer
+from grain_elevator.tools.testing.launcher import ELEVATOR, LocalServer
 from helpers import assert_streams_equal, assert_trees_equal
 
 NAME = "elevator_tfds_test"

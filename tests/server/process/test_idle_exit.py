@@ -19,7 +19,7 @@ from grain_elevator.pipelines import examples
 from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.proto import elevator_pb2_grpc as pb_grpc
 from grain_elevator.proto import wire
-from grain_elevator.tools.launcher import ELEVATOR, LocalServer
+from grain_elevator.tools.testing.launcher import ELEVATOR, LocalServer
 
 
 def _health(target: str) -> int:

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from grain_elevator.tools.launcher import ELEVATOR, LocalServer
+from grain_elevator.tools.testing.launcher import ELEVATOR, LocalServer
 from grain_elevator.client import RemoteDataset
 from helpers import assert_trees_equal, oracle_batch, worker_pids
 

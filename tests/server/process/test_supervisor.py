@@ -23,7 +23,7 @@ import pytest
 
 from grain_elevator.server.process import restarts
 from grain_elevator.server.serving import grpc_service
-from grain_elevator.tools.launcher import LocalServer
+from grain_elevator.tools.testing.launcher import LocalServer
 from helpers import worker_pids
 
 SERVING = health_pb2.HealthCheckResponse.SERVING

@@ -22,7 +22,7 @@ from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.proto.limits import MAX_REQUEST_BYTES
 from grain_elevator.server import Server, ServerOptions
 from grain_elevator.tools import top
-from grain_elevator.tools.launcher import ELEVATOR, LocalServer
+from grain_elevator.tools.testing.launcher import ELEVATOR, LocalServer
 from helpers import (assert_streams_equal, assert_trees_equal, busy_cpu_rate, closed_by_peer,
                      cpu_rate_over, oracle_batch, wait_for, wait_for_log)
 

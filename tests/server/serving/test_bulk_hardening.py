@@ -17,7 +17,7 @@ import psutil
 from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.proto import framing
 from grain_elevator.server.serving import bulk
-from grain_elevator.tools.launcher import LocalServer
+from grain_elevator.tools.testing.launcher import LocalServer
 from helpers import closed_by_peer, worker_pids
 
 ONE_STEP = pb.BatchRequest(dataset="plain", global_batch_size=16, shard_count=1,

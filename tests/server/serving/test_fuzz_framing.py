@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from grain_elevator.client import RemoteDataset, TransportOptions
 from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.proto import framing
-from grain_elevator.tools.launcher import LocalServer
+from grain_elevator.tools.testing.launcher import LocalServer
 from helpers import assert_streams_equal
 
 FUZZ = settings(max_examples=120, deadline=None,

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from grain_elevator.client import RemoteDataset
 from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.proto import tree, wire
-from grain_elevator.tools.launcher import LocalServer
+from grain_elevator.tools.testing.launcher import LocalServer
 from helpers import assert_streams_equal, assert_trees_equal, oracle_batch
 
 SERVICE = "/grain_elevator.v1.Elevator/"

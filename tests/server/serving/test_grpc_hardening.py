@@ -23,8 +23,8 @@ from grain_elevator.proto import elevator_pb2_grpc as pb_grpc
 from grain_elevator.proto.limits import MAX_REQUEST_BYTES
 from grain_elevator.server import ServerOptions
 from grain_elevator.server.serving.grpc_service import SERVICE_NAME
-from grain_elevator.tools.bench.h2peer import H2Peer
-from grain_elevator.tools.launcher import LocalServer
+from grain_elevator.tools.testing.h2peer import H2Peer
+from grain_elevator.tools.testing.launcher import LocalServer
 from helpers import assert_streams_equal, wait_for, wait_for_log, worker_pids
 
 DESCRIBE = f"/{SERVICE_NAME}/Describe"

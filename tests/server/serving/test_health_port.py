@@ -30,8 +30,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grain_elevator.server.serving import health as health_lib
 from grain_elevator.server.serving import health_port as hp
 from grain_elevator.server.serving.grpc_service import REQUEST_ARRIVAL_TIMEOUT_S
-from grain_elevator.tools.bench.h2peer import H2Peer
-from grain_elevator.tools.launcher import LocalServer
+from grain_elevator.tools.testing.h2peer import H2Peer
+from grain_elevator.tools.testing.launcher import LocalServer
 from helpers import SCRIPTS, worker_pids
 
 CHECK = "/grpc.health.v1.Health/Check"

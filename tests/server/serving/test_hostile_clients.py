@@ -20,7 +20,7 @@ from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.proto import elevator_pb2_grpc as pb_grpc
 from grain_elevator.proto import framing
 from grain_elevator.server.serving.options import ServerOptions
-from grain_elevator.tools.launcher import LocalServer
+from grain_elevator.tools.testing.launcher import LocalServer
 from helpers import assert_streams_equal, wait_for, wait_for_log
 
 LONG_SLOTS = ServerOptions().max_concurrent_requests // 2

@@ -16,7 +16,7 @@ from grain_elevator.proto import elevator_pb2_grpc as pb_grpc
 from grain_elevator.proto import wire
 from grain_elevator.server import Server, ServerOptions
 from grain_elevator.tools import top
-from grain_elevator.tools.launcher import LocalServer
+from grain_elevator.tools.testing.launcher import LocalServer
 from helpers import (assert_streams_equal, assert_trees_equal, busy_cpu_rate, cpu_rate_over,
                      oracle_batch, wait_for, wait_for_log)
 

@@ -31,8 +31,8 @@ from grain_elevator.server.serving.options import ServerOptions
 from grain_elevator.server.serving.grpc_service import REQUEST_ARRIVAL_TIMEOUT_S, SERVICE_NAME
 from grain_elevator.server.serving.stream_sessions import MAX_STREAM_SESSIONS
 from grain_elevator.tools import top
-from grain_elevator.tools.bench.h2peer import H2Peer
-from grain_elevator.tools.launcher import LocalServer
+from grain_elevator.tools.testing.h2peer import H2Peer
+from grain_elevator.tools.testing.launcher import LocalServer
 from helpers import assert_streams_equal, worker_pids
 
 CONNECTIONS = int(os.environ.get("ELEVATOR_LOAD_CONNECTIONS", "600"))

@@ -23,7 +23,7 @@ from grain_elevator.server import ConfigError, Server, ServerOptions
 from grain_elevator.server.process import supervisor
 from grain_elevator.server.serving import metrics
 from grain_elevator.tools import top
-from grain_elevator.tools.launcher import ELEVATOR
+from grain_elevator.tools.testing.launcher import ELEVATOR
 from helpers import cpu_s, wait_for
 
 

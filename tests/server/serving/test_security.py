@@ -9,7 +9,7 @@ import pytest
 
 from grain_elevator.client import (RemoteDataset, RetryPolicy, Security,
                                    ServiceUnavailableError, UnauthenticatedError)
-from grain_elevator.tools.launcher import ELEVATOR, LocalServer
+from grain_elevator.tools.testing.launcher import ELEVATOR, LocalServer
 from helpers import assert_trees_equal, oracle_batch
 
 TOKEN = "s3cret-token-for-tests"

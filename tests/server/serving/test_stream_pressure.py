@@ -22,7 +22,7 @@ from grain_elevator.pipelines import examples
 from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.proto import elevator_pb2_grpc as pb_grpc
 from grain_elevator.server.serving.options import DEFAULT_MAX_STREAM_BATCH_BYTES
-from grain_elevator.tools.launcher import LocalServer
+from grain_elevator.tools.testing.launcher import LocalServer
 from helpers import assert_streams_equal, worker_pids
 
 SIDE = 32  # rows of 32x32x3 images: about 3 KiB

@@ -16,7 +16,7 @@ import pytest
 from grain_elevator.client import RemoteDataset, RetryPolicy, TransportOptions
 from grain_elevator.server import Server, ServerOptions
 from grain_elevator.tools import top
-from grain_elevator.tools.launcher import LocalServer
+from grain_elevator.tools.testing.launcher import LocalServer
 from helpers import assert_streams_equal, worker_pids
 
 G, H, STEPS = 12, 3, 24

@@ -39,7 +39,7 @@ from grain_elevator.server.data.shards import option_files
 from grain_elevator.server.serving.request_path import RequestPath
 from grain_elevator.tools import text_corpus
 from grain_elevator.tools import tokenizer as tokenizer_lib
-from grain_elevator.tools.launcher import LocalServer
+from grain_elevator.tools.testing.launcher import LocalServer
 from helpers import assert_streams_equal, worker_pids
 
 G, STEPS = 8, 6

@@ -33,7 +33,7 @@ from grain_elevator.server.data import dataset as dataset_lib
 from grain_elevator.server.data.config import load_config
 from grain_elevator.server.data.shards import identity as shard_identity
 from grain_elevator.server.data.shards import reader as shard_reader
-from grain_elevator.tools.launcher import LocalServer
+from grain_elevator.tools.testing.launcher import LocalServer
 from helpers import assert_trees_equal, worker_pids
 
 G, STEPS_PER_SHARD, NUM_SHARDS = 20, 10, 3

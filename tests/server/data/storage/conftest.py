@@ -1,7 +1,7 @@
 """Object-storage servers for the bucket tests: moto's S3 server and
 gcp-storage-emulator, started once per session on 127.0.0.1 (skipped, with
 the reason, where the [test] extra did not install them), each behind a
-fault-injecting proxy (tools/bench/fault_proxy.py)."""
+fault-injecting proxy (tools/testing/fault_proxy.py)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from typing import Any, Iterator
 import pytest
 
 from grain_elevator.server.data.storage import read_ahead
-from grain_elevator.tools.bench import storage_servers
-from grain_elevator.tools.bench.fault_proxy import FaultProxy
+from grain_elevator.tools.testing import storage_servers
+from grain_elevator.tools.testing.fault_proxy import FaultProxy
 
 BUCKET = "elevator-data"
 

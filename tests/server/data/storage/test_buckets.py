@@ -25,8 +25,8 @@ from grain_elevator.server.data import config as config_lib
 from grain_elevator.server.data import dataset as dataset_lib
 from grain_elevator.server.data.object_source import ObjectRecordSource
 from grain_elevator.server.data.shards.identity import IDENTITY_TAIL_BYTES
-from grain_elevator.tools.bench import storage_servers
-from grain_elevator.tools.launcher import ELEVATOR, LocalServer
+from grain_elevator.tools.testing import storage_servers
+from grain_elevator.tools.testing.launcher import ELEVATOR, LocalServer
 from helpers import assert_trees_equal
 
 G = 8

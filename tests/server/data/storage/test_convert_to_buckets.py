@@ -15,7 +15,7 @@ import pytest
 
 from grain_elevator.server.data.object_source import ObjectRecordSource
 from grain_elevator.server.data.record_source import BatchedArrayRecordSource
-from grain_elevator.tools.launcher import ELEVATOR
+from grain_elevator.tools.testing.launcher import ELEVATOR
 from helpers import run_beam, shard_bytes
 
 
