@@ -75,8 +75,9 @@ CONSTANTS = {
     "grain_elevator.server.serving.batch_cache": ["DEFAULT_WAIT_S"],
     "grain_elevator.server.serving.stream_sessions": ["MAX_STREAM_SESSIONS",
                                                      "MAX_TRACKED_HOSTS"],
-    "grain_elevator.server.serving.metrics": [
-        "UTILIZATION_WINDOW_S", "SCRAPE_TIMEOUT_S", "MAX_SCRAPE_CONNECTIONS"],
+    "grain_elevator.server.serving.metrics.catalog": ["UTILIZATION_WINDOW_S"],
+    "grain_elevator.server.serving.metrics.scrape": [
+        "SCRAPE_TIMEOUT_S", "MAX_SCRAPE_CONNECTIONS"],
     "grain_elevator.server.serving.options": [
         "HEALTH_THREADS", "BATCH_CACHE_MEMORY_FRACTION", "DEFAULT_BATCH_CACHE_CAP"],
     "grain_elevator.server.process.restarts": [

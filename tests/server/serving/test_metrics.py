@@ -99,7 +99,7 @@ def test_no_metrics_port_means_no_endpoint_and_no_recording(config_path):
   with Server(config_path, ServerOptions(port=0, workers=1)) as server:
     assert server.metrics_port is None
     assert "metrics" not in supervisor.ready_line(server)
-    assert isinstance(metrics.current(), metrics._Off)  # pylint: disable=protected-access
+    assert not metrics.current().on
     assert metrics.ENV not in os.environ
 
 
@@ -254,3 +254,33 @@ def test_past_the_bound_the_longest_waiting_half_sent_scrape_is_closed_at_once()
       assert m[("elevator_workers", ())] == 0
   finally:
     exporter.stop()
+
+
+_SCRAPE_ONE_OF_EACH = """
+import os, urllib.request
+from grain_elevator.server.serving import metrics
+exporter = metrics.Exporter(lambda: [], 1)
+os.environ[metrics.ENV] = exporter.folder
+metrics.start_recording()
+r = metrics.current()
+r.records_served("d", "c", 1); r.tokens_served("d", "c", 1); r.produced("d", 0.01)
+r.served("d", cached=True); r.cache_bytes(1); r.sent("d", "bulk", 1); r.error("NOT_FOUND")
+r.inflight(1); r.stream_sessions(1, 1); r.stream_session_evicted(); r.head_task(0, 1)
+r.head_fallback(0, 1); r.storage_bytes("d", fetched=1, needed=1, planned=True)
+r.storage_request(0.1); r.read_ahead_bytes(1)
+port = exporter.start("127.0.0.1", 0)
+print(urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=60).read().decode())
+exporter.stop()
+"""
+
+
+def test_a_scrape_has_every_metric_of_the_catalog_and_no_other():
+  """The catalog is the one list: what a worker and the supervisor export
+  is made from it, with its help."""
+  from grain_elevator.server.serving.metrics import catalog  # pylint: disable=import-outside-toplevel
+  text = subprocess.run([sys.executable, "-c", _SCRAPE_ONE_OF_EACH], capture_output=True,
+                        text=True, timeout=120, check=True).stdout
+  helps = dict(re.findall(r"^# HELP (elevator_\w+) (.*)$", text, re.MULTILINE))
+  kinds = dict(re.findall(r"^# TYPE (elevator_\w+) (\w+)$", text, re.MULTILINE))
+  assert helps == {m.scraped_name: m.help for m in catalog.METRICS}
+  assert kinds == {m.scraped_name: m.kind for m in catalog.METRICS}
