@@ -8,9 +8,14 @@ into a page.
     and `DEFAULTS` below) with its unit: `{{ MAX_REQUEST_BYTES }}` is
     "64 KiB". `{{ NAME | cited }}` adds where it is defined:
     "64 KiB (`MAX_REQUEST_BYTES`, `proto/limits.py`)".
-  * `{{ serve_flags }}`, `{{ cli }}`, `{{ errors }}`, `{{ elevator_proto }}`
-    and the other names in `BLOCKS` are whole tables and listings made from
-    the code. An unknown name fails the build.
+  * `{{ serve_flags }}`, `{{ cli }}`, `{{ elevator_proto }}` and the other
+    names in `BLOCKS` are whole tables and listings made from the code. An
+    unknown name fails the build.
+  * Tables a reader needs on GitHub too (the metrics, the errors) are
+    committed in the pages between `<!-- generated: NAME ... -->` and
+    `<!-- end generated: NAME -->`, rendered by `SECTIONS` below:
+    `python docs/hooks.py` rewrites them from the code, `--check` lists the
+    stale ones, and a stale one fails the build and tests/tools/test_docs.py.
   * README.md and BENCHMARKS.md are the site's home and benchmarks pages,
     made from the files themselves when the site is built (no second copy).
   * Links are written for GitHub (`../BENCHMARKS.md`, `docs/design.md`);
@@ -240,13 +245,28 @@ def _cli() -> str:
       os.environ["COLUMNS"] = saved
 
 
+def _cell(text: str) -> str:
+  """`text` as one cell of a markdown table."""
+  return " ".join(text.split()).replace("|", "\\|")
+
+
 def _errors() -> str:
   """The error family and the status each travels as (proto/errors.py)."""
   from grain_elevator.proto import errors  # pylint: disable=g-import-not-at-top
   rows = ["| error | status | meaning |", "|---|---|---|"]
   for cls in errors.ERRORS:
-    doc = " ".join(inspect.getdoc(cls).split())
-    rows.append(f"| `{cls.__name__}` | `{cls.code.name}` | {doc} |")
+    rows.append(f"| `{cls.__name__}` | `{cls.code.name}` | {_cell(inspect.getdoc(cls))} |")
+  return "\n".join(rows)
+
+
+def _metrics() -> str:
+  """Every metric the server exports (server/serving/metrics/catalog.py)."""
+  from grain_elevator.server.serving.metrics import catalog  # pylint: disable=g-import-not-at-top
+  rows = ["| metric | kind | what it counts |", "|---|---|---|"]
+  for m in catalog.METRICS:
+    labels = "{" + ",".join(m.labels) + "}" if m.labels else ""
+    what = f"{m.help} {m.notes}" if m.notes else m.help
+    rows.append(f"| `{m.scraped_name}{labels}` | {m.kind} | {_cell(what)} |")
   return "\n".join(rows)
 
 
@@ -277,10 +297,45 @@ def _worker_env() -> str:
 
 
 BLOCKS: dict[str, Callable[[], str]] = {
-    "serve_flags": _serve_flags, "cli": _cli, "errors": _errors,
+    "serve_flags": _serve_flags, "cli": _cli,
     "elevator_proto": _elevator_proto, "bulk_kinds": _bulk_kinds,
     "descriptor_budget": _descriptor_budget, "worker_env": _worker_env,
 }
+
+# -- generated sections, committed in the pages ---------------------------------------
+
+SECTIONS: dict[str, Callable[[], str]] = {"metrics": _metrics, "errors": _errors}
+# The pages (and README.md) that may hold sections.
+SECTION_FILES = ("README.md", "docs/*.md")
+
+_SECTION = re.compile(r"(<!-- generated: (?P<name>[\w-]+)\b[^\n]*?-->\n)(?P<body>.*?)"
+                      r"(<!-- end generated: (?P=name) -->)", re.DOTALL)
+
+
+def section_start(name: str) -> str:
+  return f"<!-- generated: {name}, from the code by `python docs/hooks.py`; do not edit -->"
+
+
+def regenerate(markdown: str, where: str = "") -> str:
+  """`markdown` with every generated section rendered again from the code."""
+  def one(m: re.Match[str]) -> str:
+    name = m.group("name")
+    if name not in SECTIONS:
+      raise PluginError(f"{where}: unknown generated section {name!r}: add it to "
+                        "docs/hooks.py (SECTIONS)")
+    return f"{section_start(name)}\n\n{SECTIONS[name]().rstrip()}\n\n{m.group(4)}"
+  return _SECTION.sub(one, markdown)
+
+
+def section_files() -> list[pathlib.Path]:
+  return sorted({p for pattern in SECTION_FILES for p in ROOT.glob(pattern)})
+
+
+def stale_sections() -> list[str]:
+  """The files whose generated sections differ from what the code renders."""
+  return [p.relative_to(ROOT).as_posix() for p in section_files()
+          if regenerate(text := p.read_text(), str(p)) != text]
+
 
 _PLACEHOLDER = re.compile(r"\{\{\s*([\w.]+)\s*(\|\s*cited\s*)?\}\}")
 
@@ -396,6 +451,9 @@ def on_files(files: Any, config: Any) -> Any:
 
 def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
   src_uri = page.file.src_uri
+  if regenerate(markdown, src_uri) != markdown:
+    raise PluginError(f"{_repo_path(src_uri)}: a generated section differs from the code: "
+                      "run `python docs/hooks.py`")
   markdown = _rewrite_links(markdown, _repo_path(src_uri), src_uri)
   return _generated.render(markdown, src_uri)
 
@@ -410,3 +468,23 @@ def on_serve(server: Any, config: Any, builder: Any) -> Any:
   for folder in pyproject["tool"]["setuptools"]["package-dir"].values():
     server.watch(str(ROOT / folder))
   return server
+
+
+def main(argv: list[str] | None = None) -> int:
+  """`python docs/hooks.py`: rewrites the generated sections from the code;
+  `--check`: lists the stale ones and exits 1 if any."""
+  parser = argparse.ArgumentParser(prog="python docs/hooks.py", description=main.__doc__)
+  parser.add_argument("--check", action="store_true", help="change nothing; exit 1 if stale")
+  args = parser.parse_args(argv)
+  stale = stale_sections()
+  for path in stale:
+    if args.check:
+      print(f"{path}: generated sections differ from the code")
+    else:
+      (ROOT / path).write_text(regenerate((ROOT / path).read_text(), path))
+      print(f"rewrote {path}")
+  return 1 if stale and args.check else 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())

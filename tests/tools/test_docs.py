@@ -1,11 +1,14 @@
 """The documentation: the site builds with `mkdocs build --strict` (a broken
 link or anchor, a missing API reference or a docstring warning fails it),
-what docs/hooks.py generates from the code is there, and the README stays a
-front page whose links all lead somewhere."""
+what docs/hooks.py generates from the code is there, the tables committed
+in the pages (metrics, errors) are what the code renders, and the README
+stays a front page whose links all lead somewhere."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import importlib.util
 import os
 import re
 import subprocess
@@ -15,6 +18,53 @@ from grain_elevator.server.serving import options as options_lib
 from helpers import ROOT
 
 README_MAX_LINES = 300
+
+
+@functools.cache
+def _hooks():
+  """docs/hooks.py, the site's generator, as a module."""
+  spec = importlib.util.spec_from_file_location("docs_hooks", ROOT / "docs" / "hooks.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_the_generated_sections_are_what_the_code_renders():
+  """A metric or an error added in the code and not in the committed tables
+  fails here; `python docs/hooks.py` rewrites them."""
+  hooks = _hooks()
+  assert not hooks.stale_sections(), "run `python docs/hooks.py` to rewrite them"
+  pages = {p.relative_to(ROOT).as_posix(): p.read_text() for p in hooks.section_files()}
+  for name in hooks.SECTIONS:
+    assert any(hooks.section_start(name) in text for text in pages.values()), name
+
+
+def test_every_metric_and_every_error_is_in_the_docs():
+  """Every error class of proto/errors.py is in its table (ERRORS), which the
+  docs' tables are rendered from; so is every metric of the catalog."""
+  from grain_elevator.proto import errors  # pylint: disable=import-outside-toplevel
+  from grain_elevator.server.serving.metrics import catalog  # pylint: disable=import-outside-toplevel
+  defined = {cls for cls in vars(errors).values() if isinstance(cls, type)
+             and issubclass(cls, errors.ElevatorError) and cls is not errors.ElevatorError}
+  assert defined == set(errors.ERRORS), "an error class missing from errors.ERRORS"
+  operations = (ROOT / "docs" / "operations.md").read_text()
+  for m in catalog.METRICS:
+    assert f"`{m.scraped_name}" in operations, m.name
+  for page in ("protocol.md", "client.md"):
+    text = (ROOT / "docs" / page).read_text()
+    for cls in errors.ERRORS:
+      assert f"| `{cls.__name__}` | `{cls.code.name}` |" in text, (page, cls.__name__)
+
+
+def test_a_stale_section_is_rendered_again():
+  hooks = _hooks()
+  end = "<!-- end generated: errors -->"
+  stale = f"before\n{hooks.section_start('errors')}\n\n| old |\n\n{end}\nafter\n"
+  fresh = hooks.regenerate(stale)
+  assert fresh != stale and "| old |" not in fresh
+  assert "`DataLossError` | `DATA_LOSS`" in fresh
+  assert fresh.startswith("before\n") and fresh.endswith(f"{end}\nafter\n")
+  assert hooks.regenerate(fresh) == fresh
 
 
 def test_the_site_builds_strict_without_a_warning(tmp_path):

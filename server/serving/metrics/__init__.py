@@ -2,7 +2,8 @@
 
 One module per concern:
 
-  catalog.py   every metric, defined once (name, kind, labels, help)
+  catalog.py   every metric, defined once (name, kind, labels, help); the
+               table of metrics in docs/operations.md is rendered from it
   recorder.py  what a worker counts (`current()`), into prometheus_client's
                multiprocess files; a no-op without `--metrics-port`
   exporter.py  the supervisor's side: the multiprocess folder, the sum over

@@ -1,8 +1,10 @@
 """Every metric the server exports, defined once: its name, kind, labels and help.
 
 The recorder and the exporter make their Prometheus objects from these
-definitions. `help` is what a scrape's `# HELP` line says; `notes` adds what
-only the docs say (markdown, links relative to docs/).
+definitions, and the table of metrics in docs/operations.md is rendered from
+them (`python docs/hooks.py`; tests/tools/test_docs.py fails when the
+committed table differs). `help` is what a scrape's `# HELP` line says;
+`notes` adds what only the docs say (markdown, links relative to docs/).
 """
 
 from __future__ import annotations
