@@ -34,19 +34,24 @@ class UnknownDatasetError(ElevatorError, KeyError):
 
 
 class InvalidRequestError(ElevatorError, ValueError):
-  """Bad batch geometry, steps, options or cursor: G < 1, G % H != 0, ..."""
+  """Bad batch geometry, steps, options or cursor: G < 1, G % H != 0, h out
+  of range, a bad step number or compression, a batch over
+  `--max-message-bytes`, ..."""
 
   code = grpc.StatusCode.INVALID_ARGUMENT
 
 
 class EndOfDataError(ElevatorError, IndexError):
-  """A step at or past the end of a finite dataset."""
+  """A step at or past the end of a finite dataset (a stream dataset's end
+  shows only when a request reaches it)."""
 
   code = grpc.StatusCode.OUT_OF_RANGE
 
 
 class StreamMismatchError(ElevatorError, ValueError):
-  """A cursor or request made for another stream (config, seed, G)."""
+  """A cursor or request made for another stream (config, seed, G), or a
+  config fingerprint other than the server's (replicas with different
+  configs)."""
 
   code = grpc.StatusCode.FAILED_PRECONDITION
 
