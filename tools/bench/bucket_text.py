@@ -24,6 +24,7 @@ import tempfile
 from typing import Any
 
 from grain_elevator.tools.bench import buckets
+from grain_elevator.tools.bench import defaults
 from grain_elevator.tools.bench import harness
 from grain_elevator.tools.bench import images
 from grain_elevator.tools.bench import text
@@ -33,7 +34,7 @@ from grain_elevator.tools.testing.launcher import LocalServer
 
 # Documents: a corpus moto holds in memory, in shards of about a MiB (moto
 # copies the object for every ranged GET).
-DOCUMENTS = 4_000
+DOCUMENTS = defaults.BUCKET_RECORDS["text"]
 SHARDS = 16
 FIGURES = ("tokens_per_s", "client_cores", "client_cpu_s_per_mtok", "server_cores",
            "server_cpu_s_per_mtok", "amplification", "first_batch_s", "resume_first_batch_s")

@@ -32,6 +32,7 @@ import tempfile
 import time
 from typing import Any, Iterator
 
+from grain_elevator.tools.bench import defaults
 from grain_elevator.tools.bench import harness
 from grain_elevator.tools.bench import images
 from grain_elevator.tools.bench import run as run_lib
@@ -42,12 +43,11 @@ from grain_elevator.tools.testing.storage_servers import S3Server, free_port
 from grain_elevator.tools.testing.launcher import LocalServer
 
 BUCKET = "elevator-bench"
-DEFAULT_LATENCY_MS = 20.0
+DEFAULT_LATENCY_MS = defaults.BUCKET_LATENCY_MS
 # moto copies each object it serves a range of (~1.5 ms a MiB here), so the
 # bench's shards are small, unlike a real bucket's (100 MB-1 GB).
 SHARD_BYTES = 1 << 20
-# Records per workload: a dataset moto holds in memory and uploads in seconds.
-RECORDS = {"small": 20_000, "image": 1_000}
+RECORDS = defaults.BUCKET_RECORDS  # per workload
 GRAIN_THREADS = 16
 # The whole-shard cache holds this fraction of the dataset.
 CACHE_FRACTION = 0.5

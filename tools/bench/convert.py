@@ -140,9 +140,9 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--data", default=os.path.join(tempfile.gettempdir(), "elevator-bench-convert"),
                  help="folder for the inputs and output (reused across runs)")
   p.add_argument("--workers", default=None,
-                 help="comma-separated worker counts (default: 1 and the usable cores)")
+                 help="comma-separated worker counts (default: one and the usable cores)")
   p.add_argument("--scale", type=float, default=1.0,
-                 help="multiply every input's record count (default 1: ~1.2 GB of inputs)")
+                 help="multiply every input's record count (default %(default)g: ~1.2 GB of inputs)")
   p.add_argument("--json", default=None, help="also write the results here")
   a = p.parse_args(argv)
   workers = ([int(w) for w in a.workers.split(",")] if a.workers

@@ -36,11 +36,12 @@ from typing import Any, Callable
 
 import numpy as np
 
+from grain_elevator.tools.bench import defaults
 from grain_elevator.tools.bench import feed
 from grain_elevator.tools.bench import workloads
 
 EXACT_STEPS = 8  # batches compared with embedded mode, per path
-RECORDS = 1000  # of the large workload: 150 MB of shards, written in seconds
+RECORDS = defaults.DEVICE_RECORDS  # of the large workload
 COPY_REPEATS = 20  # copies timed for each limit (median)
 
 
@@ -316,7 +317,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
   p.add_argument("--records", type=int, default=RECORDS,
                  help=f"records of the large workload (default {RECORDS:,}: 150 MB)")
   p.add_argument("--steps", type=int, default=300, help="steps per timed loop")
-  p.add_argument("--step-ms", type=float, default=10.0, help="the device step, ms")
+  p.add_argument("--step-ms", type=float, default=defaults.DEVICE_STEP_MS,
+                 help="the device step, ms")
   p.add_argument("--workers", type=int, default=default_workers(),
                  help="server worker processes (default: half the cores, 2 to 8)")
   p.add_argument("--data", default=None, help="folder for the shards")

@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
   p = argparse.ArgumentParser(prog="python -m grain_elevator.tools.bench.skip",
                               description=__doc__.split("\n\n")[0])
   p.add_argument("--data", default=str(pathlib.Path(tempfile.gettempdir()) / "elevator-bench"))
-  p.add_argument("--steps", type=int, default=1000, help="batches skipped (default 1000)")
+  p.add_argument("--steps", type=int, default=1000, help="batches skipped (default %(default)s)")
   p.add_argument("--rounds", type=int, default=2)
   p.add_argument("--documents", type=int, default=text_bench.WORKLOAD.default_records)
   a = p.parse_args(argv)

@@ -30,6 +30,7 @@ from typing import Any
 
 from grain_elevator.tools import text_corpus
 from grain_elevator.tools import tokenizer as tokenizer_lib
+from grain_elevator.tools.bench import defaults
 from grain_elevator.tools.bench import harness
 from grain_elevator.tools.bench import images as images_bench
 from grain_elevator.tools.bench import workloads as workloads_lib
@@ -48,7 +49,7 @@ class TextWorkload:
   global_batch_size: int = 32
   num_packing_bins: int = 32
   vocab_size: int = 4096
-  default_records: int = 20_000  # documents
+  default_records: int = defaults.RECORDS["text"]  # documents
 
   @property
   def options(self) -> dict[str, Any]:

@@ -1,9 +1,10 @@
 """`elevator bench-tfds`: a TFDS dataset served by name, against TFDS's own
 data source under local Grain, measured in one run.
 
-The dataset is MNIST-shaped (28x28x1 PNG images, a label and an id; 60,000
-records in 8 ArrayRecord shards by default), prepared by TFDS's own builder
-(tools/tfds_example.py). Two ways to read it:
+The dataset is MNIST-shaped (28x28x1 PNG images, a label and an id; RECORDS
+records by default, as many as MNIST's training split, in 8 ArrayRecord
+shards), prepared by TFDS's own builder (tools/tfds_example.py). Two ways to
+read it:
 
 - decoded: the records as `tfds.data_source` gives them, batched. The
   service decodes whole batches (server/data/tfds_source.py); local Grain decodes
@@ -36,6 +37,7 @@ from typing import Any, Callable
 NAME = "elevator_mnist_like"
 SIDE = 28
 GLOBAL_BATCH = 256
+RECORDS = 60_000
 GRAIN_SETTINGS = {  # label -> (read threads, mp_prefetch processes)
     "threads=0": (0, 0),
     "threads=16 (default)": (16, 0),
@@ -194,7 +196,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
   """The options, for `elevator bench-tfds` and `python -m` alike."""
   p.add_argument("--data", default=None, help="folder for the dataset (default: a temp "
                                               "folder, reused across runs)")
-  p.add_argument("--records", type=int, default=60_000, help="records (default 60,000)")
+  p.add_argument("--records", type=int, default=RECORDS, help=f"records (default {RECORDS:,})")
   p.add_argument("--workers", type=int, default=2, help="server worker processes")
   p.add_argument("--seconds", type=float, default=3.0, help="measured seconds per run")
   p.add_argument("--warmup", type=float, default=1.0, help="warm-up seconds per run")

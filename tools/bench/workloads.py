@@ -20,6 +20,7 @@ import textwrap
 import numpy as np
 
 from grain_elevator.pipelines import examples
+from grain_elevator.tools.bench import defaults
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,9 +63,10 @@ IMAGE_JPEG_BYTES = 114_000  # images.synthetic_jpeg's files, on average
 IMAGE_CLASSES = 1000
 
 WORKLOADS = {
-    "small": Workload("small", 32, 32, 3, True, 256, 200_000),
-    "large": Workload("large", 160, 320, 3, False, 32, 4_000),
-    "image": Workload("image", 224, 224, 3, False, 64, 2_000, kind="image"),
+    "small": Workload("small", 32, 32, 3, True, 256, defaults.RECORDS["small"]),
+    "large": Workload("large", 160, 320, 3, False, 32, defaults.RECORDS["large"]),
+    "image": Workload("image", 224, 224, 3, False, 64, defaults.RECORDS["image"],
+                      kind="image"),
 }
 
 

@@ -66,8 +66,9 @@ def add_subcommands(parser: argparse.ArgumentParser, *, local: bool = True) -> N
   _common(p, local)
   p.add_argument("--compression", choices=("auto", "none", "gzip", "zlib"), default="auto",
                  help="input compression (default auto: by extension, .gz gzip, .zz zlib)")
-  p.add_argument("--max-record-bytes", type=int, default=2 << 30,
-                 help="refuse records larger than this (default 2 GiB)")
+  from grain_elevator.tools.convert.tfrecord import MAX_RECORD_BYTES  # pylint: disable=g-import-not-at-top
+  p.add_argument("--max-record-bytes", type=int, default=MAX_RECORD_BYTES,
+                 help=f"refuse records larger than this (default {MAX_RECORD_BYTES >> 30} GiB)")
 
   p = sub.add_parser(
       "images", help="an ImageNet-style folder: DIR/<class>/<image files>",
@@ -89,8 +90,9 @@ def add_subcommands(parser: argparse.ArgumentParser, *, local: bool = True) -> N
   p.add_argument("inputs", nargs="+", metavar="IN_GLOB",
                  help="Parquet files or glob patterns (quote them)")
   _common(p, local)
-  p.add_argument("--batch-rows", type=int, default=1024,
-                 help="rows read at a time (default 1024)")
+  from grain_elevator.tools.convert.parquet import DEFAULT_BATCH_ROWS  # pylint: disable=g-import-not-at-top
+  p.add_argument("--batch-rows", type=int, default=DEFAULT_BATCH_ROWS,
+                 help="rows read at a time (default %(default)s)")
 
   p = sub.add_parser(
       "npz", help="rows of .npz arrays, each as a tf.train.Example",

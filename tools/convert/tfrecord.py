@@ -6,8 +6,8 @@ A TFRecord file is a sequence of records, each framed as::
 
 (little-endian; ``masked(crc) = ((crc >> 15) | (crc << 17)) + 0xa282ead8 mod 2**32``).
 Both CRCs are checked, and every length is checked before anything is
-allocated for it: against `max_record_bytes` (default 2 GiB) and against
-what is left of the file. A damaged file fails the conversion with a
+allocated for it: against `max_record_bytes` (default MAX_RECORD_BYTES) and
+against what is left of the file. A damaged file fails the conversion with a
 `CorruptInputError` naming the file and the byte offset of the bad record.
 
 Records keep their order: input files in sorted name order, records in file
