@@ -20,7 +20,6 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from grain_elevator.pipelines import examples
 from grain_elevator.proto.errors import ConfigError
 
 IMAGE_SIDE = 8
@@ -100,6 +99,9 @@ def write_dataset(root: pathlib.Path, source: str, fmt: str = "auto") -> DemoDat
         """) + textwrap.dedent(common))
     print(f"[data]   wrote {what} as a TFDS dataset (ArrayRecord, 4 shards) in {folder}")
     return DemoData(str(config), dataset, num_records)
+  # Imported here: `elevator`'s flags read run's defaults, and the record
+  # format's module imports Grain, which takes seconds.
+  from grain_elevator.pipelines import examples  # pylint: disable=g-import-not-at-top
   shards = root / "shards"
   examples.write_shards(
       str(shards), num_records,

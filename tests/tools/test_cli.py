@@ -1,11 +1,13 @@
 """The `elevator` command: describe against a real server and a local
-config, health, make-dataset, and serve's flags against ServerOptions."""
+config, health, make-dataset, serve's flags against ServerOptions, and
+every default a help text shows is the flag's own."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
+import re
 import subprocess
 
 import pytest
@@ -14,6 +16,7 @@ from grain_elevator.server import ServerOptions
 from grain_elevator.server.serving import options as options_lib
 from grain_elevator.tools import cli
 from grain_elevator.tools.testing.launcher import ELEVATOR
+from helpers import ROOT
 
 
 @pytest.mark.parametrize("local", [False, True])
@@ -100,3 +103,43 @@ def test_a_bad_serve_flag_names_itself(argv, message):
   result = subprocess.run([*ELEVATOR, "serve", "--config", "x.toml", *argv],
                           capture_output=True, text=True, timeout=60)
   assert result.returncode == 2 and message in result.stderr, result.stderr
+
+
+def _parsers(parser: argparse.ArgumentParser, prog: str = "elevator"):
+  """(prog, parser) of `parser` and every subcommand under it."""
+  yield prog, parser
+  for action in parser._actions:  # pylint: disable=protected-access
+    if isinstance(action, argparse._SubParsersAction):  # pylint: disable=protected-access
+      for name, sub in action.choices.items():
+        yield from _parsers(sub, f"{prog} {name}")
+
+
+def test_a_default_a_help_text_shows_is_the_flags_own():
+  """Where a flag's default is a number, the number its help shows is it
+  (0 and None stand for a default said in words, as bench's --small-records)."""
+  checked = 0
+  for prog, parser in _parsers(cli.build_parser()):
+    formatter = parser._get_formatter()  # pylint: disable=protected-access
+    for action in parser._actions:  # pylint: disable=protected-access
+      if not action.help or isinstance(action.default, bool) or not isinstance(
+          action.default, (int, float)) or action.default == 0:
+        continue
+      shown = re.search(r"\(default:? ([\d,.]+)( [KMG]iB)?",
+                        formatter._expand_help(action))  # pylint: disable=protected-access
+      if shown:
+        unit = {None: 1, " KiB": 1 << 10, " MiB": 1 << 20, " GiB": 1 << 30}[shown.group(2)]
+        assert float(shown.group(1).replace(",", "")) * unit == action.default, (
+            prog, action.option_strings)
+        checked += 1
+  assert checked >= 10, checked
+
+
+def test_no_help_text_writes_a_default_of_its_own():
+  """`(default 5)` in a source is a second copy of a number the code has:
+  a help text says %(default)s, or formats the constant the code uses."""
+  written = re.compile(r"\(default:? \d")
+  found = [f"{path.relative_to(ROOT)}:{n}: {line.strip()}"
+           for path in sorted((ROOT / "tools").rglob("*.py"))
+           for n, line in enumerate(path.read_text().splitlines(), 1)
+           if written.search(line) and not line.lstrip().startswith("#")]
+  assert not found, "\n".join(found)
