@@ -106,3 +106,19 @@ def test_the_readme_is_a_front_page_whose_links_exist():
       continue
     path = link.partition("#")[0]
     assert (ROOT / path).exists(), f"README.md links to {link}, which does not exist"
+
+
+def test_the_readme_layout_puts_each_name_where_it_is_defined():
+  """Each folder of README.md's Layout table exists, and a class a row names
+  (`ServerOptions`) is defined in that folder."""
+  text = (ROOT / "README.md").read_text()
+  layout = text[text.index("## Layout"):]
+  layout = layout[:layout.index("\n## ", 1)]
+  rows = re.findall(r"^\| `([\w/.-]+/)` \| (.*) \|$", layout, re.MULTILINE)
+  assert len(rows) >= 10
+  for folder, what in rows:
+    assert (ROOT / folder).is_dir(), f"README.md's Layout names {folder}, which does not exist"
+    sources = "\n".join(p.read_text() for p in (ROOT / folder).rglob("*.py"))
+    for name in re.findall(r"`([A-Z]\w+)`", what):
+      assert re.search(rf"^class {name}\b", sources, re.MULTILINE), (
+          f"README.md's Layout puts {name} in {folder}, which does not define it")
