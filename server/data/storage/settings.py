@@ -2,12 +2,13 @@
 an optional `[datasets.NAME.storage]` table for anything else.
 
 ```toml
-[datasets.NAME.storage]        # all optional
+[datasets.NAME.storage]        # all optional; the values are examples
 endpoint = "http://minio:9000"  # S3: else AWS_ENDPOINT_URL; GCS: else STORAGE_EMULATOR_HOST
 region = "eu-west-1"            # S3: else AWS_REGION / AWS_DEFAULT_REGION
 anonymous = true                # unsigned requests (public buckets)
-retry_s = 60                    # how long a read may retry (DEFAULT_RETRY_S)
-request_timeout_s = 20          # one request's limit: a stall past it is retried
+retry_s = 60                    # how long a read may retry; else DEFAULT_RETRY_S (below)
+request_timeout_s = 10          # one request's limit, a stall past it retried;
+                                # else REQUEST_TIMEOUT_S (below)
 ```
 
 Credentials never come from this file: S3 reads AWS_ACCESS_KEY_ID,
