@@ -27,24 +27,17 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+# The window's bound in bytes and its requests per server worker are
+# defaults the pool sizes itself by too, so they live beside it.
+from grain_elevator.client.transport.options import REQUESTS_PER_WORKER, WINDOW_BYTES
 from grain_elevator.proto.limits import LONG_STREAM_STEPS
 
 # About what one request should carry. 12 MB gives 4 steps of the bench's
 # 3.1 MB "small" batch and 3 of its 4.9 MB "large" one: the settings that
 # were fastest when tuned by hand on both.
 REQUEST_BYTES = 12 << 20
-# The most the default window holds (received and not yet taken, or coming);
-# `RemoteDataset(window_bytes=...)` sets another. 512 MiB holds 2 requests of
-# 3 steps of the bench's 4.9 MB "large" batch for each of 16 workers (96
-# steps): at 256 MiB the default kept 0.83x of the tuned rate there
-# (BENCHMARKS.md, "A default client against the tuned one").
-WINDOW_BYTES = 512 << 20
 # Well under a long stream (proto/limits.py), which servers admit fewer of.
 MAX_STEPS_PER_REQUEST = LONG_STREAM_STEPS // 2
-# Requests in flight a default client aims for on each server worker: one
-# being produced while the batch of the other is sent, so no worker waits a
-# round trip for its next request. Also the bulk connections per worker.
-REQUESTS_PER_WORKER = 2
 # How far the adaptive window may grow past its start: requests queued
 # behind busy connections go out the moment one frees, whichever request
 # the trainer is waiting on. Twice the start is 4 requests per worker, a

@@ -5,11 +5,11 @@ On first contact the pool opens gRPC channels that take no answer over the
 control limit (connection.py), learns each dataset's element spec, and only
 then opens the connections that carry batches, balanced over every worker
 of every replica (slots.py), by default REQUESTS_PER_WORKER on each
-(client/window.py; each replica's first connection says how many workers
-it has): bulk connections where a replica offers a
-reachable bulk port (`auto`), else gRPC channels limited to a whole global
-batch of the dataset and G first asked about (`_open_data`; reopened larger
-should a later request need more). Each step is checked exactly: its size,
+(options.py; each replica's first connection says how many workers it
+has): bulk connections where a replica offers a reachable bulk port
+(`auto`), else gRPC channels limited to a whole global batch of the
+dataset and G first asked about (`_open_data`; reopened larger should a
+later request need more). Each step is checked exactly: its size,
 and its leaves against the spec. Every request runs through the Retrier
 (retry.py); where an attempt goes after RESOURCE_EXHAUSTED is this pool's
 choice (`_after_full`), since it knows the replicas and transports.
@@ -33,8 +33,6 @@ from typing import Any, Callable, Sequence, TypeVar
 
 import grpc
 
-from grain_elevator.client.options import RetryPolicy, Security, TransportOptions
-from grain_elevator.client.window import REQUESTS_PER_WORKER, WINDOW_BYTES
 from grain_elevator.client.transport.buffers import BufferPool
 from grain_elevator.client.transport.bulk_connection import BulkConnection
 from grain_elevator.client.transport.connection import (MAX_CONTROL_MESSAGE_BYTES,
@@ -42,6 +40,8 @@ from grain_elevator.client.transport.connection import (MAX_CONTROL_MESSAGE_BYTE
                                                         TransportError, check_position)
 from grain_elevator.client.transport.grpc_connection import GrpcConnection
 from grain_elevator.client.transport.host_memory import PAGEABLE, HostMemory
+from grain_elevator.client.transport.options import (REQUESTS_PER_WORKER, WINDOW_BYTES,
+                                                     RetryPolicy, Security, TransportOptions)
 from grain_elevator.client.transport.retry import REFUSED, RETRIABLE, Retrier
 from grain_elevator.client.transport.slots import (Slot, Slots, interleave,
                                                    spread_over_workers)

@@ -56,6 +56,32 @@ def test_embedded_mode_loads_the_serving_engine_only_when_used(config_path):
       before + f"next(iter(RemoteDataset('local:{config_path}', 'plain', 8)))")
 
 
+def _client_imports(path) -> set[str]:
+  """The client modules (`transport.pool`, `window`, ...) that module `path`
+  imports, anywhere in its body (type-checking imports included)."""
+  import ast  # pylint: disable=g-import-not-at-top
+  out = set()
+  for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    if isinstance(node, ast.Import):
+      names = [a.name for a in node.names]
+    elif isinstance(node, ast.ImportFrom):  # `from grain_elevator.client import window` too
+      names = [f"{node.module}.{a.name}" for a in node.names] + [node.module or ""]
+    else:
+      names = []
+    out.update(n.removeprefix("grain_elevator.client.") for n in names
+               if n.startswith("grain_elevator.client."))
+  return out
+
+
+def test_client_transport_imports_nothing_above_it():
+  """Inside client/, transport/ is the floor: the iterators, the window and
+  the options' users sit on it, and it imports none of them."""
+  upward = {(str(path.relative_to(ROOT)), name)
+            for path in sorted((ROOT / "client" / "transport").rglob("*.py"))
+            for name in _client_imports(path) if not name.startswith("transport")}
+  assert not upward, f"client/transport/ imports above it: {sorted(upward)}"
+
+
 _PROBE = '''
 import json, os, sys
 from grain_elevator.pipelines import examples
