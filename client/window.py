@@ -25,8 +25,8 @@ settings in BENCHMARKS.md ("A default client against the tuned one").
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
+from grain_elevator.client.read_spec import ReadSpec
 # The window's bound in bytes and its requests per server worker are
 # defaults the pool sizes itself by too, so they live beside it.
 from grain_elevator.client.transport.options import REQUESTS_PER_WORKER, WINDOW_BYTES
@@ -90,15 +90,16 @@ def plan(step_bytes: int, requests: int, *, prefetch: int | None = None,
   return Window(start, steps_per_request, most, adaptive=adaptive)
 
 
-def for_dataset(ds: Any, info: Any, requests: int) -> Window:
-  """The window of an iterator of RemoteDataset `ds` over dataset `info`,
-  whose backend keeps every worker busy with `requests` in flight; a
-  stream's is fixed at STREAM_REQUESTS requests ahead."""
-  step_bytes = ds.global_batch_size // ds.shard_count * info.element_spec.record_bytes
-  stream = bool(info.stream)
-  return plan(step_bytes, STREAM_REQUESTS if stream else requests, prefetch=ds.prefetch,
-              steps_per_request=ds.transport.steps_per_request,
-              window_bytes=ds.window_bytes, adaptive=not stream)
+def for_dataset(spec: ReadSpec, requests: int, *, adaptive: bool = True) -> Window:
+  """The window of an iterator reading `spec` (described) with `requests`
+  in flight, which keep every worker busy (a stream's reader asks for
+  STREAM_REQUESTS, fixed: `adaptive` False); the options the trainer gave
+  are kept."""
+  step_bytes = (spec.global_batch_size // spec.shard_count
+                * spec.require_info().element_spec.record_bytes)
+  return plan(step_bytes, requests, prefetch=spec.prefetch,
+              steps_per_request=spec.transport.steps_per_request,
+              window_bytes=spec.window_bytes, adaptive=adaptive)
 
 
 class Autotune:

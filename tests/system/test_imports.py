@@ -82,6 +82,15 @@ def test_client_transport_imports_nothing_above_it():
   assert not upward, f"client/transport/ imports above it: {sorted(upward)}"
 
 
+def test_nothing_in_client_imports_remote_dataset_but_the_package():
+  """RemoteDataset sits on top: what reads for it takes its ReadSpec
+  (client/read_spec.py), so no module under it imports it, not even to
+  type-check (the readers, their skeleton and RemoteDataset made a circle)."""
+  importers = {str(path.relative_to(ROOT)) for path in sorted((ROOT / "client").rglob("*.py"))
+               if {n.split(".")[0] for n in _client_imports(path)} & {"remote_dataset"}}
+  assert importers <= {"client/__init__.py"}, f"these import remote_dataset: {sorted(importers)}"
+
+
 _PROBE = '''
 import json, os, sys
 from grain_elevator.pipelines import examples
