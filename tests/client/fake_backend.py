@@ -13,15 +13,18 @@ deterministic function of where they are:
   in the step, so an iterator must follow the ones it was sent.
 
 Every request is checked against what the client must send, and kept
-(`requests`), so a test can say what went on the wire.
+(`requests`), so a test can say what went on the wire. `Restartable` gives
+Grain's checkpoint check (`grain.experimental.assert_equal_output_after_checkpoint`)
+fresh iterators whose states are only ever JSON.
 """
 
 from __future__ import annotations
 
 import json
 import threading
-from typing import Any
+from typing import Any, Callable
 
+import grain
 import numpy as np
 
 from grain_elevator.client.read_spec import ReadSpec
@@ -190,3 +193,32 @@ class FakeBackend:
   def close(self) -> None:
     with self._lock:
       self.closed = True
+
+
+class _JsonIterator(grain.DatasetIterator):
+  """An iterator whose states are only ever JSON text, parsed: what a
+  checkpoint on disk holds."""
+
+  def __init__(self, it: grain.DatasetIterator):
+    super().__init__()
+    self._it = it
+
+  def __next__(self) -> Any:
+    return next(self._it)
+
+  def get_state(self) -> dict[str, Any]:
+    return json.loads(json.dumps(self._it.get_state()))
+
+  def set_state(self, state: dict[str, Any]) -> None:
+    self._it.set_state(json.loads(json.dumps(state)))
+
+
+class Restartable:
+  """What Grain's checkpoint check iterates: each `iter()` a fresh iterator
+  from `make`, its every state saved and restored through JSON."""
+
+  def __init__(self, make: Callable[[], grain.DatasetIterator]):
+    self._make = make
+
+  def __iter__(self) -> grain.DatasetIterator:
+    return _JsonIterator(self._make())
