@@ -66,6 +66,11 @@ def _spec_field(name: str) -> property:
 class RemoteDataset(grain.IterDataset):
   """Host `shard_index`'s slices of a served dataset's global batches.
 
+  The arguments, checked (the targets parsed into a list, window_bytes
+  resolved), are read-only attributes of the same names (`ds.dataset`,
+  `ds.global_batch_size`, ...): together, the dataset's `ReadSpec`
+  (client/read_spec.py), which its iterators read.
+
   Example:
     ds = RemoteDataset("localhost:50051", "train", global_batch_size=256,
                        shard_index=jax.process_index(),
@@ -103,10 +108,6 @@ class RemoteDataset(grain.IterDataset):
       throughput, retries, fallbacks) at INFO every this many seconds; 0: never.
 
   Attributes:
-    targets, dataset, global_batch_size, shard_index, shard_count, prefetch,
-      window_bytes, transport, retry, security, stats_log_s: the arguments,
-      checked (targets parsed into a list, window_bytes resolved), read-only:
-      they are the dataset's `ReadSpec` (client/read_spec.py).
     host_memory: where iterators started from now on receive batches over
       the bulk transport (client/transport/host_memory.py): None, ordinary
       memory; `to_device` with a GPU sharding and `TorchLoader(device="cuda")`
