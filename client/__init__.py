@@ -10,9 +10,9 @@ PyTorch trainers use `grain_elevator.client.torch` (the `torch` extra).
 
 from grain_elevator.client import checkpoint
 from grain_elevator.client.device import to_device
-from grain_elevator.client.options import RetryPolicy, Security, TransportOptions
 from grain_elevator.client.remote_dataset import RemoteDataset, describe
 from grain_elevator.client.stats import Stats, start_metrics_server
+from grain_elevator.client.transport.options import RetryPolicy, Security, TransportOptions
 from grain_elevator.proto.errors import (Cancelled, ConfigError, DataLossError, ElevatorError,
                                          EndOfDataError, InternalError, InvalidRequestError,
                                          ResourceExhaustedError, ServiceUnavailableError,

@@ -7,11 +7,11 @@ from __future__ import annotations
 from typing import Any, Protocol, Sequence
 
 
-from grain_elevator.client.options import RetryPolicy, Security, TransportOptions
 from grain_elevator.client.transport import targets as targets_lib
 from grain_elevator.client.transport.connection import Step
 from grain_elevator.client.transport.host_memory import HostMemory
-from grain_elevator.client.window import WINDOW_BYTES
+from grain_elevator.client.transport.options import (WINDOW_BYTES, RetryPolicy, Security,
+                                                     TransportOptions)
 from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.proto.spec import DatasetInfo
 

@@ -159,7 +159,7 @@ def to_device(ds: grain.IterDataset, sharding: Any, *, cpu_buffer: int = 4,
   return buffered_put(ds, PutOnMesh(sharding, layout), cpu_buffer, device_buffer)
 
 
-def receive_page_locked(ds: Any, memory: host_memory.HostMemory | None) -> None:
+def receive_page_locked(ds: object, memory: host_memory.HostMemory | None) -> None:
   """Makes `ds` (a RemoteDataset; anything else is left alone) receive into
   `memory`, unless it is None or the user chose the dataset's memory."""
   if memory is not None and getattr(ds, "host_memory", False) is None:

@@ -1,5 +1,8 @@
 """What every iterator of a RemoteDataset shares, whichever reader it is.
 
+An iterator reads what its `ReadSpec` says (client/read_spec.py): it knows
+nothing of the RemoteDataset that made it.
+
 A dataset that answers for any step is read by client/step_iterator.py:
 requests for chunks of steps, many in flight, any one retried on its own. A
 stream dataset is read by client/stream_iterator.py: one request at a time,
@@ -13,7 +16,7 @@ closing thread (client/closing.py).
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import grain
 
@@ -21,15 +24,11 @@ from grain_elevator.client import closing
 from grain_elevator.client import state as state_lib
 from grain_elevator.client import stats as stats_lib
 from grain_elevator.client.backend import Backend
+from grain_elevator.client.read_spec import ReadSpec
 from grain_elevator.client.transport.connection import Step
 from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.proto import tree
-from grain_elevator.proto import wire
 from grain_elevator.proto.errors import ElevatorError
-from grain_elevator.proto.spec import DatasetInfo
-
-if TYPE_CHECKING:
-  from grain_elevator.client.remote_dataset import RemoteDataset
 
 
 class Arrivals(list):
@@ -49,18 +48,18 @@ class ClientIterator(grain.DatasetIterator):
   """The skeleton; a reader fills in how steps are fetched (`_cancel`,
   `_join`), skipped, and where a restored cursor puts it."""
 
-  def __init__(self, ds: RemoteDataset, backend: Backend, info: DatasetInfo,
-               in_flight: Callable[[], int]):
-    """`in_flight`: the steps the reader keeps ahead now (for stats); it
-    must not hold the iterator, or the meter would keep it alive."""
+  def __init__(self, spec: ReadSpec, backend: Backend, in_flight: Callable[[], int]):
+    """`spec`: what it reads, described; `in_flight`: the steps the reader
+    keeps ahead now (for stats); it must not hold the iterator, or the meter
+    would keep it alive."""
     super().__init__()
-    self._ds = ds
+    self._spec = spec
     self._backend = backend
-    self._info = info
+    self._info = info = spec.require_info()
     self._structure = info.element_spec.structure
     self._step = 0  # the next step the trainer receives
     self._skips: state_lib.Skips = ()  # steps skipped ([a, b) ranges), for the cursor
-    self._meter = stats_lib.meter_for(ds, backend, in_flight)
+    self._meter = stats_lib.meter_for(spec, backend, in_flight)
     self._closed = False
     closing.start()  # where a dropped iterator gets closed
 
@@ -72,16 +71,12 @@ class ClientIterator(grain.DatasetIterator):
 
   def _check_open(self) -> None:
     if self._closed:
-      raise ElevatorError(f"{self._ds} iterator is closed")
+      raise ElevatorError(f"{self._spec} iterator is closed")
 
   def _request(self, start: int, num_steps: int, **fields: Any) -> pb.BatchRequest:
-    """The request for steps [start, start + num_steps) of this host."""
-    ds = self._ds
-    return pb.BatchRequest(
-        dataset=ds.dataset, global_batch_size=ds.global_batch_size,
-        shard_index=ds.shard_index, shard_count=ds.shard_count, start_step=start,
-        num_steps=num_steps, config_fingerprint=self._info.config_fingerprint,
-        compression=wire.COMPRESSIONS[ds.transport.compression], **fields)
+    """The request for steps [start, start + num_steps) of this host, its
+    batches in the transport's compression."""
+    return self._spec.request(start, num_steps, compressed=True, **fields)
 
   def _delivered(self, called_at: float, leaves: list[Any]) -> Any:
     """A step as the trainer receives it. The whole `__next__` call counts
@@ -91,11 +86,11 @@ class ClientIterator(grain.DatasetIterator):
     return tree.unflatten(self._structure, leaves)
 
   def _state(self, cursor: state_lib.Cursor) -> dict[str, Any]:
-    return state_lib.make(cursor, self._info, self._ds.global_batch_size)
+    return state_lib.make(cursor, self._spec)
 
   def _cursor(self, state: dict[str, Any]) -> state_lib.Cursor:
     """`state` checked against this dataset and G (a precise error if not)."""
-    return state_lib.check(state, self._info, self._ds.global_batch_size)
+    return state_lib.check(state, self._spec)
 
   # -- life ---------------------------------------------------------------
 
@@ -122,4 +117,4 @@ class ClientIterator(grain.DatasetIterator):
       _later(self.close)
 
   def __str__(self) -> str:
-    return f"{self._ds} @ step {self._step}"
+    return f"{self._spec} @ step {self._step}"

@@ -1,9 +1,11 @@
 """`RemoteDataset`: a `grain.IterDataset` of global-batch slices from the service.
 
 Step k of host h of H is rows [h*G/H, (h+1)*G/H) of global batch k (the
-contract, proto/contract.py). Its iterator is the reader of the dataset's
-shape on one skeleton (client/iterator.py): steps asked for in chunks, many in
-flight (client/step_iterator.py), or a stream continued from a position
+contract, proto/contract.py). What a host reads is one `ReadSpec`
+(client/read_spec.py), made here from the arguments and described by the
+servers. Its iterator is the reader of the dataset's kind on one skeleton
+(client/iterator.py): steps asked for in chunks, many in flight
+(client/step_iterator.py), or a stream continued from a position
 (client/stream_iterator.py); either delivers in step order, and its state is
 a global cursor that resumes on any number of hosts.
 """
@@ -19,24 +21,28 @@ import grain
 from grain_elevator.client import layout
 from grain_elevator.client import stats as stats_lib
 from grain_elevator.client import stream_summary
-from grain_elevator.client import window as window_lib
 from grain_elevator.client.backend import Backend, make_backend
 from grain_elevator.client.iterator import ClientIterator
-from grain_elevator.client.options import RetryPolicy, Security, TransportOptions
+from grain_elevator.client.read_spec import Kind, ReadSpec
+from grain_elevator.client.step_iterator import StepIterator
+from grain_elevator.client.stream_iterator import StreamIterator, fast_forward
 from grain_elevator.client.transport import targets as targets_lib
-from grain_elevator.client.transport.host_memory import HostMemory
 from grain_elevator.client.transport.connection import CancelToken
+from grain_elevator.client.transport.host_memory import HostMemory
+from grain_elevator.client.transport.options import (WINDOW_BYTES, RetryPolicy, Security,
+                                                     TransportOptions)
 from grain_elevator.proto import contract
 from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.proto.errors import InvalidRequestError, UnknownDatasetError
 from grain_elevator.proto.spec import DatasetInfo
-from grain_elevator.client.step_iterator import StepIterator
-from grain_elevator.client.stream_iterator import StreamIterator, fast_forward
 
 # What the TypeError for an option given as something else suggests.
 _EXAMPLES = {"transport": "TransportOptions(kind='grpc')",
              "retry": "RetryPolicy(timeout_s=300)",
              "security": "Security(auth_token='...')"}
+# The reader of each kind of dataset (client/read_spec.py).
+_READERS: dict[Kind, Callable[[ReadSpec, Backend], ClientIterator]] = {
+    Kind.STEP: StepIterator, Kind.STREAM: StreamIterator}
 
 
 def describe(target: str | Sequence[str], dataset: str | None = None, *,
@@ -51,8 +57,19 @@ def describe(target: str | Sequence[str], dataset: str | None = None, *,
     backend.close()
 
 
+def _spec_field(name: str) -> property:
+  """A RemoteDataset attribute that is its ReadSpec's field `name`, read-only."""
+  return property(lambda ds: getattr(ds._spec, name),  # pylint: disable=protected-access
+                  doc=f"The dataset's `ReadSpec.{name}` (client/read_spec.py).")
+
+
 class RemoteDataset(grain.IterDataset):
   """Host `shard_index`'s slices of a served dataset's global batches.
+
+  The arguments, checked (the targets parsed into a list, window_bytes
+  resolved), are read-only attributes of the same names (`ds.dataset`,
+  `ds.global_batch_size`, ...): together, the dataset's `ReadSpec`
+  (client/read_spec.py), which its iterators read.
 
   Example:
     ds = RemoteDataset("localhost:50051", "train", global_batch_size=256,
@@ -75,12 +92,14 @@ class RemoteDataset(grain.IterDataset):
       matching `jax.process_count()` or world size, else 1.
     prefetch: steps kept in flight ahead of the trainer (0: fetch on demand),
       fixed; None (the default): one request per connection carrying batches
-      (by default window.REQUESTS_PER_WORKER per server worker), then
+      (by default REQUESTS_PER_WORKER per server worker,
+      client/transport/options.py), then
       adapted while the trainer runs: more while it waits for data, fewer
       while steps pile up (client/window.py). `stats().window` says where it
       stands.
     window_bytes: the most a default window holds, received or coming
-      (None: window.WINDOW_BYTES); bounds the adaptive window's memory.
+      (None: WINDOW_BYTES, client/transport/options.py); bounds the
+      adaptive window's memory.
     transport: how batches travel (TransportOptions: bulk or gRPC,
       connections per replica, steps per request, compression).
     retry: when to try again and when to give up (RetryPolicy).
@@ -122,21 +141,31 @@ class RemoteDataset(grain.IterDataset):
         raise TypeError(f"{name} must be a {cls.__name__}, e.g. {name}={_EXAMPLES[name]}; "
                         f"got {type(value).__name__} {value!r}")
     transport.check_security(security)
-    self.targets = targets_lib.parse_targets(target)
-    self.dataset = dataset
-    self.global_batch_size = global_batch_size
-    self.shard_index = shard_index
-    self.shard_count = shard_count
-    self.prefetch = prefetch
-    self.window_bytes = window_lib.WINDOW_BYTES if window_bytes is None else window_bytes
-    self.transport = transport
-    self.retry = retry
-    self.security = security
-    self.stats_log_s = stats_log_s
+    self._spec = ReadSpec(
+        targets=tuple(targets_lib.parse_targets(target)), dataset=dataset,
+        global_batch_size=global_batch_size, shard_index=shard_index,
+        shard_count=shard_count, prefetch=prefetch,
+        window_bytes=WINDOW_BYTES if window_bytes is None else window_bytes,
+        transport=transport, retry=retry, security=security, stats_log_s=stats_log_s)
     self.host_memory: HostMemory | None = None
     self._iterators: weakref.WeakSet[ClientIterator] = weakref.WeakSet()
     self._embedded: Backend | None = None
     self._embedded_lock = threading.Lock()
+
+  @property
+  def targets(self) -> list[str]:
+    return list(self._spec.targets)
+
+  dataset = _spec_field("dataset")
+  global_batch_size = _spec_field("global_batch_size")
+  shard_index = _spec_field("shard_index")
+  shard_count = _spec_field("shard_count")
+  prefetch = _spec_field("prefetch")
+  window_bytes = _spec_field("window_bytes")
+  transport = _spec_field("transport")
+  retry = _spec_field("retry")
+  security = _spec_field("security")
+  stats_log_s = _spec_field("stats_log_s")
 
   def _new_backend(self) -> Backend:
     """Connections of one iterator; embedded mode shares one opened dataset."""
@@ -161,9 +190,9 @@ class RemoteDataset(grain.IterDataset):
       (info,) = backend.describe(self.dataset, self.global_batch_size)
       if info.name != self.dataset:
         raise UnknownDatasetError(f"server answered for {info.name!r}, not {self.dataset!r}")
-      # The reader of its shape: any step in O(1), or a stream from a position.
-      it: ClientIterator = (StreamIterator if info.stream else StepIterator)(
-          self, backend, info)
+      spec = self._spec.described(info)
+      # The reader of its kind: any step in O(1), or a stream from a position.
+      it = _READERS[spec.kind](spec, backend)
     except BaseException:
       backend.close()
       raise
@@ -191,16 +220,14 @@ class RemoteDataset(grain.IterDataset):
       raise InvalidRequestError(
           f"step {step} of global batch size {self.global_batch_size} lies past the "
           "wire's largest record position (2**63 - 1)")
-    backend = make_backend(self.targets, transport=TransportOptions(connections_per_target=1),
-                           retry=self.retry, security=self.security)
+    backend = self._control_backend()
     try:
       (info,) = backend.describe(self.dataset)
-      position = self._position(backend, info, step, stream_state) if info.stream else ""
-      return backend.explain(pb.ExplainRequest(request=pb.BatchRequest(
-          dataset=self.dataset, global_batch_size=self.global_batch_size,
-          shard_index=self.shard_index, shard_count=self.shard_count, start_step=step,
-          num_steps=1, record_offset=record_offset, stream_state=position,
-          config_fingerprint=info.config_fingerprint)))
+      spec = self._spec.described(info)
+      position = (_position(backend, spec, step, stream_state) if spec.kind is Kind.STREAM
+                  else "")
+      return backend.explain(pb.ExplainRequest(request=spec.request(
+          step, 1, record_offset=record_offset, stream_state=position)))
     finally:
       backend.close()
 
@@ -226,30 +253,22 @@ class RemoteDataset(grain.IterDataset):
       raise InvalidRequestError(
           f"step {end} of global batch size {self.global_batch_size} lies past the wire's "
           "largest record position (2**63 - 1)")
-    backend = make_backend(self.targets, transport=TransportOptions(connections_per_target=1),
-                           retry=self.retry, security=self.security)
+    backend = self._control_backend()
     try:
       (info,) = backend.describe(self.dataset)
-      if info.stream:
-        position = self._position(backend, info, start, stream_state)
-        return stream_summary.summarize(backend, self.dataset, info, self.global_batch_size,
-                                        start, end, position, progress)
-      return backend.explain(pb.ExplainRequest(summary=True, request=pb.BatchRequest(
-          dataset=self.dataset, global_batch_size=self.global_batch_size, shard_count=1,
-          start_step=start, num_steps=end - start, record_offset=record_offset,
-          config_fingerprint=info.config_fingerprint)))
+      spec = self._spec.described(info)
+      if spec.kind is Kind.STREAM:
+        position = _position(backend, spec, start, stream_state)
+        return stream_summary.summarize(backend, spec, start, end, position, progress)
+      return backend.explain(pb.ExplainRequest(summary=True, request=spec.request(
+          start, end - start, record_offset=record_offset, whole=True)))
     finally:
       backend.close()
 
-  def _position(self, backend: Backend, info: DatasetInfo, step: int,
-                stream_state: dict[str, Any] | None) -> str:
-    """Where stream step `step` begins: `stream_state`'s position (a
-    cursor saved there), or fast-forwarded to from the stream's start."""
-    if stream_state is not None:
-      return contract.position_text(stream_state)
-    if not step:
-      return ""
-    return fast_forward(backend, self, info, 0, "", step, CancelToken())
+  def _control_backend(self) -> Backend:
+    """One connection per replica, for explain and summary (no batches)."""
+    return make_backend(self.targets, transport=TransportOptions(connections_per_target=1),
+                        retry=self.retry, security=self.security)
 
   def stats(self) -> stats_lib.Stats:
     """Whether the trainer waits on data: `Stats` summed over this dataset's
@@ -268,5 +287,15 @@ class RemoteDataset(grain.IterDataset):
     self.close()
 
   def __str__(self) -> str:
-    return (f"RemoteDataset(targets={self.targets}, dataset={self.dataset!r}, "
-            f"G={self.global_batch_size}, h={self.shard_index}/{self.shard_count})")
+    return str(self._spec)
+
+
+def _position(backend: Backend, spec: ReadSpec, step: int,
+              stream_state: dict[str, Any] | None) -> str:
+  """Where stream step `step` begins: `stream_state`'s position (a cursor
+  saved there), or fast-forwarded to from the stream's start."""
+  if stream_state is not None:
+    return contract.position_text(stream_state)
+  if not step:
+    return ""
+  return fast_forward(backend, spec, 0, "", step, CancelToken())

@@ -33,6 +33,7 @@ import dataclasses
 import json
 from typing import Any
 
+from grain_elevator.client.read_spec import Kind, ReadSpec
 from grain_elevator.proto import contract
 from grain_elevator.proto.errors import InvalidRequestError, StreamMismatchError
 from grain_elevator.proto.spec import DatasetInfo
@@ -115,12 +116,13 @@ def trained_steps(state: dict[str, Any]) -> int:
   return state["step"] - sum(min(b, state["step"]) - a for a, b in state.get("skips", ()))
 
 
-def make(cursor: Cursor, info: DatasetInfo, global_batch_size: int) -> dict[str, Any]:
-  """The JSON-safe state for `cursor`."""
+def make(cursor: Cursor, spec: ReadSpec) -> dict[str, Any]:
+  """The JSON-safe state for `cursor` of what `spec` reads (described)."""
+  info = spec.require_info()
   state = {
       "step": cursor.step,
       "dataset": info.name,
-      "global_batch_size": global_batch_size,
+      "global_batch_size": spec.global_batch_size,
       "seed": info.seed,
       "config_fingerprint": info.cursor_fingerprint(cursor.step),
       "version": CURSOR_VERSION,
@@ -129,7 +131,7 @@ def make(cursor: Cursor, info: DatasetInfo, global_batch_size: int) -> dict[str,
     state["skips"] = [list(r) for r in cursor.skips]
   if cursor.record_offset:
     state["record_offset"] = cursor.record_offset
-  if info.stream:
+  if spec.kind is Kind.STREAM:
     state["stream_state"] = json.loads(cursor.stream_state) if cursor.stream_state else None
   return state
 
@@ -141,9 +143,11 @@ def _int(state: dict[str, Any], key: str, default: int | None = None, minimum: i
   return value
 
 
-def check(state: Any, info: DatasetInfo, global_batch_size: int) -> Cursor:
-  """Validates a saved state for this stream; returns where it resumes under
-  `global_batch_size` (which may differ from the one it was saved with)."""
+def check(state: Any, spec: ReadSpec) -> Cursor:
+  """Validates a saved state for what `spec` reads (described); returns
+  where it resumes under the spec's global batch size (which may differ
+  from the one it was saved with)."""
+  info, global_batch_size = spec.require_info(), spec.global_batch_size
   if not isinstance(state, dict):
     raise InvalidRequestError(
         f"a grain-elevator state must be a dict, got {type(state).__name__}")
@@ -159,7 +163,7 @@ def check(state: Any, info: DatasetInfo, global_batch_size: int) -> Cursor:
         f"this state is of cursor version {version}, saved by a newer grain-elevator; this "
         f"one reads versions up to {CURSOR_VERSION}")
   skips = _skips(state.get("skips", []), step)
-  expected = make(Cursor(step), info, global_batch_size)
+  expected = make(Cursor(step), spec)
   diffs = [f"{k}: saved {state[k]!r}, this stream has {expected[k]!r}"
            for k in _STREAM_KEYS if state[k] != expected[k]]
   if len(info.segment_steps) > 1 and state["global_batch_size"] != global_batch_size:
@@ -174,7 +178,7 @@ def check(state: Any, info: DatasetInfo, global_batch_size: int) -> Cursor:
         "any number of hosts is fine.")
   offset = _int(state, "record_offset", 0)
   saved_g = _int(state, "global_batch_size", minimum=1)
-  if info.stream:
+  if spec.kind is Kind.STREAM:
     return _stream_cursor(state, info, saved_g, global_batch_size, step, offset, skips)
   if "stream_state" in state:
     raise InvalidRequestError(f"this state has a stream_state, but dataset {info.name!r} is "

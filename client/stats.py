@@ -21,6 +21,9 @@ import time
 import weakref
 from typing import Any, Callable, Iterator
 
+from grain_elevator.client.backend import Backend
+from grain_elevator.client.read_spec import ReadSpec
+
 log = logging.getLogger("grain_elevator.client")
 
 
@@ -105,11 +108,11 @@ class Meter:
 _METERS: "weakref.WeakSet[Meter]" = weakref.WeakSet()
 
 
-def meter_for(ds: Any, backend: Any, window: Callable[[], int] = lambda: 0) -> Meter:
-  """The meter of an iterator of RemoteDataset `ds` that reads from `backend`,
-  keeping `window()` steps in flight."""
-  return Meter(str(ds), ds.stats_log_s, lambda: (
-      getattr(backend, "retries", 0), getattr(backend, "fallbacks", 0)), dataset=ds.dataset,
+def meter_for(spec: ReadSpec, backend: Backend, window: Callable[[], int] = lambda: 0) -> Meter:
+  """The meter of an iterator reading `spec` from `backend`, keeping
+  `window()` steps in flight."""
+  return Meter(str(spec), spec.stats_log_s, lambda: (
+      getattr(backend, "retries", 0), getattr(backend, "fallbacks", 0)), dataset=spec.dataset,
       window=window)
 
 

@@ -17,19 +17,16 @@ import dataclasses
 import functools
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from grain_elevator.client import state as state_lib
 from grain_elevator.client import window as window_lib
 from grain_elevator.client.backend import Backend
 from grain_elevator.client.iterator import Arrivals, ClientIterator
+from grain_elevator.client.read_spec import ReadSpec
 from grain_elevator.client.transport.connection import CancelToken, Step
 from grain_elevator.proto import contract
 from grain_elevator.proto.errors import Cancelled, ElevatorError
-from grain_elevator.proto.spec import DatasetInfo
-
-if TYPE_CHECKING:
-  from grain_elevator.client.remote_dataset import RemoteDataset
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,14 +41,15 @@ class _Chunk:
 class StepIterator(ClientIterator):
   """Delivers steps in order while keeping `prefetch` of them in flight."""
 
-  def __init__(self, ds: RemoteDataset, backend: Backend, info: DatasetInfo):
+  def __init__(self, spec: ReadSpec, backend: Backend):
+    """`spec`: what it reads (a dataset of Kind.STEP, described)."""
     # Everything that can refuse (G against the dataset) before the skeleton
     # starts: a half-made iterator would reach the closing thread.
-    total = info.total_steps(ds.global_batch_size)
-    window = window_lib.for_dataset(ds, info, backend.parallelism)
+    total = spec.require_info().total_steps(spec.global_batch_size)
+    window = window_lib.for_dataset(spec, backend.parallelism)
     # None: a window the user fixed (prefetch given)
     tune = window_lib.Autotune(window) if window.adaptive else None
-    super().__init__(ds, backend, info, (lambda: tune.prefetch) if tune is not None
+    super().__init__(spec, backend, (lambda: tune.prefetch) if tune is not None
                      else (lambda: window.prefetch))
     self._window, self._tune = window, tune
     self._offset = 0  # records before step 0: nonzero once G changed at a checkpoint
@@ -119,7 +117,7 @@ class StepIterator(ClientIterator):
       chunk.steps[i] = Step([], taken.next_stream_state)
       return taken.leaves
     chunk.future.result()  # raises what ended the fetch
-    raise ElevatorError(f"{self._ds}: step {chunk.start + i} was not received")
+    raise ElevatorError(f"{self._spec}: step {chunk.start + i} was not received")
 
   def _cancel_all(self) -> None:
     while self._chunks:
@@ -146,7 +144,7 @@ class StepIterator(ClientIterator):
       try:
         leaves = self._take(chunk, i)
       except Cancelled:
-        raise Cancelled(f"{self._ds} iterator was closed") from None
+        raise Cancelled(f"{self._spec} iterator was closed") from None
       if self._step == chunk.start + chunk.num_steps - 1:
         self._chunks.popleft()
       self._step += 1
@@ -163,9 +161,9 @@ class StepIterator(ClientIterator):
     below 0, or one past the end of a finite dataset."""
     with self._lock:
       self._check_open()
-      g = self._ds.global_batch_size
+      g = self._spec.global_batch_size
       contract.check_skip(self._step, num_steps, g, self._offset, self._total,
-                          self._ds.dataset)
+                          self._spec.dataset)
       skips = state_lib.add_skip(self._skips, self._step, num_steps)
       self._cancel_all()
       if self._tune is not None:
@@ -187,7 +185,7 @@ class StepIterator(ClientIterator):
       self._step = self._requested = cursor.step
       self._skips = cursor.skips
       self._offset = cursor.record_offset
-      self._total = self._info.total_steps(self._ds.global_batch_size, self._offset)
+      self._total = self._info.total_steps(self._spec.global_batch_size, self._offset)
 
   # -- life -----------------------------------------------------------------
 

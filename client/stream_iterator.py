@@ -24,21 +24,17 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from grain_elevator.client import state as state_lib
 from grain_elevator.client import window as window_lib
 from grain_elevator.client.backend import Backend
 from grain_elevator.client.iterator import Arrivals, ClientIterator
+from grain_elevator.client.read_spec import ReadSpec
 from grain_elevator.client.transport.connection import CancelToken
 from grain_elevator.proto import contract
-from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.proto.errors import ElevatorError, EndOfDataError, InvalidRequestError
 from grain_elevator.proto.limits import MAX_SKIP_STEPS
-from grain_elevator.proto.spec import DatasetInfo
-
-if TYPE_CHECKING:
-  from grain_elevator.client.remote_dataset import RemoteDataset
 
 _END = object()  # the stream ended after the steps before it
 # Rows one Skip call fast-forwards past at most (G of them per step): each
@@ -49,14 +45,15 @@ SKIP_ROWS_PER_CALL = 1 << 12
 class StreamIterator(ClientIterator):
   """Delivers a stream dataset's steps in order, `prefetch` of them ahead."""
 
-  def __init__(self, ds: RemoteDataset, backend: Backend, info: DatasetInfo):
+  def __init__(self, spec: ReadSpec, backend: Backend):
+    """`spec`: what it reads (a dataset of Kind.STREAM, described)."""
     # Fixed: one fetch thread, one request at a time, whatever the workers.
-    window = window_lib.for_dataset(ds, info, window_lib.STREAM_REQUESTS)
+    window = window_lib.for_dataset(spec, window_lib.STREAM_REQUESTS, adaptive=False)
     ahead = max(window.prefetch, window.steps_per_request)
-    super().__init__(ds, backend, info, lambda: ahead)
+    super().__init__(spec, backend, lambda: ahead)
     self._window = window
     self._ahead = ahead  # steps the fetch thread keeps ahead of the trainer
-    self._position = info.stream_start  # where the next step starts
+    self._position = self._info.stream_start  # where the next step starts
     self._skip_token: CancelToken | None = None  # a skip's server calls, while one runs
     self._cond = threading.Condition()
     self._queue: collections.deque[Any] = collections.deque()  # Steps, then _END or an error
@@ -143,7 +140,7 @@ class StreamIterator(ClientIterator):
       while not self._queue:
         fetcher = self._fetcher
         if fetcher is None or not fetcher.is_alive():  # it puts before it ends, under this lock
-          raise ElevatorError(f"{self._ds}: the fetch thread ended with nothing to deliver")
+          raise ElevatorError(f"{self._spec}: the fetch thread ended with nothing to deliver")
         self._cond.wait(1.0)
       item = self._queue[0]
       if item is _END:
@@ -165,8 +162,8 @@ class StreamIterator(ClientIterator):
     range. InvalidRequestError for a count below 0, or one past the end of
     a finite stream (the iterator then stays where it was)."""
     self._check_open()
-    contract.check_skip(self._step, num_steps, self._ds.global_batch_size,
-                        dataset=self._ds.dataset)
+    contract.check_skip(self._step, num_steps, self._spec.global_batch_size,
+                        dataset=self._spec.dataset)
     skips = state_lib.add_skip(self._skips, self._step, num_steps)
     self._stop()
     position = self._fast_forward(self._step, self._position, num_steps)
@@ -176,8 +173,7 @@ class StreamIterator(ClientIterator):
     """The position `num_steps` global batches after `position` (at `step`)."""
     token = self._skip_token = CancelToken()
     try:
-      return fast_forward(self._backend, self._ds, self._info, step, position, num_steps,
-                          token)
+      return fast_forward(self._backend, self._spec, step, position, num_steps, token)
     finally:
       self._skip_token = None
 
@@ -198,25 +194,21 @@ class StreamIterator(ClientIterator):
     self._step, self._position, self._skips = step, position, cursor.skips
 
 
-def fast_forward(backend: Backend, ds: RemoteDataset, info: DatasetInfo, step: int,
-                 position: str, num_steps: int, token: CancelToken) -> str:
-  """The position of stream dataset `ds` (a RemoteDataset) `num_steps`
-  global batches after `position` (where `step` starts), found by the
-  servers without sending any batch: one Skip call per SKIP_ROWS_PER_CALL
-  rows. InvalidRequestError if the stream ends first."""
-  per_call = max(1, min(MAX_SKIP_STEPS, SKIP_ROWS_PER_CALL // ds.global_batch_size))
+def fast_forward(backend: Backend, spec: ReadSpec, step: int, position: str,
+                 num_steps: int, token: CancelToken) -> str:
+  """The position of the stream `spec` reads (described) `num_steps` global
+  batches after `position` (where `step` starts), found by the servers
+  without sending any batch: one Skip call per SKIP_ROWS_PER_CALL rows.
+  InvalidRequestError if the stream ends first."""
+  per_call = max(1, min(MAX_SKIP_STEPS, SKIP_ROWS_PER_CALL // spec.global_batch_size))
   end = step + num_steps
   while step < end:
     n = min(per_call, end - step)
-    request = pb.BatchRequest(
-        dataset=ds.dataset, global_batch_size=ds.global_batch_size,
-        shard_index=ds.shard_index, shard_count=ds.shard_count, start_step=step,
-        num_steps=n, config_fingerprint=info.config_fingerprint, stream_state=position)
     try:
-      position = backend.skip(request, token)
+      position = backend.skip(spec.request(step, n, stream_state=position), token)
     except EndOfDataError as e:
       raise InvalidRequestError(
-          f"{ds}: a skip of {num_steps} steps from step {end - num_steps} passes the "
+          f"{spec}: a skip of {num_steps} steps from step {end - num_steps} passes the "
           f"end of the stream ({e}); the iterator stays at step {end - num_steps}") from None
     step += n
   return position

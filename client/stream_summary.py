@@ -12,29 +12,27 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from grain_elevator.client.backend import Backend
+from grain_elevator.client.read_spec import ReadSpec
 from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.proto.errors import InternalError
 from grain_elevator.proto import limits
-from grain_elevator.proto.spec import DatasetInfo
 
 _SUMMED = ("rows", "padding_rows", "tokens")
 _PER_SOURCE = ("tokens", "segments", "documents")
 
 
-def summarize(backend: Backend, dataset: str, info: DatasetInfo, global_batch_size: int,
-              start: int, end: int, position: str,
+def summarize(backend: Backend, spec: ReadSpec, start: int, end: int, position: str,
               progress: Callable[[int], None] | None = None) -> dict[str, Any]:
-  """Steps [start, end) of stream `dataset`, `position` being where `start`
-  begins: the servers' calls, merged; `progress(steps)` after each call."""
-  per_call = limits.stream_summary_steps(global_batch_size)
+  """Steps [start, end) of the stream `spec` reads (described), `position`
+  being where `start` begins: the servers' calls, merged; `progress(steps)`
+  after each call."""
+  per_call = limits.stream_summary_steps(spec.global_batch_size)
   parts = []
   step = start
   while step < end:
     n = min(per_call, end - step)
-    part = backend.explain(pb.ExplainRequest(summary=True, request=pb.BatchRequest(
-        dataset=dataset, global_batch_size=global_batch_size, shard_count=1,
-        start_step=step, num_steps=n, stream_state=position,
-        config_fingerprint=info.config_fingerprint)))
+    part = backend.explain(pb.ExplainRequest(summary=True, request=spec.request(
+        step, n, stream_state=position, whole=True)))
     position = part.get("next_stream_state")
     if part.get("steps") != [step, step + n] or not isinstance(position, str):
       raise InternalError(f"a stream summary of steps [{step}, {step + n}) answered for "

@@ -25,26 +25,19 @@ settings in BENCHMARKS.md ("A default client against the tuned one").
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
+from grain_elevator.client.read_spec import ReadSpec
+# The window's bound in bytes and its requests per server worker are
+# defaults the pool sizes itself by too, so they live beside it.
+from grain_elevator.client.transport.options import REQUESTS_PER_WORKER, WINDOW_BYTES
 from grain_elevator.proto.limits import LONG_STREAM_STEPS
 
 # About what one request should carry. 12 MB gives 4 steps of the bench's
 # 3.1 MB "small" batch and 3 of its 4.9 MB "large" one: the settings that
 # were fastest when tuned by hand on both.
 REQUEST_BYTES = 12 << 20
-# The most the default window holds (received and not yet taken, or coming);
-# `RemoteDataset(window_bytes=...)` sets another. 512 MiB holds 2 requests of
-# 3 steps of the bench's 4.9 MB "large" batch for each of 16 workers (96
-# steps): at 256 MiB the default kept 0.83x of the tuned rate there
-# (BENCHMARKS.md, "A default client against the tuned one").
-WINDOW_BYTES = 512 << 20
 # Well under a long stream (proto/limits.py), which servers admit fewer of.
 MAX_STEPS_PER_REQUEST = LONG_STREAM_STEPS // 2
-# Requests in flight a default client aims for on each server worker: one
-# being produced while the batch of the other is sent, so no worker waits a
-# round trip for its next request. Also the bulk connections per worker.
-REQUESTS_PER_WORKER = 2
 # How far the adaptive window may grow past its start: requests queued
 # behind busy connections go out the moment one frees, whichever request
 # the trainer is waiting on. Twice the start is 4 requests per worker, a
@@ -97,15 +90,16 @@ def plan(step_bytes: int, requests: int, *, prefetch: int | None = None,
   return Window(start, steps_per_request, most, adaptive=adaptive)
 
 
-def for_dataset(ds: Any, info: Any, requests: int) -> Window:
-  """The window of an iterator of RemoteDataset `ds` over dataset `info`,
-  whose backend keeps every worker busy with `requests` in flight; a
-  stream's is fixed at STREAM_REQUESTS requests ahead."""
-  step_bytes = ds.global_batch_size // ds.shard_count * info.element_spec.record_bytes
-  stream = bool(info.stream)
-  return plan(step_bytes, STREAM_REQUESTS if stream else requests, prefetch=ds.prefetch,
-              steps_per_request=ds.transport.steps_per_request,
-              window_bytes=ds.window_bytes, adaptive=not stream)
+def for_dataset(spec: ReadSpec, requests: int, *, adaptive: bool = True) -> Window:
+  """The window of an iterator reading `spec` (described) with `requests`
+  in flight, which keep every worker busy (a stream's reader asks for
+  STREAM_REQUESTS, fixed: `adaptive` False); the options the trainer gave
+  are kept."""
+  step_bytes = (spec.global_batch_size // spec.shard_count
+                * spec.require_info().element_spec.record_bytes)
+  return plan(step_bytes, requests, prefetch=spec.prefetch,
+              steps_per_request=spec.transport.steps_per_request,
+              window_bytes=spec.window_bytes, adaptive=adaptive)
 
 
 class Autotune:

@@ -108,7 +108,8 @@ CONSTANTS = {
     "grain_elevator.client.state": ["CURSOR_VERSION", "MAX_SKIP_RANGES"],
     "grain_elevator.server.data.provenance": ["EXPLAIN_VERSION"],
     "grain_elevator.client.stream_iterator": ["SKIP_ROWS_PER_CALL"],
-    "grain_elevator.client.window": ["REQUEST_BYTES", "WINDOW_BYTES", "MAX_STEPS_PER_REQUEST"],
+    "grain_elevator.client.window": ["REQUEST_BYTES", "MAX_STEPS_PER_REQUEST"],
+    "grain_elevator.client.transport.options": ["WINDOW_BYTES"],
     "grain_elevator.tools.convert.text": ["MAX_JSON_VALUES"],
 }
 
@@ -116,8 +117,8 @@ CONSTANTS = {
 # (their fields) or callables (their keyword arguments).
 DEFAULTS = {
     "ServerOptions": "grain_elevator.server.serving.options:ServerOptions",
-    "TransportOptions": "grain_elevator.client.options:TransportOptions",
-    "RetryPolicy": "grain_elevator.client.options:RetryPolicy",
+    "TransportOptions": "grain_elevator.client.transport.options:TransportOptions",
+    "RetryPolicy": "grain_elevator.client.transport.options:RetryPolicy",
     "DatasetConfig": "grain_elevator.server.data.config:DatasetConfig",
     "RemoteDataset": "grain_elevator.client.remote_dataset:RemoteDataset",
     "to_device": "grain_elevator.client.device:to_device",

@@ -12,7 +12,7 @@ from typing import Sequence
 
 import grpc
 
-from grain_elevator.client.options import Security
+from grain_elevator.client.transport.options import Security
 from grain_elevator.client.transport.connection import (MAX_CONTROL_MESSAGE_BYTES,
                                                         BadReplyError, CancelToken, Steps,
                                                         TransportError, decode_step)

@@ -5,11 +5,11 @@ On first contact the pool opens gRPC channels that take no answer over the
 control limit (connection.py), learns each dataset's element spec, and only
 then opens the connections that carry batches, balanced over every worker
 of every replica (slots.py), by default REQUESTS_PER_WORKER on each
-(client/window.py; each replica's first connection says how many workers
-it has): bulk connections where a replica offers a
-reachable bulk port (`auto`), else gRPC channels limited to a whole global
-batch of the dataset and G first asked about (`_open_data`; reopened larger
-should a later request need more). Each step is checked exactly: its size,
+(options.py; each replica's first connection says how many workers it
+has): bulk connections where a replica offers a reachable bulk port
+(`auto`), else gRPC channels limited to a whole global batch of the
+dataset and G first asked about (`_open_data`; reopened larger should a
+later request need more). Each step is checked exactly: its size,
 and its leaves against the spec. Every request runs through the Retrier
 (retry.py); where an attempt goes after RESOURCE_EXHAUSTED is this pool's
 choice (`_after_full`), since it knows the replicas and transports.
@@ -24,6 +24,7 @@ the trainer to the new pods.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import threading
@@ -33,8 +34,6 @@ from typing import Any, Callable, Sequence, TypeVar
 
 import grpc
 
-from grain_elevator.client.options import RetryPolicy, Security, TransportOptions
-from grain_elevator.client.window import REQUESTS_PER_WORKER, WINDOW_BYTES
 from grain_elevator.client.transport.buffers import BufferPool
 from grain_elevator.client.transport.bulk_connection import BulkConnection
 from grain_elevator.client.transport.connection import (MAX_CONTROL_MESSAGE_BYTES,
@@ -42,6 +41,8 @@ from grain_elevator.client.transport.connection import (MAX_CONTROL_MESSAGE_BYTE
                                                         TransportError, check_position)
 from grain_elevator.client.transport.grpc_connection import GrpcConnection
 from grain_elevator.client.transport.host_memory import PAGEABLE, HostMemory
+from grain_elevator.client.transport.options import (REQUESTS_PER_WORKER, WINDOW_BYTES,
+                                                     RetryPolicy, Security, TransportOptions)
 from grain_elevator.client.transport.retry import REFUSED, RETRIABLE, Retrier
 from grain_elevator.client.transport.slots import (Slot, Slots, interleave,
                                                    spread_over_workers)
@@ -144,8 +145,16 @@ class ConnectionPool:
     """Connections per worker of a default client (connections_per_target
     None): REQUESTS_PER_WORKER, or one where it reads only streams, whose
     requests go one at a time to the worker that owns the stream."""
-    stream = bool(self._infos) and all(i.stream for i in self._infos.values())
-    return 1 if stream else REQUESTS_PER_WORKER
+    streams = bool(self._infos) and all(self._stream(name) is not None for name in self._infos)
+    return 1 if streams else REQUESTS_PER_WORKER
+
+  def _stream(self, dataset: str) -> DatasetInfo | None:
+    """`dataset`'s Describe answer if it is a stream dataset, else None (read
+    by step, or not described yet): the one place the pool reads
+    `DatasetInfo.stream`. A stream's chunks go to the one worker that owns
+    it, and their positions are checked against its start."""
+    info = self._infos.get(dataset)
+    return info if info is not None and info.stream else None
 
   def _spread_grpc(self, target: str, max_batch_bytes: int) -> list[list[Any]]:
     groups = spread_over_workers(lambda: self._contact(target, max_batch_bytes),
@@ -400,20 +409,19 @@ class ConnectionPool:
     limit, expect = self._expect(request)
     self._refresh_if_due()
     out = [] if out is None else out
-    info = self._infos.get(request.dataset)
-    if info is not None and info.stream:
+    stream = self._stream(request.dataset)
+    if stream is not None:
       # A stream's chunks all go to one worker, whose live iterator continues
       # from each chunk's end (server/serving/stream_sessions.py).
-      route = zlib.crc32(f"{request.dataset}/{info.config_fingerprint}".encode())
+      route = zlib.crc32(f"{request.dataset}/{stream.config_fingerprint}".encode())
     else:
       route = request.start_step // max(1, request.num_steps)
     liars: set[tuple[str, str]] = set()
-    positions_of = info.stream_start if info is not None and info.stream else None
+    positions_of = stream.stream_start if stream is not None else None
 
     def attempt(slots: Slots | None) -> list[Step]:
       assert slots is not None
-      remaining = pb.BatchRequest()
-      remaining.CopyFrom(request)
+      remaining = copy.deepcopy(request)
       remaining.start_step = request.start_step + len(out)
       remaining.num_steps = request.num_steps - len(out)
       if out and out[-1].next_stream_state:

@@ -26,7 +26,7 @@ from typing import Callable, Collection, Generic, TypeVar
 
 import grpc
 
-from grain_elevator.client.options import RetryPolicy
+from grain_elevator.client.transport.options import RetryPolicy
 from grain_elevator.client.transport.connection import BadReplyError, TransportError
 from grain_elevator.client.transport.targets import replica_name
 from grain_elevator.proto import errors

@@ -5,7 +5,7 @@ TCP connection to one of them by a hash, so a handful of connections can
 easily all land on one worker: `spread_over_workers` opens connections until
 each worker holds an equal share (the bulk handshake, or Describe over gRPC,
 says which worker answered and how many the replica has; a default client
-wants client/window.py's REQUESTS_PER_WORKER on each) and closes the
+wants options.py's REQUESTS_PER_WORKER on each) and closes the
 surplus. `Slots` lends them to
 fetch threads, one request at a time over a bulk connection, shunning a
 replica that failed (RetryPolicy's shun times); `owner_of` sends chunk c of
@@ -23,7 +23,7 @@ import threading
 import time
 from typing import Any, Callable, Sequence
 
-from grain_elevator.client.options import RetryPolicy
+from grain_elevator.client.transport.options import RetryPolicy
 from grain_elevator.client.transport.connection import Connection
 
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from grain_elevator.client import RemoteDataset
 from grain_elevator.client.embedded import EmbeddedBackend
 from grain_elevator.client.stream_iterator import StreamIterator
 from grain_elevator.proto.errors import Cancelled
+from fake_backend import read_spec
 
 
 class _CancelledAfterFirstChunk:
@@ -39,10 +39,9 @@ class _CancelledAfterFirstChunk:
 
 @pytest.mark.timeout(60)
 def test_a_cancelled_fetch_the_trainer_did_not_ask_for_is_raised(few_config):
-  ds = RemoteDataset.embedded(few_config, "few", 8, prefetch=2)
   backend = _CancelledAfterFirstChunk(few_config)
   (info,) = backend.describe("few", 8)
-  it = StreamIterator(ds, backend, info)
+  it = StreamIterator(read_spec(info, 8, prefetch=2), backend)
   with pytest.raises(Cancelled, match="cancelled under the client"):
     for _ in range(10_000):
       next(it)

@@ -56,6 +56,41 @@ def test_embedded_mode_loads_the_serving_engine_only_when_used(config_path):
       before + f"next(iter(RemoteDataset('local:{config_path}', 'plain', 8)))")
 
 
+def _client_imports(path) -> set[str]:
+  """The client modules (`transport.pool`, `window`, ...) that module `path`
+  imports, anywhere in its body (type-checking imports included)."""
+  import ast  # pylint: disable=g-import-not-at-top
+  out = set()
+  for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    if isinstance(node, ast.Import):
+      names = [a.name for a in node.names]
+    elif isinstance(node, ast.ImportFrom):  # `from grain_elevator.client import window` too
+      names = [f"{node.module}.{a.name}" for a in node.names] + [node.module or ""]
+    else:
+      names = []
+    out.update(n.removeprefix("grain_elevator.client.") for n in names
+               if n.startswith("grain_elevator.client."))
+  return out
+
+
+def test_client_transport_imports_nothing_above_it():
+  """Inside client/, transport/ is the floor: the iterators, the window and
+  the options' users sit on it, and it imports none of them."""
+  upward = {(str(path.relative_to(ROOT)), name)
+            for path in sorted((ROOT / "client" / "transport").rglob("*.py"))
+            for name in _client_imports(path) if not name.startswith("transport")}
+  assert not upward, f"client/transport/ imports above it: {sorted(upward)}"
+
+
+def test_nothing_in_client_imports_remote_dataset_but_the_package():
+  """RemoteDataset sits on top: what reads for it takes its ReadSpec
+  (client/read_spec.py), so no module under it imports it, not even to
+  type-check (the readers, their skeleton and RemoteDataset made a circle)."""
+  importers = {str(path.relative_to(ROOT)) for path in sorted((ROOT / "client").rglob("*.py"))
+               if {n.split(".")[0] for n in _client_imports(path)} & {"remote_dataset"}}
+  assert importers <= {"client/__init__.py"}, f"these import remote_dataset: {sorted(importers)}"
+
+
 _PROBE = '''
 import json, os, sys
 from grain_elevator.pipelines import examples
