@@ -86,7 +86,7 @@ CONSTANTS = {
         "RESERVED_DESCRIPTORS", "DESCRIPTORS_PER_SHARD"],
     "grain_elevator.server.data.shards.identity": ["IDENTITY_TAIL_BYTES"],
     "grain_elevator.server.data.shards.option_files": ["HASH_READ_BYTES"],
-    "grain_elevator.server.data.shards.object_reader": ["COALESCE_GAP_BYTES", "MAX_RANGE_BYTES"],
+    "grain_elevator.server.data.storage.ranges": ["COALESCE_GAP_BYTES", "MAX_RANGE_BYTES"],
     "grain_elevator.server.data.storage.settings": ["DEFAULT_RETRY_S", "REQUEST_TIMEOUT_S"],
     "grain_elevator.server.data.storage.objects": ["MAX_IN_FLIGHT", "AHEAD_IN_FLIGHT"],
     "grain_elevator.server.data.storage.read_ahead": ["STALE_S"],
