@@ -76,7 +76,7 @@ def _counts(records: int, proportions: Sequence[int]) -> list[int]:
 
 
 class MixtureDataset:
-  """A mixture over opened component datasets (server/data/dataset.py's
+  """A mixture over opened component datasets (server/data/elevator_dataset.py's
   ElevatorDataset, each reading its stream repeated forever)."""
 
   def __init__(self, config: DatasetConfig, open_component: Callable[[str], Any]):

@@ -73,23 +73,6 @@ def parse_position(text: str, start: str, dataset: str) -> str:
         f"dataset {dataset!r}: stream_state is not a position of this stream: {e}") from None
 
 
-def is_stream_pipeline(records: grain.MapDataset, head: grain.MapDataset) -> bool:
-  """Whether `head` (a pipeline applied to `records`) is not 1:1: it changes
-  the length (flat_map) or holds a filter between the two."""
-  if len(head) != len(records):
-    return True
-  seen, todo = set(), [head]
-  while todo:
-    node = todo.pop()
-    if node is records or id(node) in seen:
-      continue
-    seen.add(id(node))
-    if "Filter" in type(node).__name__ or "FlatMap" in type(node).__name__:
-      return True
-    todo.extend(p for p in getattr(node, "parents", ()) if isinstance(p, grain.MapDataset))
-  return False
-
-
 class StreamDataset:
   """A registered stream dataset: its info, and its global batches from any
   position. Thread-safe: every call builds its own Grain iterator."""
@@ -113,7 +96,7 @@ class StreamDataset:
     # Its records' reads from a bucket, planned (read_by_plan); None for local shards.
     self.head_reads: head_reads.HeadReads | None = None
     # Record stream position -> where it is stored (server/data/provenance.py);
-    # set by whoever opened the records (dataset.py), None if nobody can say.
+    # set by whoever opened the records (factory.py), None if nobody can say.
     self.origins: Callable[[list[int]], list[dict[str, Any]]] | None = None
     # A stream over a mixture: the component of each record position (an
     # int array in, indices into component_names out), for per-source counts.

@@ -40,10 +40,10 @@ G = 8
 
 def _embedded(config: str, budget_mb: int, batches: int) -> float:
   from grain_elevator.server.data import config as config_lib  # pylint: disable=g-import-not-at-top
-  from grain_elevator.server.data import dataset as dataset_lib  # pylint: disable=g-import-not-at-top
+  from grain_elevator.server.data import registry  # pylint: disable=g-import-not-at-top
   from grain_elevator.server.data.storage import read_ahead  # pylint: disable=g-import-not-at-top
   read_ahead.configure(budget_mb << 20)
-  st = dataset_lib.Datasets(config_lib.load_config(config), open_now=False).get("st")
+  st = registry.Datasets(config_lib.load_config(config), open_now=False).get("st")
   start = time.perf_counter()
   for _ in itertools.islice(st.batches(G, st.info.stream_start), batches):
     pass

@@ -5,7 +5,7 @@ under one stream fingerprint, whichever worker answers and whenever it
 opened the file. So each shard's identity (size, mtime, ctime, inode, a
 hash of its tail) is recorded once, at start-up (`record_identities`, which
 the supervisor hands to every worker it starts, then or later), the
-fingerprint covers what the bytes are (server/data/dataset.py), and a worker
+fingerprint covers what the bytes are (server/data/records.py), and a worker
 reads a shard only through a `CheckedFile` that still matches it; otherwise
 ShardChangedError (FAILED_PRECONDITION) names the file. The files a
 dataset's options name (a tokenizer) are recorded with them
@@ -58,7 +58,7 @@ class ShardIdentity:
   any of these moved, after a chmod, chown or new hard link too (each moves
   the ctime): refusing is safe, and a restart records the file anew. The
   stream fingerprint covers the size, mtime and tail only
-  (server/data/dataset.py): what the bytes are, not where they sit, so a copy on
+  (server/data/records.py): what the bytes are, not where they sit, so a copy on
   another machine fingerprints the same.
   """
 

@@ -18,7 +18,7 @@ dataset on that worker with ShardChangedError (FAILED_PRECONDITION) naming
 the file, while its other datasets are served: it is never built into the
 stream under the old fingerprint. A worker that built its pipeline before
 the change serves what it read then, as the fingerprint says. The
-fingerprint covers each file's size and content hash (server/data/dataset.py):
+fingerprint covers each file's size and content hash (server/data/records.py):
 a server started on another tokenizer has another, and refuses the old
 one's cursors.
 """

@@ -316,10 +316,10 @@ def test_opening_a_stream_prices_its_iterator_without_tracing_allocations(stream
   read completes) crashed this very process on CPython 3.11."""
   import tracemalloc  # pylint: disable=g-import-not-at-top
   from grain_elevator.server.data import config as config_lib  # pylint: disable=g-import-not-at-top
-  from grain_elevator.server.data import dataset as dataset_lib  # pylint: disable=g-import-not-at-top
+  from grain_elevator.server.data import registry  # pylint: disable=g-import-not-at-top
   started = []
   monkeypatch.setattr(tracemalloc, "start", lambda *a: started.append(a))
-  datasets = dataset_lib.Datasets(config_lib.load_config(str(stream_config)), open_now=False)
+  datasets = registry.Datasets(config_lib.load_config(str(stream_config)), open_now=False)
   lm = datasets.get("lm")
   assert not started
   # The estimate holds what one iterator keeps: more than one global batch's rows.

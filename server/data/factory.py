@@ -1,0 +1,99 @@
+"""The factory: a registered dataset opened as the request path serves it.
+
+A mixture (mixture.py), a stream dataset (stream.py: a pipeline that is not
+1:1, one the config makes so, or one over a mixture's records), or a 1:1
+dataset whose steps map to records in O(1) (elevator_dataset.py), each
+built from its config and the records records.py opens.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable, Mapping
+
+from grain_elevator.proto import contract
+from grain_elevator.proto.errors import ConfigError
+from grain_elevator.server.data import shuffle as shuffle_lib
+from grain_elevator.server.data import stream
+from grain_elevator.server.data.config import DatasetConfig
+from grain_elevator.server.data.elevator_dataset import ElevatorDataset
+from grain_elevator.server.data.records import (OpenedSource, apply_pipeline, build_raw_records,
+                                                fingerprint, is_stream_pipeline, record_origins)
+from grain_elevator.server.data.served import ServedDataset
+from grain_elevator.server.data.shards.identity import ShardIdentity
+from grain_elevator.server.data.shards.option_files import OptionFiles
+
+
+def open_dataset(config: DatasetConfig,
+                 identities: Mapping[str, ShardIdentity | None] | None,
+                 files: OptionFiles,
+                 open_forever: Callable[[str], ElevatorDataset],
+                 open_named: Callable[[str], ServedDataset]) -> ServedDataset:
+  """A registered dataset as the request path serves it: a mixture, a
+  stream dataset (a pipeline that is not 1:1, or one the config makes so),
+  or a dataset whose steps map to records in O(1). `files`: those its
+  options name, checked by the caller before and after."""
+  if config.schedule is not None:
+    from grain_elevator.server.data.mixture import MixtureDataset  # pylint: disable=g-import-not-at-top
+    return MixtureDataset(config, open_forever)
+  if config.source is not None:  # a mixture's records, mixed by Grain itself
+    mixture = open_named(config.source)
+    records = mixture.fixed_records()
+    num_records, fp = mixture.info.num_records, mixture.info.config_fingerprint
+    head = apply_pipeline(config, records, one_to_one=False)
+    fields = {"option_files": files.fingerprint_fields()} if files.files else {}
+    ds = stream.StreamDataset(config, records, head, num_records=num_records,
+                                fingerprint=contract.stream_fingerprint({
+                                    **fields,
+                                    "name": config.name, "source": fp,
+                                    "pipeline": config.pipeline, "options": config.options,
+                                    "drop_remainder": config.drop_remainder,
+                                    "iter_pipeline": config.iter_pipeline,
+                                    "batch_fn": config.batch_fn,
+                                    "iter_options": config.iter_options}),
+                                check_files=_iter_files_check(files))
+    from grain_elevator.server.data import provenance  # pylint: disable=g-import-not-at-top
+    ds.origins = functools.partial(provenance.mixture_origins, mixture, global_batch_size=1)
+    ds.component_names = tuple(mixture.names)
+    ds.component_of = lambda positions: mixture.locate(positions, 1)[0]
+    return ds
+  opened = OpenedSource.open(config, identities)
+  head = apply_pipeline(config, opened.raw_records, one_to_one=False)
+  if config.names_a_stream or is_stream_pipeline(opened.raw_records, head):
+    if config.batch_transform is not None:
+      raise ConfigError(
+          f"dataset {config.name!r}: its pipeline filters or flat-maps, so it is a stream "
+          "dataset, and 'batch_transform' (a whole-batch decode of a 1:1 pipeline) cannot "
+          "apply; give a 'batch_fn' instead")
+    ds = stream.StreamDataset(config, opened.raw_records, head,
+                              num_records=opened.num_records,
+                              fingerprint=_stream_fingerprint(config, opened, files),
+                              check_files=_iter_files_check(files))
+    ds.identities = opened.identities
+    index = shuffle_lib.SourceIndexMap(build_raw_records(config, range(opened.num_records)),
+                                       opened.num_records)
+    ds.origins = functools.partial(record_origins, opened.source, index)
+    needs = getattr(opened.source, "needs", None)  # in a bucket
+    if needs is not None:
+      ds.read_by_plan(lambda positions: needs(index(positions)))
+    return ds
+  return ElevatorDataset(config, identities, opened=opened, records=head, files=files)
+
+
+def _iter_files_check(files: OptionFiles) -> Callable[[], None] | None:
+  """What a stream runs before each build of its iter_pipeline, which may
+  read its `iter_options` files again: their check (None: there are none)."""
+  if not any(f.where.startswith("iter_options.") for f in files.files):
+    return None
+  return lambda: files.check("iter_options")
+
+
+def _stream_fingerprint(config: DatasetConfig, opened: OpenedSource,
+                        files: OptionFiles) -> str:
+  """A stream dataset's fingerprint: its records' and every stream key, even
+  when only its pipeline makes it a stream (a 1:1 dataset's cursors do not
+  fit a stream dataset of the same name)."""
+  base = fingerprint(config, opened.num_records, opened.identities, files)
+  return contract.stream_fingerprint({
+      "records": base, "stream": True, "iter_pipeline": config.iter_pipeline,
+      "batch_fn": config.batch_fn, "iter_options": config.iter_options})
