@@ -91,8 +91,8 @@ CONSTANTS = {
     "grain_elevator.server.data.storage.objects": ["MAX_IN_FLIGHT", "AHEAD_IN_FLIGHT"],
     "grain_elevator.server.data.storage.read_ahead": ["STALE_S"],
     "grain_elevator.server.serving.read_plan": ["AHEAD_CHUNKS", "MAX_STEPS"],
-    "grain_elevator.server.data.head_reads": ["BLOCK", "BLOCKS_AHEAD"],
-    "grain_elevator.server.data.parallel_head": [
+    "grain_elevator.server.data.streams.head_reads": ["BLOCK", "BLOCKS_AHEAD"],
+    "grain_elevator.server.data.streams.parallel_head": [
         "TASK_ELEMENTS", "TASKS_AHEAD_PER_WORKER", "PROGRESS_EVERY_S", "PEER_SILENT_S",
         "REDIAL_S", "HEAD_LOG_PERIOD_S"],
     "grain_elevator.server.process.head_sockets": [

@@ -1,9 +1,9 @@
 """The factory: a registered dataset opened as the request path serves it.
 
-A mixture (mixture.py), a stream dataset (stream.py: a pipeline that is not
-1:1, one the config makes so, or one over a mixture's records), or a 1:1
-dataset whose steps map to records in O(1) (elevator_dataset.py), each
-built from its config and the records records.py opens.
+A mixture (mixture.py), a stream dataset (streams/stream.py: a pipeline
+that is not 1:1, one the config makes so, or one over a mixture's records),
+or a 1:1 dataset whose steps map to records in O(1) (elevator_dataset.py),
+each built from its config and the records records.py opens.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Callable, Mapping
 from grain_elevator.proto import contract
 from grain_elevator.proto.errors import ConfigError
 from grain_elevator.server.data import shuffle as shuffle_lib
-from grain_elevator.server.data import stream
+from grain_elevator.server.data.streams import stream
 from grain_elevator.server.data.config import DatasetConfig
 from grain_elevator.server.data.elevator_dataset import ElevatorDataset
 from grain_elevator.server.data.records import (OpenedSource, apply_pipeline, build_raw_records,

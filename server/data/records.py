@@ -4,7 +4,7 @@ shuffled and repeated with Grain's own `seed().shuffle().repeat()`, its
 pipeline applied; its fingerprint; and where each record came from.
 
 Every kind of dataset is built on it: a 1:1 dataset (elevator_dataset.py),
-a stream dataset (stream.py, opened by factory.py), a mixture's
+a stream dataset (streams/stream.py, opened by factory.py), a mixture's
 components. The fingerprint covers each shard's identity, recorded when the
 server started, and shards are read only while they still have it
 (server/data/shards/identity.py); likewise the files its options name
@@ -74,7 +74,7 @@ def build_records(config: DatasetConfig, source: Any | None = None) -> grain.Map
 def apply_pipeline(config: DatasetConfig, ds: grain.MapDataset, *,
                    one_to_one: bool = True) -> grain.MapDataset:
   """`pipeline(ds, **options)`; `one_to_one`: refuse one that changes the
-  number of records (a stream dataset's may: server/data/stream.py)."""
+  number of records (a stream dataset's may: server/data/streams/stream.py)."""
   fn = config.pipeline_fn()
   if fn is None:
     return ds

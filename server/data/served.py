@@ -1,10 +1,11 @@
 """What the request path serves: a dataset that answers for any step.
 
-A registered dataset (elevator_dataset.py's `ElevatorDataset`) and a mixture of them
-(mixture.py's `MixtureDataset`) both are one; the request path sees nothing
-else of either. Its sibling is a stream dataset (stream.py's `StreamDataset`),
-which continues from a position instead; the request path serves each by its
-shape (server/serving/step_shape.py, stream_shape.py).
+A registered dataset (elevator_dataset.py's `ElevatorDataset`) and a
+mixture of them (mixture.py's `MixtureDataset`) both are one; the request
+path sees nothing else of either. Its sibling is a stream dataset
+(streams/stream.py's `StreamDataset`), which continues from a position
+instead; the request path serves each by its shape
+(server/serving/step_shape.py, stream_shape.py).
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ from grain_elevator.proto.errors import (InvalidRequestError, ShardChangedError,
 from grain_elevator.proto.spec import DatasetInfo
 from grain_elevator.server.data.registry import Datasets
 from grain_elevator.server.data.served import ServedDataset
-from grain_elevator.server.data.stream import StreamDataset
+from grain_elevator.server.data.streams.stream import StreamDataset
 from grain_elevator.server.serving.options import (DEFAULT_MAX_MESSAGE_BYTES,
                                                    DEFAULT_MAX_STREAM_BATCH_BYTES)
 from grain_elevator.server.serving.admission import Admission, Ticket

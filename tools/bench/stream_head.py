@@ -7,7 +7,7 @@ A stream (decode_images and a batch_fn: a head that keeps the length) over
 behind the fault proxy at a fixed latency per request, read in embedded
 mode and from a W=2 server (the parallel head), each with the read-ahead
 off (`--read-ahead-mb 0`: one ranged GET per element as the head reaches
-it) and at its default (server/data/head_reads.py: a block's records at
+it) and at its default (server/data/streams/head_reads.py: a block's records at
 once). Prints elements/s side by side, the planned ones as a ratio of the
 unplanned (BENCHMARKS.md, "Reading from a bucket").
 """

@@ -78,7 +78,7 @@ def test_unknown_pipeline_option_is_named(data_dir):
 def test_a_pipeline_that_changes_the_record_count_is_a_stream(data_dir, tmp_path,
                                                               monkeypatch):
   """Not 1:1, so no step arithmetic: served as a stream dataset (its batches
-  Grain's own, server/data/stream.py), not refused."""
+  Grain's own, server/data/streams/stream.py), not refused."""
   (tmp_path / "halving_pipeline.py").write_text(
       "def drop_half(ds):\n  return ds[::2]\n")
   monkeypatch.syspath_prepend(str(tmp_path))

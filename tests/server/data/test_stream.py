@@ -311,9 +311,10 @@ def test_a_pipeline_that_filters_makes_a_stream_dataset_and_says_so(stream_serve
 
 def test_opening_a_stream_prices_its_iterator_without_tracing_allocations(stream_config,
                                                                           monkeypatch):
-  """A live iterator's bytes are found by walking it (server/data/object_bytes.py):
-  tracing under native threads that attach to Python (obstore's, as each
-  read completes) crashed this very process on CPython 3.11."""
+  """A live iterator's bytes are found by walking it
+  (server/data/streams/object_bytes.py): tracing under native threads that
+  attach to Python (obstore's, as each read completes) crashed this very
+  process on CPython 3.11."""
   import tracemalloc  # pylint: disable=g-import-not-at-top
   from grain_elevator.server.data import config as config_lib  # pylint: disable=g-import-not-at-top
   from grain_elevator.server.data import registry  # pylint: disable=g-import-not-at-top

@@ -17,7 +17,7 @@ import pytest
 from grain_elevator.proto.errors import Cancelled, InvalidRequestError
 from grain_elevator.server.data import config as config_lib
 from grain_elevator.server.data import registry
-from grain_elevator.server.data import stream as stream_lib
+from grain_elevator.server.data.streams import stream as stream_lib
 from grain_elevator.server.serving.stream_sessions import StreamSessions
 
 G = 16

@@ -44,10 +44,10 @@ from grain_elevator.proto import tree
 from grain_elevator.proto.errors import ConfigError, InvalidRequestError, ShardChangedError
 from grain_elevator.proto.limits import MAX_STREAM_STATE_BYTES
 from grain_elevator.proto.spec import DatasetInfo, ElementSpec
-from grain_elevator.server.data import cancellation
+from grain_elevator.server.data.streams import cancellation
 from grain_elevator.server.data import grain_private
-from grain_elevator.server.data import head_reads
-from grain_elevator.server.data import object_bytes
+from grain_elevator.server.data.streams import head_reads
+from grain_elevator.server.data.streams import object_bytes
 from grain_elevator.server.data.config import DatasetConfig
 
 # Head: the random-access part, pipeline(records), as an IterDataset.
@@ -96,7 +96,7 @@ class StreamDataset:
     # Its records' reads from a bucket, planned (read_by_plan); None for local shards.
     self.head_reads: head_reads.HeadReads | None = None
     # Record stream position -> where it is stored (server/data/provenance.py);
-    # set by whoever opened the records (factory.py), None if nobody can say.
+    # set by whoever opened the records (server/data/factory.py), None if nobody can say.
     self.origins: Callable[[list[int]], list[dict[str, Any]]] | None = None
     # A stream over a mixture: the component of each record position (an
     # int array in, indices into component_names out), for per-source counts.
@@ -223,7 +223,7 @@ class StreamDataset:
   def _measure_iterator(self) -> tuple[int, int]:
     """(bytes a live iterator holds after a batch of one, bytes of a head
     element), found once, at start-up, by walking what they reference
-    beyond what this dataset already holds (server/data/object_bytes.py)."""
+    beyond what this dataset already holds (object_bytes.py)."""
     shared = object_bytes.reachable([self])
     it = iter(self.pipeline(1, head=self._head_factory))
     next(it)
