@@ -172,7 +172,7 @@ class ElevatorDataset:
                                    stack=stack)
 
   def check_batch_size(self, global_batch_size: int) -> None:
-    """Any G the contract allows is served (ServedDataset)."""
+    """Any G the contract allows is served (StepDataset)."""
     del global_batch_size
 
   def host_batch_leaves(self, step: int, global_batch_size: int,
@@ -212,7 +212,7 @@ class ElevatorDataset:
                  shard_count: int, record_offset: int = 0) -> list[Any] | None:
     """What producing host h's rows of `step` reads from a bucket: per
     object, its chunks' extents (server/serving/read_plan.py plans them);
-    None for shards on local disk (ServedDataset)."""
+    None for shards on local disk (StepDataset)."""
     if self.component_needs([]) is None:
       return None
     positions = contract.host_positions(step, global_batch_size, shard_index, shard_count,

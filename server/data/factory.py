@@ -1,9 +1,11 @@
-"""The factory: a registered dataset opened as the request path serves it.
+"""The factory: a registered dataset opened as the request path serves it,
+as one of two kinds (`Dataset`).
 
-A mixture (mixture.py), a stream dataset (streams/stream.py: a pipeline
-that is not 1:1, one the config makes so, or one over a mixture's records),
-or a 1:1 dataset whose steps map to records in O(1) (elevator_dataset.py),
-each built from its config and the records records.py opens.
+A step dataset (step_dataset.py: a 1:1 dataset whose steps map to records
+in O(1), elevator_dataset.py, or a mixture of them, mixture.py), or a
+stream dataset (streams/stream.py: a pipeline that is not 1:1, one the
+config makes so, or one over a mixture's records), each built from its
+config and the records records.py opens.
 """
 
 from __future__ import annotations
@@ -14,21 +16,25 @@ from typing import Callable, Mapping
 from grain_elevator.proto import contract
 from grain_elevator.proto.errors import ConfigError
 from grain_elevator.server.data import shuffle as shuffle_lib
-from grain_elevator.server.data.streams import stream
 from grain_elevator.server.data.config import DatasetConfig
 from grain_elevator.server.data.elevator_dataset import ElevatorDataset
 from grain_elevator.server.data.records import (OpenedSource, apply_pipeline, build_raw_records,
                                                 fingerprint, is_stream_pipeline, record_origins)
-from grain_elevator.server.data.served import ServedDataset
 from grain_elevator.server.data.shards.identity import ShardIdentity
 from grain_elevator.server.data.shards.option_files import OptionFiles
+from grain_elevator.server.data.step_dataset import StepDataset
+from grain_elevator.server.data.streams.stream import StreamDataset
+
+# What the registry holds, and the request path serves, each by its shape
+# (server/serving/request_path.py): one of the two kinds, named once.
+Dataset = StepDataset | StreamDataset
 
 
 def open_dataset(config: DatasetConfig,
                  identities: Mapping[str, ShardIdentity | None] | None,
                  files: OptionFiles,
                  open_forever: Callable[[str], ElevatorDataset],
-                 open_named: Callable[[str], ServedDataset]) -> ServedDataset:
+                 open_named: Callable[[str], Dataset]) -> Dataset:
   """A registered dataset as the request path serves it: a mixture, a
   stream dataset (a pipeline that is not 1:1, or one the config makes so),
   or a dataset whose steps map to records in O(1). `files`: those its
@@ -42,7 +48,7 @@ def open_dataset(config: DatasetConfig,
     num_records, fp = mixture.info.num_records, mixture.info.config_fingerprint
     head = apply_pipeline(config, records, one_to_one=False)
     fields = {"option_files": files.fingerprint_fields()} if files.files else {}
-    ds = stream.StreamDataset(config, records, head, num_records=num_records,
+    ds = StreamDataset(config, records, head, num_records=num_records,
                                 fingerprint=contract.stream_fingerprint({
                                     **fields,
                                     "name": config.name, "source": fp,
@@ -65,7 +71,7 @@ def open_dataset(config: DatasetConfig,
           f"dataset {config.name!r}: its pipeline filters or flat-maps, so it is a stream "
           "dataset, and 'batch_transform' (a whole-batch decode of a 1:1 pipeline) cannot "
           "apply; give a 'batch_fn' instead")
-    ds = stream.StreamDataset(config, opened.raw_records, head,
+    ds = StreamDataset(config, opened.raw_records, head,
                               num_records=opened.num_records,
                               fingerprint=_stream_fingerprint(config, opened, files),
                               check_files=_iter_files_check(files))

@@ -166,7 +166,7 @@ class MixtureDataset:
                  shard_count: int, record_offset: int = 0) -> list[Any] | None:
     """What producing host h's rows of `step` reads from buckets: per
     object, its chunks' extents, over the components; None where none is in
-    a bucket (ServedDataset)."""
+    a bucket (StepDataset)."""
     if all(ds.component_needs([]) is None for ds in self.components):
       return None
     if record_offset and len(self._segments) > 1:

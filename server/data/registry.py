@@ -12,8 +12,7 @@ from typing import Callable, Mapping
 from grain_elevator.proto.errors import ShardChangedError, UnknownDatasetError
 from grain_elevator.server.data.config import DatasetConfig, ServerConfig
 from grain_elevator.server.data.elevator_dataset import ElevatorDataset
-from grain_elevator.server.data.factory import open_dataset
-from grain_elevator.server.data.served import ServedDataset
+from grain_elevator.server.data.factory import Dataset, open_dataset
 from grain_elevator.server.data.shards.identity import Recorded, ShardIdentity
 from grain_elevator.server.data.shards.option_files import OptionFiles
 
@@ -40,7 +39,7 @@ class Datasets:
     self._recorded = identities
     # Guarded by _lock: the datasets opened, mixtures' components, and the
     # datasets refused (name -> the ShardChangedError's message).
-    self._opened: dict[str, ServedDataset] = {}
+    self._opened: dict[str, Dataset] = {}
     self._forever: dict[str, ElevatorDataset] = {}
     self._refused: dict[str, str] = {}
     self._lock = threading.Lock()
@@ -62,18 +61,18 @@ class Datasets:
       opened = [*self._opened.values(), *self._forever.values()]
     return len({f for ds in opened for f in getattr(ds, "identities", {})})
 
-  def opened(self) -> dict[str, ServedDataset]:
+  def opened(self) -> dict[str, Dataset]:
     """The datasets opened so far and served, by name (not those refused)."""
     with self._lock:
       return dict(self._opened)
 
-  def get(self, name: str) -> ServedDataset:
+  def get(self, name: str) -> Dataset:
     """The opened dataset; UnknownDatasetError (NOT_FOUND) naming what
     exists; ShardChangedError (FAILED_PRECONDITION) for one refused."""
     with self._lock:
       return self._get_unlocked(name)
 
-  def _get_unlocked(self, name: str) -> ServedDataset:
+  def _get_unlocked(self, name: str) -> Dataset:
     """`get`, with the lock held (a stream's source opens its mixture)."""
     ds = self._opened.get(name)
     if ds is not None:
@@ -100,7 +99,7 @@ class Datasets:
     return None if self._recorded is None else self._recorded.shards
 
   def _checked(self, config: DatasetConfig,
-               open_with: Callable[[OptionFiles], ServedDataset]) -> ServedDataset:
+               open_with: Callable[[OptionFiles], Dataset]) -> Dataset:
     """`open_with(files)`, with the files `config`'s options name checked
     against their recording before (nothing has read them yet) and after
     (its pipelines were built and made their first record or batch, so
