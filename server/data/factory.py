@@ -15,6 +15,7 @@ from typing import Callable, Mapping
 
 from grain_elevator.proto import contract
 from grain_elevator.proto.errors import ConfigError
+from grain_elevator.server.data import provenance
 from grain_elevator.server.data import shuffle as shuffle_lib
 from grain_elevator.server.data.config import DatasetConfig
 from grain_elevator.server.data.elevator_dataset import ElevatorDataset
@@ -23,7 +24,7 @@ from grain_elevator.server.data.records import (OpenedSource, apply_pipeline, bu
 from grain_elevator.server.data.shards.identity import ShardIdentity
 from grain_elevator.server.data.shards.option_files import OptionFiles
 from grain_elevator.server.data.step_dataset import StepDataset
-from grain_elevator.server.data.streams.stream import StreamDataset
+from grain_elevator.server.data.streams.stream import StreamDataset, StreamRecords
 
 # What the registry holds, and the request path serves, each by its shape
 # (server/serving/request_path.py): one of the two kinds, named once.
@@ -45,24 +46,22 @@ def open_dataset(config: DatasetConfig,
   if config.source is not None:  # a mixture's records, mixed by Grain itself
     mixture = open_named(config.source)
     records = mixture.fixed_records()
-    num_records, fp = mixture.info.num_records, mixture.info.config_fingerprint
     head = apply_pipeline(config, records, one_to_one=False)
     fields = {"option_files": files.fingerprint_fields()} if files.files else {}
-    ds = StreamDataset(config, records, head, num_records=num_records,
-                                fingerprint=contract.stream_fingerprint({
-                                    **fields,
-                                    "name": config.name, "source": fp,
-                                    "pipeline": config.pipeline, "options": config.options,
-                                    "drop_remainder": config.drop_remainder,
-                                    "iter_pipeline": config.iter_pipeline,
-                                    "batch_fn": config.batch_fn,
-                                    "iter_options": config.iter_options}),
-                                check_files=_iter_files_check(files))
-    from grain_elevator.server.data import provenance  # pylint: disable=g-import-not-at-top
-    ds.origins = functools.partial(provenance.mixture_origins, mixture, global_batch_size=1)
-    ds.component_names = tuple(mixture.names)
-    ds.component_of = lambda positions: mixture.locate(positions, 1)[0]
-    return ds
+    return StreamDataset(config, StreamRecords(
+        records, num_records=mixture.info.num_records,
+        fingerprint=contract.stream_fingerprint({
+            **fields,
+            "name": config.name, "source": mixture.info.config_fingerprint,
+            "pipeline": config.pipeline, "options": config.options,
+            "drop_remainder": config.drop_remainder,
+            "iter_pipeline": config.iter_pipeline,
+            "batch_fn": config.batch_fn,
+            "iter_options": config.iter_options}),
+        origins=functools.partial(provenance.mixture_origins, mixture, global_batch_size=1),
+        component_names=tuple(mixture.names),
+        component_of=lambda positions: mixture.locate(positions, 1)[0]),
+        head, check_files=_iter_files_check(files))
   opened = OpenedSource.open(config, identities)
   head = apply_pipeline(config, opened.raw_records, one_to_one=False)
   if config.names_a_stream or is_stream_pipeline(opened.raw_records, head):
@@ -71,18 +70,16 @@ def open_dataset(config: DatasetConfig,
           f"dataset {config.name!r}: its pipeline filters or flat-maps, so it is a stream "
           "dataset, and 'batch_transform' (a whole-batch decode of a 1:1 pipeline) cannot "
           "apply; give a 'batch_fn' instead")
-    ds = StreamDataset(config, opened.raw_records, head,
-                              num_records=opened.num_records,
-                              fingerprint=_stream_fingerprint(config, opened, files),
-                              check_files=_iter_files_check(files))
-    ds.identities = opened.identities
     index = shuffle_lib.SourceIndexMap(build_raw_records(config, range(opened.num_records)),
                                        opened.num_records)
-    ds.origins = functools.partial(record_origins, opened.source, index)
     needs = getattr(opened.source, "needs", None)  # in a bucket
-    if needs is not None:
-      ds.read_by_plan(lambda positions: needs(index(positions)))
-    return ds
+    return StreamDataset(config, StreamRecords(
+        opened.raw_records, num_records=opened.num_records,
+        fingerprint=_stream_fingerprint(config, opened, files),
+        identities=opened.identities,
+        origins=functools.partial(record_origins, opened.source, index),
+        needs=None if needs is None else lambda positions: needs(index(positions))),
+        head, check_files=_iter_files_check(files))
   return ElevatorDataset(config, identities, opened=opened, records=head, files=files)
 
 
