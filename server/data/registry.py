@@ -1,5 +1,6 @@
-"""The registry: a config's datasets by name, each opened once (factory.py),
-and the datasets refused because their files changed since start-up.
+"""The registry: a config's datasets by name, each opened once as one of
+two kinds (factory.py's `Dataset`: a StepDataset or a StreamDataset), and
+the datasets refused because their files changed since start-up.
 """
 
 from __future__ import annotations
@@ -7,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-from typing import Callable, Mapping
+from typing import Callable, Mapping, TypeVar
 
 from grain_elevator.proto.errors import ShardChangedError, UnknownDatasetError
 from grain_elevator.server.data.config import DatasetConfig, ServerConfig
@@ -17,6 +18,8 @@ from grain_elevator.server.data.shards.identity import Recorded, ShardIdentity
 from grain_elevator.server.data.shards.option_files import OptionFiles
 
 log = logging.getLogger("grain_elevator.server")
+
+_Opened = TypeVar("_Opened")
 
 
 class Datasets:
@@ -99,7 +102,7 @@ class Datasets:
     return None if self._recorded is None else self._recorded.shards
 
   def _checked(self, config: DatasetConfig,
-               open_with: Callable[[OptionFiles], Dataset]) -> Dataset:
+               open_with: Callable[[OptionFiles], _Opened]) -> _Opened:
     """`open_with(files)`, with the files `config`'s options name checked
     against their recording before (nothing has read them yet) and after
     (its pipelines were built and made their first record or batch, so
