@@ -30,12 +30,12 @@ class EmbeddedBackend:
   def __init__(self, config_path: str):
     # pylint: disable=g-import-not-at-top
     from grain_elevator.server.data import config as config_lib
-    from grain_elevator.server.data import dataset as dataset_lib
+    from grain_elevator.server.data import registry
     from grain_elevator.server.serving import request_path
     self.config_path = config_path
     self.targets = [targets_lib.local_target(config_path)]
     config = config_lib.load_config(config_path)
-    self._path = request_path.RequestPath(dataset_lib.Datasets(config, open_now=False))
+    self._path = request_path.RequestPath(registry.Datasets(config, open_now=False))
 
   def describe(self, dataset: str = "", global_batch_size: int = 0) -> list[DatasetInfo]:
     with self._path.admitted(None) as ticket:

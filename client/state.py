@@ -10,7 +10,7 @@ under G0 resumes at record k*G0, and steps count afresh from there under the
 new G ("record_offset", present only once that has happened; the contract,
 proto/contract.py). Nothing is skipped or repeated.
 
-A stream dataset (server/data/stream.py) has no arithmetic from steps to
+A stream dataset (server/data/streams/stream.py) has no arithmetic from steps to
 records: its state also holds "stream_state", the position of its Grain
 pipeline where the next global batch starts (Grain's own iterator state,
 JSON: an upstream position and a few counters, never elements; at step 0

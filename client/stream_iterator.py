@@ -1,6 +1,6 @@
 """A stream dataset's iterator: its steps in order, from a stream position.
 
-A stream dataset (server/data/stream.py) finds global batch k from the
+A stream dataset (server/data/streams/stream.py) finds global batch k from the
 position of its Grain pipeline where k starts, not from k: a request names
 that position, and every step arrives with the position after it. So
 requests follow one another: a fetch thread asks for the next chunk as soon
@@ -8,7 +8,7 @@ as the last step of the one before has arrived, from where it ended, and
 keeps up to `prefetch` steps ahead of the trainer. One request is in flight
 at a time, to the one worker that owns the stream, so neither more
 connections nor a wider window make it faster (the server spreads the
-stream's work over its workers itself: server/data/parallel_head.py); the
+stream's work over its workers itself: server/data/streams/parallel_head.py); the
 default window is fixed at window.STREAM_REQUESTS requests ahead. Chunks end at multiples
 of their size, as for any dataset, so every host of a job asks for the same
 chunks and the server produces each global batch once for all of them.

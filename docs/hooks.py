@@ -92,13 +92,13 @@ CONSTANTS = {
         "RESERVED_DESCRIPTORS", "DESCRIPTORS_PER_SHARD"],
     "grain_elevator.server.data.shards.identity": ["IDENTITY_TAIL_BYTES"],
     "grain_elevator.server.data.shards.option_files": ["HASH_READ_BYTES"],
-    "grain_elevator.server.data.shards.object_reader": ["COALESCE_GAP_BYTES", "MAX_RANGE_BYTES"],
+    "grain_elevator.server.data.storage.ranges": ["COALESCE_GAP_BYTES", "MAX_RANGE_BYTES"],
     "grain_elevator.server.data.storage.settings": ["DEFAULT_RETRY_S", "REQUEST_TIMEOUT_S"],
     "grain_elevator.server.data.storage.objects": ["MAX_IN_FLIGHT", "AHEAD_IN_FLIGHT"],
     "grain_elevator.server.data.storage.read_ahead": ["STALE_S"],
     "grain_elevator.server.serving.read_plan": ["AHEAD_CHUNKS", "MAX_STEPS"],
-    "grain_elevator.server.data.head_reads": ["BLOCK", "BLOCKS_AHEAD"],
-    "grain_elevator.server.data.parallel_head": [
+    "grain_elevator.server.data.streams.head_reads": ["BLOCK", "BLOCKS_AHEAD"],
+    "grain_elevator.server.data.streams.parallel_head": [
         "TASK_ELEMENTS", "TASKS_AHEAD_PER_WORKER", "PROGRESS_EVERY_S", "PEER_SILENT_S",
         "REDIAL_S", "HEAD_LOG_PERIOD_S"],
     "grain_elevator.server.process.head_sockets": [

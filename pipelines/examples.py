@@ -146,7 +146,7 @@ def _flip_and_tag(record: dict[str, Any], rng: np.random.Generator) -> dict[str,
           "noise": np.float32(rng.standard_normal())}
 
 
-# -- stream pipelines: not 1:1, served as stream datasets (server/data/stream.py) ----
+# -- stream pipelines: not 1:1, served as stream datasets (server/data/streams/stream.py) --
 
 
 class _KeepLabels:

@@ -15,7 +15,7 @@ with every batch. Neither takes it on trust:
 
 What a shape cannot tell, a position moved along its own stream, only the
 pipeline can: a server restores it with Grain's own `set_state` and refuses
-one that does not read back the same (server/data/stream.py); a client
+one that does not read back the same (server/data/streams/stream.py); a client
 cannot tell at all (docs/operations.md, "What a client checks").
 """
 

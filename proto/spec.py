@@ -86,10 +86,10 @@ class DatasetInfo:
   # a cursor inside each segment names in place of config_fingerprint.
   segment_steps: tuple[int, ...] = ()
   segment_fingerprints: tuple[str, ...] = ()
-  # A stream dataset (server/data/stream.py): batches are the k-th of its Grain
-  # pipeline, found from a stream position, not from step arithmetic; its
-  # steps are not known ahead (total_steps is None) and num_records counts
-  # its source's records per epoch.
+  # A stream dataset (server/data/streams/stream.py): batches are the k-th
+  # of its Grain pipeline, found from a stream position, not from step
+  # arithmetic; its steps are not known ahead (total_steps is None) and
+  # num_records counts its source's records per epoch.
   stream: bool = False
   stream_start: str = ""  # a stream dataset's first position (JSON), where step 0 starts
 

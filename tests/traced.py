@@ -5,8 +5,8 @@ the machine, which makes it the right meter for a memory bound. But tracing
 in the pytest process races native threads that attach to Python while it
 is on: CPython 3.11 can crash in tracemalloc's traceback_new as such a
 thread (obstore's, gRPC's, left by earlier tests) allocates its thread state
-(server/data/object_bytes.py tells the story). A spawned child has no such
-threads: it imports only what `fn` needs.
+(server/data/streams/object_bytes.py tells the story). A spawned child has
+no such threads: it imports only what `fn` needs.
 """
 
 from __future__ import annotations

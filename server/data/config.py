@@ -34,8 +34,8 @@ step = 50
 weights = { a = 0.2, b = 0.8 }
 ```
 
-A stream dataset (server/data/stream.py) is one whose `pipeline` filters or
-flat-maps, or that names what runs after it:
+A stream dataset (server/data/streams/stream.py) is one whose `pipeline`
+filters or flat-maps, or that names what runs after it:
 
 ```toml
 [datasets.lm]
@@ -98,9 +98,9 @@ class DatasetConfig:
   # A mixture in place of a source: (first global step, ((component, weight), ...))
   # per segment, steps increasing from 0, weights normalised (server/data/mixture.py).
   schedule: tuple[tuple[int, tuple[tuple[str, float], ...]], ...] | None = None
-  # A stream dataset's keys (server/data/stream.py): the registered mixture of
-  # fixed weights whose records it reads (in place of files), what runs after
-  # `pipeline` on its IterDataset, and the batch function.
+  # A stream dataset's keys (server/data/streams/stream.py): the registered
+  # mixture of fixed weights whose records it reads (in place of files), what
+  # runs after `pipeline` on its IterDataset, and the batch function.
   source: str | None = None
   iter_pipeline: str | None = None
   batch_fn: str | None = None

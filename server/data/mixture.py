@@ -76,7 +76,7 @@ def _counts(records: int, proportions: Sequence[int]) -> list[int]:
 
 
 class MixtureDataset:
-  """A mixture over opened component datasets (server/data/dataset.py's
+  """A mixture over opened component datasets (server/data/elevator_dataset.py's
   ElevatorDataset, each reading its stream repeated forever)."""
 
   def __init__(self, config: DatasetConfig, open_component: Callable[[str], Any]):
@@ -166,7 +166,7 @@ class MixtureDataset:
                  shard_count: int, record_offset: int = 0) -> list[Any] | None:
     """What producing host h's rows of `step` reads from buckets: per
     object, its chunks' extents, over the components; None where none is in
-    a bucket (ServedDataset)."""
+    a bucket (StepDataset)."""
     if all(ds.component_needs([]) is None for ds in self.components):
       return None
     if record_offset and len(self._segments) > 1:

@@ -22,9 +22,9 @@ from grain_elevator.server.data.shards import identity as identity_lib
 from grain_elevator.server.data.shards.chunks import CorruptShard, UnsupportedShard
 from grain_elevator.server.data.shards.object_reader import (Fetched, ObjectShardReader,
                                                              open_object_shard)
-from grain_elevator.server.data.shards.object_reader import coalesce
 from grain_elevator.server.data.storage import objects as objects_lib
 from grain_elevator.server.data.storage import read_ahead
+from grain_elevator.server.data.storage.ranges import coalesce
 from grain_elevator.server.data.storage.settings import StorageSettings
 
 # Shards opened at once (each one or two ranged reads of its tail).

@@ -195,7 +195,7 @@ def _traced_steps(ds: Any, global_batch_size: int, position: str
   """A stream's global batches from `position`, each made twice, served and
   traced (module docstring): (the traced leaf, the position after the
   batch, its codes, the served mask or None). The served pipeline's head
-  checks cancellation (server/data/cancellation.py)."""
+  checks cancellation (server/data/streams/cancellation.py)."""
   info = ds.info
   g = global_batch_size
   served_it = ds.open(g, position)

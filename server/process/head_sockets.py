@@ -2,8 +2,8 @@
 
 Each worker listens on a socket of its own in a private directory
 (`HeadPeers`, which the supervisor makes and hands to every worker it
-spawns; server/data/parallel_head.py sees nothing else of this module); the
-others dial it. Both ends prove they hold the
+spawns; server/data/streams/parallel_head.py sees nothing else of this
+module); the others dial it. Both ends prove they hold the
 server's key with multiprocessing's challenge and response, then exchange
 pickled messages: nothing crosses the network, and nothing is unpickled
 from a peer before it has proved it holds the key.
@@ -39,7 +39,7 @@ import time
 from typing import Callable
 
 from grain_elevator.proto.throttle import Throttled
-from grain_elevator.server.data.parallel_head import HEAD_LOG_PERIOD_S
+from grain_elevator.server.data.streams.parallel_head import HEAD_LOG_PERIOD_S
 
 log = logging.getLogger("grain_elevator.server")
 

@@ -234,7 +234,8 @@ class Server:
     self._activity = [self._ctx.RawValue("d", time.monotonic())
                       for _ in range(self.num_workers)]
     self._start_health_port()
-    # Stream datasets' heads are computed by every worker (server/data/parallel_head.py).
+    # Stream datasets' heads are computed by every worker
+    # (server/data/streams/parallel_head.py).
     self._head_peers = (head_sockets.HeadPeers(self.num_workers)
                         if self.num_workers > 1 else None)
     self._start_workers()

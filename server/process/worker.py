@@ -21,12 +21,12 @@ from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.proto.errors import ElevatorError
 from grain_elevator.proto.limits import MAX_REQUEST_BYTES
 from grain_elevator.server.data import config as config_lib
-from grain_elevator.server.data import dataset as dataset_lib
-from grain_elevator.server.data import parallel_head
+from grain_elevator.server.data.streams import parallel_head
+from grain_elevator.server.data import registry
 from grain_elevator.server.data.shards import identity as shard_identity
 from grain_elevator.server.data.storage import objects as storage_objects
 from grain_elevator.server.data.storage import read_ahead
-from grain_elevator.server.data.stream import StreamDataset
+from grain_elevator.server.data.streams.stream import StreamDataset
 from grain_elevator.server.process import descriptors
 from grain_elevator.server.process import lifeline
 from grain_elevator.server.process import logs
@@ -74,7 +74,7 @@ class Servers:
     stopped.wait()
 
 
-def build_servers(datasets: dataset_lib.Datasets, opts: ServerOptions, index: int = 0,
+def build_servers(datasets: registry.Datasets, opts: ServerOptions, index: int = 0,
                   num_workers: int = 1,
                   report: health_lib.WorkerReport | None = None) -> Servers:
   """Start-able gRPC (Elevator, health, reflection) and bulk servers;
@@ -177,7 +177,7 @@ def run(config_path: str, opts: ServerOptions, index: int, num_workers: int,
   stop = threading.Event()
   signal.signal(signal.SIGTERM, lambda *_: stop.set())
   try:
-    datasets = dataset_lib.Datasets(config_lib.load_config(config_path), identities=identities)
+    datasets = registry.Datasets(config_lib.load_config(config_path), identities=identities)
     # Loading takes seconds, and the supervisor's death (or stop) while it ran
     # only set `stop`: bind no port for a server that is gone.
     if stop.is_set() or lifeline.orphaned(supervisor_pid):

@@ -11,9 +11,10 @@ will be asked for chunk c + s next, where s, its *stride*, is the number of
 workers of all the replicas (W with one replica). So on each request a
 worker plans, in order, the request's own steps (all their ranges go out at
 once, not a step at a time), then the steps of its next AHEAD_CHUNKS
-chunks: storage/read_ahead.py fetches what they need within its byte
-budget (`--read-ahead-mb`), and the reads of those steps take it when the
-requests come.
+chunks: server/data/storage/read_ahead.py fetches what they need within
+its byte budget (`--read-ahead-mb`), and the reads of those steps take it
+when the requests come. Step datasets plan here (step_shape.py); a stream
+dataset's head plans its own reads (server/data/streams/head_reads.py).
 
 The stride is learned per stream and host from the chunks a worker is
 asked for (the difference between the last two), and starts at the
@@ -32,6 +33,7 @@ from typing import Any, Hashable, Iterable
 
 from grain_elevator.proto import contract
 from grain_elevator.proto import elevator_pb2 as pb
+from grain_elevator.server.data.step_dataset import StepDataset
 from grain_elevator.server.data.storage import read_ahead
 
 # Chunks planned beyond the request's own: the next chunk this worker owns
@@ -91,13 +93,11 @@ class ReadPlanner:
     return (info.name, info.config_fingerprint, r.global_batch_size, r.shard_index,
             r.shard_count, r.record_offset, step)
 
-  def plan(self, ds: Any, r: pb.BatchRequest) -> int:
+  def plan(self, ds: StepDataset, r: pb.BatchRequest) -> int:
     """Plans the reads of `r`'s steps and the next chunks' (a dataset with
     nothing in buckets plans nothing). Returns the groups planned now."""
     info = ds.info
-    needs_of = getattr(ds, "read_needs", None)
-    if needs_of is None or info.stream:
-      return 0
+    needs_of = ds.read_needs
     ahead = read_ahead.current()
     if ahead.budget_bytes <= 0 or needs_of(r.start_step, r.global_batch_size, r.shard_index,
                                            r.shard_count, r.record_offset) is None:
@@ -116,11 +116,11 @@ class ReadPlanner:
       groups.append((tag, needs))
     return ahead.plan(info.name, groups)
 
-  def release(self, ds: Any, r: pb.BatchRequest, steps: Iterable[int]) -> None:
+  def release(self, ds: StepDataset, r: pb.BatchRequest, steps: Iterable[int]) -> None:
     """These steps of `r` are made (or will not be, by this request): what
     was read ahead for them is let go of."""
     ahead = read_ahead.current()
-    if ds.info.stream or not ahead.holds_groups:
+    if not ahead.holds_groups:
       return
     for step in itertools.islice(steps, MAX_STEPS):  # a request planned no more
       ahead.release(self._tag(ds.info, r, step))

@@ -38,9 +38,9 @@ from grain_elevator.proto import wire
 from grain_elevator.proto.errors import (InvalidRequestError, ShardChangedError,
                                          StreamMismatchError, UnauthenticatedError)
 from grain_elevator.proto.spec import DatasetInfo
-from grain_elevator.server.data.dataset import Datasets
-from grain_elevator.server.data.served import ServedDataset
-from grain_elevator.server.data.stream import StreamDataset
+from grain_elevator.server.data.factory import Dataset
+from grain_elevator.server.data.registry import Datasets
+from grain_elevator.server.data.streams.stream import StreamDataset
 from grain_elevator.server.serving.options import (DEFAULT_MAX_MESSAGE_BYTES,
                                                    DEFAULT_MAX_STREAM_BATCH_BYTES)
 from grain_elevator.server.serving.admission import Admission, Ticket
@@ -49,10 +49,6 @@ from grain_elevator.server.serving.read_plan import ReadPlanner
 from grain_elevator.server.serving.step_shape import StepShape
 from grain_elevator.server.serving.stream_sessions import StreamSessions
 from grain_elevator.server.serving.stream_shape import StreamShape
-
-# What the request path serves: a dataset that answers for any step, or a
-# stream that continues from a position; each has its shape.
-Served = ServedDataset | StreamDataset
 
 
 class Shape(Protocol):
@@ -91,7 +87,7 @@ class RequestPath:
     self._step_shape = StepShape(self.cache, self.planner)
     self._stream_shape = StreamShape(self.streams, max_stream_batch_bytes)
 
-  def shape(self, ds: Served) -> Shape:
+  def shape(self, ds: Dataset) -> Shape:
     """The one place the request path tells the two kinds apart."""
     return self._stream_shape if isinstance(ds, StreamDataset) else self._step_shape
 
@@ -132,7 +128,7 @@ class RequestPath:
 
   # 3. validation -------------------------------------------------------------
 
-  def validate(self, r: pb.BatchRequest) -> Served:
+  def validate(self, r: pb.BatchRequest) -> Dataset:
     """The dataset that serves `r`; a typed error unless every step can be
     served within the limits."""
     ds = self.datasets.get(r.dataset)

@@ -1,5 +1,5 @@
 """How the request path serves a step dataset (1:1 or a mixture: any step
-found in O(1), server/data/served.py): its reads planned from buckets, each
+found in O(1), server/data/step_dataset.py): its reads planned from buckets, each
 step made or taken from the batch cache, its records counted by mixture
 component. Its sibling is stream_shape.py; request_path.py picks one per
 dataset and calls nothing else of either."""
@@ -15,7 +15,7 @@ from grain_elevator.proto import wire
 from grain_elevator.proto.errors import InvalidRequestError
 from grain_elevator.server.data import collate as collate_lib
 from grain_elevator.server.data import provenance
-from grain_elevator.server.data.served import ServedDataset
+from grain_elevator.server.data.step_dataset import StepDataset
 from grain_elevator.server.serving import metrics
 from grain_elevator.server.serving.batch_cache import BatchCache
 from grain_elevator.server.serving.read_plan import ReadPlanner
@@ -31,7 +31,7 @@ class StepShape:
     self.cache = cache
     self.planner = planner
 
-  def check(self, ds: ServedDataset, r: pb.BatchRequest) -> None:
+  def check(self, ds: StepDataset, r: pb.BatchRequest) -> None:
     ds.check_batch_size(r.global_batch_size)  # a scheduled mixture: G times its steps fit int64
     info = ds.info
     contract.check_steps(r.start_step, r.num_steps, info.stream_length,
@@ -40,7 +40,7 @@ class StepShape:
       raise InvalidRequestError(
           f"dataset {info.name!r} is not a stream dataset: stream_state means nothing for it")
 
-  def steps(self, ds: ServedDataset, r: pb.BatchRequest,
+  def steps(self, ds: StepDataset, r: pb.BatchRequest,
             is_active: Callable[[], bool]) -> Iterator[Step]:
     self._plan(ds, r)
     made = r.start_step
@@ -56,7 +56,7 @@ class StepShape:
     finally:
       self.planner.release(ds, r, range(made, r.start_step + r.num_steps))
 
-  def encoded_steps(self, ds: ServedDataset, r: pb.BatchRequest,
+  def encoded_steps(self, ds: StepDataset, r: pb.BatchRequest,
                     is_active: Callable[[], bool]) -> Iterator[list[Any]]:
     info = ds.info
     stream = (info.name, info.config_fingerprint, r.global_batch_size, r.shard_index,
@@ -78,19 +78,19 @@ class StepShape:
     finally:
       self.planner.release(ds, r, range(made, r.start_step + r.num_steps))
 
-  def skip(self, ds: ServedDataset, r: pb.BatchRequest,
+  def skip(self, ds: StepDataset, r: pb.BatchRequest,
            is_active: Callable[[], bool]) -> pb.SkipResponse:
     del r, is_active
     raise InvalidRequestError(
         f"dataset {ds.info.name!r} is not a stream dataset: a client skips its steps in "
         "O(1), without asking a server")
 
-  def explain(self, ds: ServedDataset, r: pb.BatchRequest) -> Any:
+  def explain(self, ds: StepDataset, r: pb.BatchRequest) -> Any:
     name = ds.info.name
     return named(name, where(name, r.start_step), provenance.explain, ds, r.start_step,
                  r.global_batch_size, r.shard_index, r.shard_count, r.record_offset)
 
-  def summary(self, ds: ServedDataset, r: pb.BatchRequest,
+  def summary(self, ds: StepDataset, r: pb.BatchRequest,
               is_active: Callable[[], bool]) -> Any:
     """Counted from the contract: arithmetic, nothing made."""
     del is_active
@@ -98,7 +98,7 @@ class StepShape:
     return named(name, where(name, r.start_step), provenance.summary, ds, r.start_step,
                  r.num_steps, r.global_batch_size, r.record_offset)
 
-  def _plan(self, ds: ServedDataset, r: pb.BatchRequest) -> None:
+  def _plan(self, ds: StepDataset, r: pb.BatchRequest) -> None:
     """Plans the reads of `r`'s steps and the next chunks'; a failure to
     plan only costs the read-ahead (the steps read what they need)."""
     try:
@@ -107,7 +107,7 @@ class StepShape:
       failures.warning((ds.info.name, "plan"), "dataset %r: planning reads failed; reading "
                        "them when asked for", ds.info.name, exc_info=True)
 
-  def _made(self, ds: ServedDataset, r: pb.BatchRequest, step: int) -> int:
+  def _made(self, ds: StepDataset, r: pb.BatchRequest, step: int) -> int:
     """Step `step` of `r` is made: its read-ahead is let go of. Returns
     the first step not made yet (a request that ends early lets go of the
     rest: the callers' `finally`)."""
@@ -115,7 +115,7 @@ class StepShape:
     return step + 1
 
   @staticmethod
-  def _produce(ds: ServedDataset, r: pb.BatchRequest, step: int, *,
+  def _produce(ds: StepDataset, r: pb.BatchRequest, step: int, *,
                stack: bool) -> list[collate_lib.Leaf]:
     """Step `step`'s leaves; `stack=False` may leave big rows as RowStacks
     for the socket to gather."""
@@ -127,7 +127,7 @@ class StepShape:
     return leaves
 
 
-def _account(ds: ServedDataset, r: pb.BatchRequest, step: int) -> None:
+def _account(ds: StepDataset, r: pb.BatchRequest, step: int) -> None:
   """Counts the records of host h's slice of `step` by mixture component
   (server/data/provenance.py), where metrics are kept."""
   recorded = metrics.current()

@@ -50,8 +50,8 @@ from typing import Any, Callable, Iterator
 
 from grain_elevator.proto.errors import Cancelled
 from grain_elevator.proto.throttle import Throttled
-from grain_elevator.server.data import cancellation
-from grain_elevator.server.data.stream import GlobalBatch, StreamDataset
+from grain_elevator.server.data.streams import cancellation
+from grain_elevator.server.data.streams.stream import GlobalBatch, StreamDataset
 from grain_elevator.server.serving import metrics
 
 log = logging.getLogger("grain_elevator.server")
@@ -126,7 +126,7 @@ class Session:
           ) -> tuple[GlobalBatch, bool] | _Dropped | None:
     """Batch `index` and whether this call made it (None past the stream's
     end; DROPPED if it is gone here). A batch is made when the first host
-    asks for it, under `is_active` (cancellation.py)."""
+    asks for it, under `is_active` (server/data/streams/cancellation.py)."""
     with self._lock:
       got = self._held(index, host)
     if got is not _MISSING:

@@ -1,4 +1,4 @@
-"""How the request path serves a stream dataset (server/data/stream.py):
+"""How the request path serves a stream dataset (server/data/streams/stream.py):
 steps continue from a position (stream_state), each global batch made once
 for all its hosts (stream_sessions.py), a skip fast-forwards without sending,
 and rows and tokens are counted as they go. Its sibling is step_shape.py;
@@ -16,10 +16,10 @@ from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.proto import wire
 from grain_elevator.proto.errors import Cancelled, EndOfDataError, InvalidRequestError
 from grain_elevator.proto.limits import MAX_SKIP_STEPS
-from grain_elevator.server.data import cancellation
+from grain_elevator.server.data.streams import cancellation
 from grain_elevator.server.data import provenance
-from grain_elevator.server.data import stream as stream_lib
-from grain_elevator.server.data.stream import StreamDataset
+from grain_elevator.server.data.streams import stream as stream_lib
+from grain_elevator.server.data.streams.stream import StreamDataset
 from grain_elevator.server.serving import metrics
 from grain_elevator.server.serving.stream_sessions import StreamSessions
 from grain_elevator.server.serving.step_errors import failures, named, where

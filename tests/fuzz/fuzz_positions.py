@@ -50,7 +50,7 @@ from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.proto import elevator_pb2_grpc as pb_grpc
 from grain_elevator.server import Server, ServerOptions
 from grain_elevator.server.data import config as config_lib
-from grain_elevator.server.data import dataset as dataset_lib
+from grain_elevator.server.data import registry
 from grain_elevator.server.data import grain_private
 from grain_elevator.server.serving.stream_sessions import MAX_STREAM_SESSIONS
 from grain_elevator.tools import text_corpus
@@ -220,7 +220,7 @@ class Run:
     self.stub = pb_grpc.ElevatorStub(self.channel)
     self.health = health_pb2_grpc.HealthStub(self.channel)
     self.oracle = EmbeddedBackend(self.config)
-    self.datasets = dataset_lib.Datasets(config_lib.load_config(self.config))
+    self.datasets = registry.Datasets(config_lib.load_config(self.config))
     self.positions: dict[str, list[str]] = {}
     self.fingerprints: dict[str, str] = {}
     for name in DATASETS:

@@ -95,7 +95,7 @@ from grain_elevator.proto import wire
 from grain_elevator.proto.limits import MAX_REQUEST_BYTES
 from grain_elevator.proto.spec import ElementSpec, LeafSpec
 from grain_elevator.server.data import config as config_lib
-from grain_elevator.server.data import dataset as dataset_lib
+from grain_elevator.server.data import registry
 from grain_elevator.server.serving.bulk import HANDSHAKE_TIMEOUT_S
 from grain_elevator.server.serving.request_path import RequestPath
 from grain_elevator.tools.testing.launcher import LocalServer
@@ -908,7 +908,7 @@ class ServerTarget:
         "--max-message-bytes", str(MAX_MESSAGE_BYTES)))
     self.address = ("127.0.0.1", self.server.bulk_port)
     # The model's answers: the request path, as embedded mode runs it.
-    self.path = RequestPath(dataset_lib.Datasets(config_lib.load_config(config),
+    self.path = RequestPath(registry.Datasets(config_lib.load_config(config),
                                                  open_now=False),
                             auth_token=TOKEN, max_message_bytes=MAX_MESSAGE_BYTES)
     with self.path.admitted(TOKEN) as ticket:
@@ -1603,7 +1603,7 @@ class Fuzzer:
     (data / "elevator.toml").write_text(conftest.CONFIG)
     config = str(data / "elevator.toml")
     targets = self.args.targets.split(",")
-    path = RequestPath(dataset_lib.Datasets(config_lib.load_config(config), open_now=False))
+    path = RequestPath(registry.Datasets(config_lib.load_config(config), open_now=False))
     streams = real_streams(path) + synthetic_streams(random.Random(0))
     seeds = [s for st in streams for s in st.seeds]
     plain = next(s for s in seeds if s.name == "plain G=128 0/1 step 0 raw")

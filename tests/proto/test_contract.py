@@ -92,7 +92,7 @@ def test_big_records_equal_literal_formula(tmp_path, monkeypatch, reader):
   monkeypatch.setenv("ELEVATOR_SHARD_READER", reader)
   from grain_elevator.client.embedded import EmbeddedBackend
   from grain_elevator.pipelines import examples
-  from grain_elevator.server.data import dataset as dataset_lib
+  from grain_elevator.server.data.record_source import BatchedArrayRecordSource
   examples.write_image_shards(str(tmp_path / "shards"), num_records=60, num_shards=3,
                               height=128, width=192, channels=3)  # 73,744 B records
   (tmp_path / "big.toml").write_text(
@@ -100,7 +100,7 @@ def test_big_records_equal_literal_formula(tmp_path, monkeypatch, reader):
       'pipeline = "grain_elevator.pipelines.examples:decode_images"\nseed = 2\n'
       'num_epochs = 2\n[datasets.big.options]\nheight = 128\nwidth = 192\nchannels = 3\n')
   config = config_lib.load_config(tmp_path / "big.toml").datasets["big"]
-  source = dataset_lib.BatchedArrayRecordSource(list(config.files))
+  source = BatchedArrayRecordSource(list(config.files))
   assert source._reads_singly()  # pylint: disable=protected-access
   records = _literal_records(config)
   backend = EmbeddedBackend(str(tmp_path / "big.toml"))

@@ -159,3 +159,48 @@ def test_server_folders_import_downward():
       if SERVER_LAYERS.index(imported) > level:
         upward.add((str(path.relative_to(ROOT / "server")), imported))
   assert not upward, f"imports that run upward: {sorted(upward)}"
+
+
+# Inside server/data/, the rooms run one way too: storage/ (a bucket) <-
+# shards/ (a shard, read from a file or through storage/) <- the rest of
+# data/ (the datasets, streams/). A pair that pointed both ways before
+# (read_ahead.py took shards/' coalesce; identity.py took data/config.py's
+# classes) would hide which one a change must start from.
+DATA_ROOMS = ("storage", "shards")
+
+
+def _data_rooms(path) -> set[int]:
+  """The levels of the server/data/ modules that module `path` imports:
+  its DATA_ROOMS index, or len(DATA_ROOMS) for any other data/ module."""
+  import ast  # pylint: disable=g-import-not-at-top
+  top = len(DATA_ROOMS)
+
+  def level(parts: list[str]) -> int | None:
+    if parts[:3] != ["grain_elevator", "server", "data"]:
+      return None
+    return DATA_ROOMS.index(parts[3]) if len(parts) > 3 and parts[3] in DATA_ROOMS else top
+  out = set()
+  for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    if isinstance(node, ast.Import):
+      found = [level(a.name.split(".")) for a in node.names]
+    elif isinstance(node, ast.ImportFrom) and node.module == "grain_elevator.server.data":
+      found = [level([*node.module.split("."), a.name]) for a in node.names]
+    elif isinstance(node, ast.ImportFrom):
+      found = [level((node.module or "").split("."))]
+    else:
+      continue
+    out |= {l for l in found if l is not None}
+  return out
+
+
+def test_data_rooms_import_downward():
+  upward = set()
+  for path in sorted((ROOT / "server" / "data").rglob("*.py")):
+    room = path.relative_to(ROOT / "server" / "data").parts[0]
+    if room not in DATA_ROOMS:
+      continue
+    for imported in _data_rooms(path):
+      if imported > DATA_ROOMS.index(room):
+        upward.add((str(path.relative_to(ROOT / "server")),
+                    DATA_ROOMS[imported] if imported < len(DATA_ROOMS) else "data"))
+  assert not upward, f"imports that run upward: {sorted(upward)}"

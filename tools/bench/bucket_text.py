@@ -1,8 +1,8 @@
 """`elevator bench --storage s3`'s text workload: the LLM input pipeline
 (bench/text.py: JSON documents, BPE, chunks, first-fit packed rows) with
 its documents in S3 (moto behind the fault proxy, buckets.py), a stream
-dataset whose head reads by plan (server/data/head_reads.py), against, in
-one run, interleaved:
+dataset whose head reads by plan (server/data/streams/head_reads.py),
+against, in one run, interleaved:
 
 - the same server reading the same shards from local files;
 - the server from the bucket with its reads by plan off (`--read-ahead-mb 0`);

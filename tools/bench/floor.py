@@ -23,7 +23,8 @@ from typing import Sequence
 import numpy as np
 
 from grain_elevator.proto import framing
-from grain_elevator.server.data.dataset import BatchedArrayRecordSource, mark_absl_flags_parsed
+from grain_elevator.server.data.record_source import BatchedArrayRecordSource
+from grain_elevator.server.data.records import mark_absl_flags_parsed
 from grain_elevator.tools.bench import portfile
 
 

@@ -7,7 +7,7 @@ A stream (decode_images and a batch_fn: a head that keeps the length) over
 behind the fault proxy at a fixed latency per request, read in embedded
 mode and from a W=2 server (the parallel head), each with the read-ahead
 off (`--read-ahead-mb 0`: one ranged GET per element as the head reaches
-it) and at its default (server/data/head_reads.py: a block's records at
+it) and at its default (server/data/streams/head_reads.py: a block's records at
 once). Prints elements/s side by side, the planned ones as a ratio of the
 unplanned (BENCHMARKS.md, "Reading from a bucket").
 """
@@ -40,10 +40,10 @@ G = 8
 
 def _embedded(config: str, budget_mb: int, batches: int) -> float:
   from grain_elevator.server.data import config as config_lib  # pylint: disable=g-import-not-at-top
-  from grain_elevator.server.data import dataset as dataset_lib  # pylint: disable=g-import-not-at-top
+  from grain_elevator.server.data import registry  # pylint: disable=g-import-not-at-top
   from grain_elevator.server.data.storage import read_ahead  # pylint: disable=g-import-not-at-top
   read_ahead.configure(budget_mb << 20)
-  st = dataset_lib.Datasets(config_lib.load_config(config), open_now=False).get("st")
+  st = registry.Datasets(config_lib.load_config(config), open_now=False).get("st")
   start = time.perf_counter()
   for _ in itertools.islice(st.batches(G, st.info.stream_start), batches):
     pass

@@ -5,7 +5,7 @@ under one stream fingerprint, whichever worker answers and whenever it
 opened the file. So each shard's identity (size, mtime, ctime, inode, a
 hash of its tail) is recorded once, at start-up (`record_identities`, which
 the supervisor hands to every worker it starts, then or later), the
-fingerprint covers what the bytes are (server/data/dataset.py), and a worker
+fingerprint covers what the bytes are (server/data/records.py), and a worker
 reads a shard only through a `CheckedFile` that still matches it; otherwise
 ShardChangedError (FAILED_PRECONDITION) names the file. The files a
 dataset's options name (a tokenizer) are recorded with them
@@ -26,10 +26,9 @@ import concurrent.futures
 import dataclasses
 import hashlib
 import os
-from typing import Iterable
+from typing import Iterable, Mapping, Protocol, Sequence
 
 from grain_elevator.proto.errors import ConfigError, ElevatorError, ShardChangedError
-from grain_elevator.server.data.config import ServerConfig
 from grain_elevator.server.data.shards import option_files
 from grain_elevator.server.data.shards import reader as shard_reader
 from grain_elevator.server.data.storage import objects as objects_lib
@@ -59,7 +58,7 @@ class ShardIdentity:
   any of these moved, after a chmod, chown or new hard link too (each moves
   the ctime): refusing is safe, and a restart records the file anew. The
   stream fingerprint covers the size, mtime and tail only
-  (server/data/dataset.py): what the bytes are, not where they sit, so a copy on
+  (server/data/records.py): what the bytes are, not where they sit, so a copy on
   another machine fingerprints the same.
   """
 
@@ -193,14 +192,32 @@ class Recorded:
   files: dict[str, option_files.FileIdentity]
 
 
-def record_identities(config: ServerConfig) -> Recorded:
+class ShardedDataset(option_files.NamesFiles, Protocol):
+  """A dataset as `record_identities` reads it (server/data/config.py's
+  DatasetConfig is one): its name, shards, storage and option files."""
+
+  @property
+  def files(self) -> Sequence[str]: ...
+
+  @property
+  def storage(self) -> StorageSettings | None: ...
+
+
+class DatasetRegistry(Protocol):
+  """A config's datasets by name (server/data/config.py's ServerConfig is one)."""
+
+  @property
+  def datasets(self) -> Mapping[str, ShardedDataset]: ...
+
+
+def record_identities(config: DatasetRegistry) -> Recorded:
   """The shards and option files of every dataset, as they are now."""
   shards: dict[str, ShardIdentity | ObjectIdentity] = {}
   for d in config.datasets.values():
     todo = [f for f in d.files if f not in shards]
     if todo:
       shards.update(shard_identities(todo, dataset=d.name, storage=d.storage))
-  return Recorded(shards, option_files.record_files(config))
+  return Recorded(shards, option_files.record_files(config.datasets.values()))
 
 
 class CheckedFile:

@@ -6,9 +6,9 @@ of pread: at open, the object's tail (postscript and, usually, the whole
 footer: the chunk index) in one read, parsed into the index the reader
 keeps (about 40 bytes a chunk, as for a file; the tail's bytes are let
 go); for a batch, `plan` names the extents of the chunks its records need,
-neighbours coalesced (chunks that touch or lie within COALESCE_GAP_BYTES are
-one read), the caller fetches them, with every other shard's, concurrently
-(storage/objects.py), and `read` decodes the records from them. The same
+neighbours coalesced (storage/ranges.py: chunks that touch or lie within
+COALESCE_GAP_BYTES are one read), the caller fetches them, with every other
+shard's, concurrently (storage/objects.py), and `read` decodes the records from them. The same
 riegeli hash checks run on those bytes (riegeli.c's parse_chunk); a corrupt
 chunk is CorruptShard naming the URL and its byte offset.
 
@@ -29,26 +29,7 @@ from grain_elevator.server.data.shards import chunks
 from grain_elevator.server.data.shards.chunks import UnsupportedShard
 from grain_elevator.server.data.shards.reader import ShardReader
 from grain_elevator.server.data.storage import objects as objects_lib
-
-# Chunks this close are fetched in one read: below a few KiB, one more
-# request costs more than the bytes between them.
-COALESCE_GAP_BYTES = 4 << 10
-# One read's most bytes: bigger coalesced runs are split, so that their
-# parts go out concurrently.
-MAX_RANGE_BYTES = 16 << 20
-
-
-def coalesce(extents: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
-  """Sorted extents as read requests: neighbours that touch or lie within
-  COALESCE_GAP_BYTES are one range, of at most MAX_RANGE_BYTES (an extent
-  larger than that is a range of its own)."""
-  out: list[list[int]] = []
-  for begin, end in extents:
-    if out and begin - out[-1][1] <= COALESCE_GAP_BYTES and end - out[-1][0] <= MAX_RANGE_BYTES:
-      out[-1][1] = max(out[-1][1], end)
-    else:
-      out.append([begin, end])
-  return [(a, b) for a, b in out]
+from grain_elevator.server.data.storage.ranges import coalesce
 
 
 class Fetched:

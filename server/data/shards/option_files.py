@@ -18,7 +18,7 @@ dataset on that worker with ShardChangedError (FAILED_PRECONDITION) naming
 the file, while its other datasets are served: it is never built into the
 stream under the old fingerprint. A worker that built its pipeline before
 the change serves what it read then, as the fingerprint says. The
-fingerprint covers each file's size and content hash (server/data/dataset.py):
+fingerprint covers each file's size and content hash (server/data/records.py):
 a server started on another tokenizer has another, and refuses the old
 one's cursors.
 """
@@ -28,10 +28,9 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
-from typing import Mapping
+from typing import Iterable, Mapping, Protocol
 
 from grain_elevator.proto.errors import ConfigError, ShardChangedError
-from grain_elevator.server.data.config import DatasetConfig, ServerConfig
 
 # How much of a file one read takes while it is hashed: memory stays
 # bounded for a file of any size.
@@ -39,6 +38,19 @@ HASH_READ_BYTES = 1 << 20
 
 _RESTART = ("restart the server to serve the file as it is now (the stream fingerprint "
             "changes with its content)")
+
+
+class NamesFiles(Protocol):
+  """A dataset as this module reads it (server/data/config.py's
+  DatasetConfig is one): shards/ imports nothing above it, so it asks for
+  these two and no more."""
+
+  @property
+  def name(self) -> str: ...
+
+  def option_paths(self) -> list[tuple[str, str]]:
+    """(where, path) of each string its options name, as a pipeline
+    resolves it: "options.tokenizer" or "iter_options.vocab[1]"."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,16 +114,16 @@ def file_identity(path: str) -> FileIdentity:
   raise ConfigError(f"file {path} kept changing while it was read: is it still being written?")
 
 
-def named_files(config: DatasetConfig) -> set[str]:
+def named_files(config: NamesFiles) -> set[str]:
   """The files `config`'s options name now."""
   return {path for _, path in config.option_paths() if os.path.isfile(path)}
 
 
-def record_files(config: ServerConfig) -> dict[str, FileIdentity]:
-  """Every file any dataset's options name, by absolute path: what the
-  supervisor records at start-up with the shards."""
+def record_files(datasets: Iterable[NamesFiles]) -> dict[str, FileIdentity]:
+  """Every file any of `datasets`' options name, by absolute path: what
+  the supervisor records at start-up with the shards."""
   files: set[str] = set()
-  for dataset in config.datasets.values():
+  for dataset in datasets:
     files |= named_files(dataset)
   return {path: file_identity(path) for path in sorted(files)}
 
@@ -132,7 +144,7 @@ class OptionFiles:
   here: the pipeline would read a file the fingerprint does not cover.
   """
 
-  def __init__(self, config: DatasetConfig, recorded: Mapping[str, FileIdentity] | None):
+  def __init__(self, config: NamesFiles, recorded: Mapping[str, FileIdentity] | None):
     self.dataset = config.name
     files: list[NamedFile] = []
     for where, path in config.option_paths():

@@ -4,14 +4,14 @@ before anyone asks, held until those steps are made.
 The planner (server/serving/read_plan.py) hands `plan` the steps it expects
 to make, in the order it expects them: each a *group*, a tag and the chunk
 extents it needs per object. Extents no entry holds yet are coalesced over
-all the groups planned together (neighbours within COALESCE_GAP_BYTES, at
-most MAX_RANGE_BYTES a range, as a batch's own reads are) and requested at
-once, concurrently (storage/objects.py, MAX_IN_FLIGHT per worker); each
-range is an *entry*, which counts the groups that need it. A read takes
-the chunks it needs (`take`): those an entry holds come from it (waiting
-for it if it is still on its way), the rest it fetches itself. When a
-group's step has been made, `release` lets go of it, and an entry no group
-needs any more is dropped.
+all the groups planned together (ranges.py: neighbours within
+COALESCE_GAP_BYTES, at most MAX_RANGE_BYTES a range, as a batch's own reads
+are) and requested at once, concurrently (storage/objects.py, MAX_IN_FLIGHT
+per worker); each range is an *entry*, which counts the groups that need
+it. A read takes the chunks it needs (`take`): those an entry holds come
+from it (waiting for it if it is still on its way), the rest it fetches
+itself. When a group's step has been made, `release` lets go of it, and an
+entry no group needs any more is dropped.
 
 Bounded: the entries' bytes stay within the budget (`budget_bytes`,
 `--read-ahead-mb`); a plan stops at the first group that would pass it
@@ -33,9 +33,9 @@ import threading
 import time
 from typing import Hashable, Sequence
 
-from grain_elevator.server.data.shards.object_reader import coalesce
 from grain_elevator.server.data.storage import objects as objects_lib
 from grain_elevator.server.data.storage.objects import ObjectRef
+from grain_elevator.server.data.storage.ranges import coalesce
 
 # A worker's default read-ahead budget (--read-ahead-mb): the next few
 # requests of most datasets (a request of the image bench's steps is ~15 MB

@@ -8,7 +8,7 @@ import pytest
 from grain_elevator.client import RemoteDataset
 from grain_elevator.pipelines import examples
 from grain_elevator.proto.errors import ConfigError
-from grain_elevator.server.data import dataset as dataset_lib
+from grain_elevator.server.data import registry
 from grain_elevator.server.data.config import load_config
 from helpers import assert_streams_equal
 
@@ -35,7 +35,7 @@ def test_batch_transform_that_differs_is_refused(data_dir, pipeline, transform, 
       f"batch_transform = \"grain_elevator.pipelines.examples:{transform}\"\n"
       "[datasets.d.options]\nheight = 4\nwidth = 4\nchannels = 3\n")
   with pytest.raises(ConfigError, match="dataset 'd'") as info:
-    dataset_lib.Datasets(load_config(path))
+    registry.Datasets(load_config(path))
   assert message in str(info.value)
 
 
@@ -54,7 +54,7 @@ def test_batch_transform_with_other_values_is_refused(data_dir, tmp_path, monkey
       "batch_transform = \"off_by_one:decode\"\n"
       "[datasets.d.options]\nheight = 4\nwidth = 4\nchannels = 3\n")
   with pytest.raises(ConfigError, match=r"does not reproduce pipeline .*: leaf 'label' differs"):
-    dataset_lib.Datasets(load_config(path))
+    registry.Datasets(load_config(path))
 
 
 @pytest.mark.parametrize("shape", [(4, 4, 3), (96, 96, 3)])  # joined; copied each

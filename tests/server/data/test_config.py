@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from grain_elevator.proto.errors import ConfigError
-from grain_elevator.server.data import dataset as dataset_lib
+from grain_elevator.server.data import registry
 from grain_elevator.server.data.config import load_config
 from grain_elevator.tools.testing.launcher import ELEVATOR
 
@@ -65,25 +65,25 @@ def test_bad_config_names_the_problem(data_dir, text, message):
 def test_pipeline_that_cannot_serve_is_refused(data_dir, pipeline, message):
   text = f'[datasets.d]\npaths = ["shards/*.array_record"]\npipeline = "{pipeline}"\n'
   with pytest.raises(ConfigError, match="dataset 'd'") as info:
-    dataset_lib.Datasets(load_config(_write(data_dir, text)))
+    registry.Datasets(load_config(_write(data_dir, text)))
   assert message in str(info.value)
 
 
 def test_unknown_pipeline_option_is_named(data_dir):
   text = GOOD.replace("channels = 3", "channels = 3\ncolour = 1")
   with pytest.raises(ConfigError, match=r"dataset 'd': pipeline .* failed: TypeError: .*colour"):
-    dataset_lib.Datasets(load_config(_write(data_dir, text)))
+    registry.Datasets(load_config(_write(data_dir, text)))
 
 
 def test_a_pipeline_that_changes_the_record_count_is_a_stream(data_dir, tmp_path,
                                                               monkeypatch):
   """Not 1:1, so no step arithmetic: served as a stream dataset (its batches
-  Grain's own, server/data/stream.py), not refused."""
+  Grain's own, server/data/streams/stream.py), not refused."""
   (tmp_path / "halving_pipeline.py").write_text(
       "def drop_half(ds):\n  return ds[::2]\n")
   monkeypatch.syspath_prepend(str(tmp_path))
   text = '[datasets.d]\npaths = ["shards/*.array_record"]\npipeline = "halving_pipeline:drop_half"\n'
-  datasets = dataset_lib.Datasets(load_config(_write(data_dir, text)))
+  datasets = registry.Datasets(load_config(_write(data_dir, text)))
   ds = datasets.get("d")
   assert ds.info.stream and ds.info.num_records == 1000
   batches = [leaves for leaves, _ in ds.batches(100, "")]
@@ -114,4 +114,4 @@ def test_truncated_shard_is_refused_at_start_up(data_dir, tmp_path):
   (tmp_path / "shards" / shard.name).write_bytes(shard.read_bytes()[:-100])
   path = _write(tmp_path, GOOD, "truncated.toml")
   with pytest.raises(ConfigError, match="dataset 'd': cannot open its shards"):
-    dataset_lib.Datasets(load_config(path))
+    registry.Datasets(load_config(path))

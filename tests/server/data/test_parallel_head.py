@@ -21,7 +21,7 @@ import psutil
 import pytest
 
 from grain_elevator.client import RemoteDataset, RetryPolicy, TransportOptions
-from grain_elevator.server.data import parallel_head
+from grain_elevator.server.data.streams import parallel_head
 from grain_elevator.server.process import head_sockets
 from grain_elevator.tools import top
 from grain_elevator.tools.testing.launcher import LocalServer

@@ -311,15 +311,16 @@ def test_a_pipeline_that_filters_makes_a_stream_dataset_and_says_so(stream_serve
 
 def test_opening_a_stream_prices_its_iterator_without_tracing_allocations(stream_config,
                                                                           monkeypatch):
-  """A live iterator's bytes are found by walking it (server/data/object_bytes.py):
-  tracing under native threads that attach to Python (obstore's, as each
-  read completes) crashed this very process on CPython 3.11."""
+  """A live iterator's bytes are found by walking it
+  (server/data/streams/object_bytes.py): tracing under native threads that
+  attach to Python (obstore's, as each read completes) crashed this very
+  process on CPython 3.11."""
   import tracemalloc  # pylint: disable=g-import-not-at-top
   from grain_elevator.server.data import config as config_lib  # pylint: disable=g-import-not-at-top
-  from grain_elevator.server.data import dataset as dataset_lib  # pylint: disable=g-import-not-at-top
+  from grain_elevator.server.data import registry  # pylint: disable=g-import-not-at-top
   started = []
   monkeypatch.setattr(tracemalloc, "start", lambda *a: started.append(a))
-  datasets = dataset_lib.Datasets(config_lib.load_config(str(stream_config)), open_now=False)
+  datasets = registry.Datasets(config_lib.load_config(str(stream_config)), open_now=False)
   lm = datasets.get("lm")
   assert not started
   # The estimate holds what one iterator keeps: more than one global batch's rows.

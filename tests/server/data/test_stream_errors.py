@@ -13,7 +13,7 @@ import pytest
 from grain_elevator.client import DataLossError, RemoteDataset
 from grain_elevator.proto.errors import ConfigError
 from grain_elevator.server.data import config as config_lib
-from grain_elevator.server.data import dataset as dataset_lib
+from grain_elevator.server.data import registry
 from grain_elevator.tools.testing.launcher import LocalServer
 from helpers import assert_streams_equal
 
@@ -126,7 +126,7 @@ def _config(data_dir: pathlib.Path, pipes: pathlib.Path, body: str, name: str) -
 def test_a_bad_stream_config_is_refused_at_start(data_dir, pipes, body, message):
   with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("(", r"\(")):
     path = _config(data_dir, pipes, body, "bad")
-    dataset_lib.Datasets(config_lib.load_config(path))
+    registry.Datasets(config_lib.load_config(path))
 
 
 def test_a_failing_record_or_broken_stream_is_named_and_others_are_served(data_dir, pipes):

@@ -21,7 +21,7 @@ tfds = pytest.importorskip("tensorflow_datasets")
 
 from grain_elevator.client import RemoteDataset
 from grain_elevator.proto.errors import ConfigError
-from grain_elevator.server.data import dataset as dataset_lib
+from grain_elevator.server.data import registry
 from grain_elevator.server.data.config import load_config
 from grain_elevator.tools import tfds_example
 from grain_elevator.tools.testing.launcher import ELEVATOR, LocalServer
@@ -133,7 +133,7 @@ def test_resume_mid_stream(server, tfds_root):
 
 
 def test_splits_have_their_own_fingerprint(config_path):
-  datasets = dataset_lib.Datasets(load_config(config_path))
+  datasets = registry.Datasets(load_config(config_path))
   prints = {name: datasets.get(name).info.config_fingerprint for name in datasets.names}
   assert len(set(prints.values())) == 3
   assert datasets.get("sliced").info.num_records == 250 + TEST
@@ -211,7 +211,7 @@ def test_datasets_without_pipeline_decode_whole_batches(config_path):
   """The batch decoder serves `sliced` and `ordered` (checked at start
   against TFDS's per-record decode; the oracle tests above compare its
   output); `aug`'s pipeline needs records one by one."""
-  datasets = dataset_lib.Datasets(load_config(config_path))
+  datasets = registry.Datasets(load_config(config_path))
   assert "TFDS batch decoder of id, image, label" in repr(datasets.get("sliced")._batch_fn)
   assert datasets.get("ordered")._batch_fn is not None
   assert datasets.get("aug")._batch_fn is None
@@ -308,7 +308,7 @@ def test_feature_types_decode_as_tfds_does(tmp_path, with_uint64):
   _write_feature_zoo(str(tmp_path / "tfds"), name, features, make)
   (tmp_path / "elevator.toml").write_text(
       f'[datasets.zoo]\ntfds = "{name}"\ndata_dir = "tfds"\nseed = 4\n')
-  datasets = dataset_lib.Datasets(load_config(tmp_path / "elevator.toml"))
+  datasets = registry.Datasets(load_config(tmp_path / "elevator.toml"))
   assert (datasets.get("zoo")._batch_fn is None) == with_uint64
   source = tfds.data_source(name, split="train", data_dir=str(tmp_path / "tfds"),
                             download=False)

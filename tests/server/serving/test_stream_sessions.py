@@ -16,8 +16,8 @@ import pytest
 
 from grain_elevator.proto.errors import Cancelled, InvalidRequestError
 from grain_elevator.server.data import config as config_lib
-from grain_elevator.server.data import dataset as dataset_lib
-from grain_elevator.server.data import stream as stream_lib
+from grain_elevator.server.data import registry
+from grain_elevator.server.data.streams import stream as stream_lib
 from grain_elevator.server.serving.stream_sessions import StreamSessions
 
 G = 16
@@ -26,7 +26,7 @@ _JOIN_S = 120.0
 
 @pytest.fixture(scope="module")
 def big(big_config: str) -> stream_lib.StreamDataset:
-  ds = dataset_lib.Datasets(config_lib.load_config(big_config)).get("big")
+  ds = registry.Datasets(config_lib.load_config(big_config)).get("big")
   assert isinstance(ds, stream_lib.StreamDataset)
   return ds
 

@@ -32,7 +32,7 @@ from grain_elevator.client.embedded import EmbeddedBackend
 from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.proto import elevator_pb2_grpc as pb_grpc
 from grain_elevator.proto import wire
-from grain_elevator.server.data import dataset as dataset_lib
+from grain_elevator.server.data import registry
 from grain_elevator.server.data.config import load_config
 from grain_elevator.server.data.shards import identity as shard_identity
 from grain_elevator.server.data.shards import option_files
@@ -316,12 +316,12 @@ def test_files_named_in_options_are_recorded_by_where_they_are_named(tables):
 def test_a_changed_table_refuses_its_dataset_its_mixture_and_the_stream_over_it(tables):
   config = load_config(tables)
   recorded = shard_identity.record_identities(config)
-  before = dataset_lib.Datasets(config, identities=recorded)
+  before = registry.Datasets(config, identities=recorded)
   fingerprints = {n: before.get(n).info.config_fingerprint for n in before.names}
   shift = tables.parent / "tables" / "shift.npy"
   _rewrite(shift, np.arange(10) * 7)
   # A worker started now, with the recording of the server's start.
-  restarted = dataset_lib.Datasets(config, identities=recorded)
+  restarted = registry.Datasets(config, identities=recorded)
   for name in ("one", "mix", "over_mix"):
     for _ in range(2):  # every time
       with pytest.raises(ShardChangedError,
@@ -338,7 +338,7 @@ def test_a_changed_table_refuses_its_dataset_its_mixture_and_the_stream_over_it(
     with pytest.raises(ShardChangedError, match="options.table"):
       path.describe(ticket, pb.DescribeRequest(dataset="one"))
   # A server started now records the new file: new fingerprints where it is read.
-  fresh = dataset_lib.Datasets(config, identities=shard_identity.record_identities(config))
+  fresh = registry.Datasets(config, identities=shard_identity.record_identities(config))
   for name in before.names:
     changed = fresh.get(name).info.config_fingerprint != fingerprints[name]
     assert changed == (name in ("one", "mix", "over_mix")), name
@@ -346,7 +346,7 @@ def test_a_changed_table_refuses_its_dataset_its_mixture_and_the_stream_over_it(
 
 def test_an_iter_options_file_is_checked_each_time_the_iter_pipeline_is_built(tables):
   config = load_config(tables)
-  datasets = dataset_lib.Datasets(config, identities=shard_identity.record_identities(config))
+  datasets = registry.Datasets(config, identities=shard_identity.record_identities(config))
   ds = datasets.get("iter")
   (batch, _), = itertools.islice(ds.batches(4, ""), 1)
   assert int(batch[0][0]) >= 1000
@@ -367,7 +367,7 @@ def test_a_string_that_names_a_file_only_now_is_refused(tables):
   with pytest.raises(ShardChangedError,
                      match=re.escape(f"file {tables.parent / 'text'} (options.field) was not "
                                      "a file when the server started")):
-    dataset_lib.Datasets(config, identities=recorded).get("other")
+    registry.Datasets(config, identities=recorded).get("other")
 
 
 def test_a_files_identity_hashes_every_byte(tmp_path):

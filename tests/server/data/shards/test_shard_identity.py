@@ -29,8 +29,9 @@ from grain_elevator.pipelines import examples
 from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.proto import elevator_pb2_grpc as pb_grpc
 from grain_elevator.proto import wire
-from grain_elevator.server.data import dataset as dataset_lib
+from grain_elevator.server.data import registry
 from grain_elevator.server.data.config import load_config
+from grain_elevator.server.data.record_source import BatchedArrayRecordSource
 from grain_elevator.server.data.shards import identity as shard_identity
 from grain_elevator.server.data.shards import reader as shard_reader
 from grain_elevator.tools.testing.launcher import LocalServer
@@ -276,11 +277,11 @@ def reader(request, monkeypatch) -> str:
 def test_both_readers_refuse_a_changed_shard(data, reader):
   identities = shard_identity.shard_identities(data.shards)
   keys = list(range(0, 600, 37))  # every shard
-  opened = dataset_lib.BatchedArrayRecordSource(data.shards, identities=identities)
+  opened = BatchedArrayRecordSource(data.shards, identities=identities)
   original = opened._getitems(keys)  # pylint: disable=protected-access
   data.replace(1, "rename")  # harmless to the open file
   assert opened._getitems(keys) == original  # pylint: disable=protected-access
-  fresh = dataset_lib.BatchedArrayRecordSource(data.shards, identities=identities)
+  fresh = BatchedArrayRecordSource(data.shards, identities=identities)
   assert fresh._getitems([0, 444]) == [original[0], original[12]]  # pylint: disable=protected-access
   with pytest.raises(ShardChangedError,
                      match=re.escape(f"shard {data.shards[1]} changed since the server "
@@ -296,7 +297,7 @@ def test_a_file_the_globs_match_only_now_is_refused(data):
   config = load_config(data.config)
   recorded = shard_identity.record_identities(config)
   del recorded.shards[data.shards[0]]  # as if it appeared after the server started
-  datasets = dataset_lib.Datasets(config, identities=recorded)  # a worker still starts
+  datasets = registry.Datasets(config, identities=recorded)  # a worker still starts
   for _ in range(2):  # and refuses the dataset on every request
     with pytest.raises(ShardChangedError,
                        match=re.escape(f"shard {data.shards[0]} was not among")):
@@ -387,7 +388,7 @@ def test_a_worker_opening_a_dataset_whose_first_shard_changed_refuses_only_it(da
   config = load_config(data.config)
   recorded = shard_identity.record_identities(config)
   data.replace(0, "rename")
-  datasets = dataset_lib.Datasets(config, identities=recorded)
+  datasets = registry.Datasets(config, identities=recorded)
   assert sorted(datasets.opened()) == ["same"]
   for _ in range(2):
     with pytest.raises(ShardChangedError, match=re.escape(f"shard {data.shards[0]} changed")):

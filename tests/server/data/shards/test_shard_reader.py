@@ -13,7 +13,8 @@ import pytest
 from array_record.python.array_record_module import ArrayRecordReader, ArrayRecordWriter
 
 from grain_elevator.proto.errors import ConfigError, DataLossError
-from grain_elevator.server.data import dataset as dataset_lib
+from grain_elevator.server.data.elevator_dataset import ElevatorDataset
+from grain_elevator.server.data.record_source import BatchedArrayRecordSource
 from grain_elevator.server.data.shards import chunks
 from grain_elevator.server.data.shards import reader as shard_reader
 
@@ -99,7 +100,7 @@ def test_other_encodings_are_left_to_array_record(tmp_path, options):
   records = _records([100, 3_000])
   path = _write(tmp_path / "s.array_record", records, options)
   assert shard_reader.open_shard(path) is None
-  source = dataset_lib.BatchedArrayRecordSource([path])
+  source = BatchedArrayRecordSource([path])
   assert list(source._getitems([3, 0, 9])) == [records[3], records[0], records[9]]  # pylint: disable=protected-access
 
 
@@ -110,7 +111,7 @@ def test_keys_map_to_the_records_array_record_gives(tmp_path):
   shards = [_write(tmp_path / f"k{i}.array_record", _records([300 + i], copies=9 + i, seed=i),
                    "group_size:1") for i in range(3)]
   paths = [f"{shards[0]}[2:7]", shards[1], f"{shards[2]}[4:11]"]
-  source = dataset_lib.BatchedArrayRecordSource(paths)
+  source = BatchedArrayRecordSource(paths)
   reference = grain.sources.ArrayRecordDataSource(paths)
   keys = [len(source) - 1, 0, 5, 4, 16, 6, 5, len(source) - 7]
   assert list(source._getitems(keys)) == [reference[k] for k in keys]  # pylint: disable=protected-access
@@ -164,7 +165,7 @@ def test_corruption_names_shard_and_record(tmp_path, where, message):
   assert reader.read([6, 8]) == [records[6], records[8]]  # the rest still reads
   with pytest.raises(shard_reader.CorruptShard, match=message):
     reader.read([7])
-  source = dataset_lib.BatchedArrayRecordSource([path])
+  source = BatchedArrayRecordSource([path])
   with pytest.raises(DataLossError, match=rf"shard {path} is corrupt: record 7 cannot be "
                                           rf"read: {path}: chunk at byte {begin}: {message}"):
     source._getitems([2, 7])  # pylint: disable=protected-access
@@ -173,7 +174,7 @@ def test_corruption_names_shard_and_record(tmp_path, where, message):
 def test_shard_truncated_while_open_is_data_loss_not_a_crash(tmp_path):
   records = _records([20_000], copies=50)
   path = _write(tmp_path / "t.array_record", records, "group_size:1")
-  source = dataset_lib.BatchedArrayRecordSource([path])
+  source = BatchedArrayRecordSource([path])
   assert source._getitems([0]) == [records[0]]  # pylint: disable=protected-access
   os.truncate(path, _chunk_begin(path, 30) + 100)
   with pytest.raises(DataLossError, match="record 40 cannot be read: .*ends before"):
@@ -197,7 +198,7 @@ def test_env_chooses_array_record(tmp_path, monkeypatch, config_path):
   from grain_elevator.server.data import config as config_lib
   config = config_lib.load_config(config_path).datasets["plain"]
   with pytest.raises(ConfigError, match="ELEVATOR_SHARD_READER"):
-    dataset_lib.ElevatorDataset(config)
+    ElevatorDataset(config)
 
 
 def test_malformed_footer_messages_are_refused():
@@ -377,7 +378,7 @@ def test_corrupt_shard_read_through_array_record_names_the_record(tmp_path, monk
   data = bytearray(open(path, "rb").read())
   data[begin + 41] ^= 0x40
   open(path, "wb").write(bytes(data))
-  source = dataset_lib.BatchedArrayRecordSource([path])
+  source = BatchedArrayRecordSource([path])
   assert source._getitems([6, 8]) == [records[6], records[8]]  # pylint: disable=protected-access
   with pytest.raises(DataLossError, match=rf"shard {path} is corrupt: record 7 cannot be read"):
     source._getitems([2, 7])  # pylint: disable=protected-access
@@ -447,7 +448,7 @@ def test_resigned_headers_are_refused(tmp_path, sizes, field, value, message):
   assert isinstance(error, shard_reader.CorruptShard), repr(error)
   assert message in str(error)
   assert reader.read([0, 2]) == [records[0], records[2]]
-  source = dataset_lib.BatchedArrayRecordSource([path])
+  source = BatchedArrayRecordSource([path])
   with pytest.raises(DataLossError, match=rf"shard {path} is corrupt: record 1"):
     source._getitems([1])  # pylint: disable=protected-access
   del begin
@@ -483,7 +484,7 @@ def test_a_bad_zstd_block_with_valid_hashes_is_data_loss_not_internal(tmp_path):
   assert isinstance(error, shard_reader.CorruptShard), repr(error)
   with pytest.raises(Exception):
     ArrayRecordReader(path).read([1])  # ArrayRecord refuses it too
-  source = dataset_lib.BatchedArrayRecordSource([path])
+  source = BatchedArrayRecordSource([path])
   with pytest.raises(DataLossError, match=rf"shard {path} is corrupt: record 1"):
     source._getitems([1])  # pylint: disable=protected-access
   del begin

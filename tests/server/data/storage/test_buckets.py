@@ -22,8 +22,9 @@ from grain_elevator.client import ConfigError, RemoteDataset, StreamMismatchErro
 from grain_elevator.pipelines import examples
 from grain_elevator.proto.errors import DataLossError, ServiceUnavailableError
 from grain_elevator.server.data import config as config_lib
-from grain_elevator.server.data import dataset as dataset_lib
+from grain_elevator.server.data import registry
 from grain_elevator.server.data.object_source import ObjectRecordSource
+from grain_elevator.server.data.record_source import BatchedArrayRecordSource
 from grain_elevator.server.data.shards.identity import IDENTITY_TAIL_BYTES
 from grain_elevator.tools.testing import storage_servers
 from grain_elevator.tools.testing.launcher import ELEVATOR, LocalServer
@@ -163,7 +164,7 @@ def test_the_fingerprint_is_the_bytes_not_where_they_sit(bucket, bucket_env, upl
                                                          local_config):
   """Local disk and bucket: one fingerprint; other bytes in one shard: another."""
   def fingerprints(path: str) -> dict[str, str]:
-    datasets = dataset_lib.Datasets(config_lib.load_config(path), open_now=False)
+    datasets = registry.Datasets(config_lib.load_config(path), open_now=False)
     return {n: datasets.get(n).info.config_fingerprint for n in ("img", "few", "mix")}
   local, remote, other = (fingerprints(p) for p in (local_config, uploaded["data"],
                                                     uploaded["other"]))
@@ -253,7 +254,7 @@ def test_past_the_retry_budget_a_read_is_unavailable_naming_the_object(
     bucket, bucket_env, uploaded, shards, local_config):
   path = _write_config(shards, f"{bucket.kind}-budget.toml", bucket.url("data"),
                        storage="[datasets.img.storage]\n    retry_s = 1")
-  datasets = dataset_lib.Datasets(config_lib.load_config(path), open_now=False)
+  datasets = registry.Datasets(config_lib.load_config(path), open_now=False)
   img = datasets.get("img")
   bucket.proxy.faults_only_for = lambda method, path: method == "GET"
   bucket.proxy.outage(60.0, "503")
@@ -263,8 +264,8 @@ def test_past_the_retry_budget_a_read_is_unavailable_naming_the_object(
   bucket.proxy.clear()
   # Storage answers again: the step is exact (read with the default budget:
   # one second is too short for a loaded machine's emulator).
-  img = dataset_lib.Datasets(config_lib.load_config(uploaded["data"]), open_now=False).get("img")
-  want = dataset_lib.Datasets(config_lib.load_config(local_config), open_now=False).get("img")
+  img = registry.Datasets(config_lib.load_config(uploaded["data"]), open_now=False).get("img")
+  want = registry.Datasets(config_lib.load_config(local_config), open_now=False).get("img")
   for a, b in zip(img.host_batch_leaves(7, G, 0, 1), want.host_batch_leaves(7, G, 0, 1)):
     assert a.tobytes() == b.tobytes()
 
@@ -311,7 +312,7 @@ def test_one_record_costs_one_ranged_read_of_its_chunk(bucket, bucket_env, uploa
   reader = source._readers[0]  # pylint: disable=protected-access
   begin, end = reader.extent(0)
   assert end < reader.obj.size - IDENTITY_TAIL_BYTES
-  local = dataset_lib.BatchedArrayRecordSource(
+  local = BatchedArrayRecordSource(
       sorted(str(p) for p in (shards / "shards").glob("*.array_record")))
   before = dataclasses.replace(bucket.proxy.stats)
   assert source[0] == local[0]
@@ -330,7 +331,7 @@ def test_an_empty_shard_reads_as_its_local_copy(bucket, bucket_env, shards, tmp_
   for i, path in enumerate(local):
     bucket.put(f"with-empty/{i}.array_record", pathlib.Path(path).read_bytes())
   source = ObjectRecordSource([bucket.url(f"with-empty/{i}.array_record") for i in range(2)])
-  expected = dataset_lib.BatchedArrayRecordSource(local)
+  expected = BatchedArrayRecordSource(local)
   assert len(source) == len(expected) == 80
   assert source.read_raw([79, 0, 40]) == list(expected._getitems([79, 0, 40]))  # pylint: disable=protected-access
 
@@ -359,7 +360,7 @@ def test_a_local_copy_with_other_names_and_times_fingerprints_the_same(shards, l
   path = _write_config(tmp_path, "copy.toml", str(copy))
 
   def fingerprint(p: str) -> str:
-    return dataset_lib.Datasets(config_lib.load_config(p), open_now=False).get(
+    return registry.Datasets(config_lib.load_config(p), open_now=False).get(
         "img").info.config_fingerprint
   assert fingerprint(path) == fingerprint(local_config)
 
@@ -372,12 +373,12 @@ def test_a_stalled_read_is_cut_at_the_request_timeout_and_retried(bucket, bucket
   path = _write_config(shards, f"{bucket.kind}-stall.toml", bucket.url("data"),
                        storage="[datasets.img.storage]\n    retry_s = 10\n"
                                "    request_timeout_s = 1")
-  img = dataset_lib.Datasets(config_lib.load_config(path), open_now=False).get("img")
+  img = registry.Datasets(config_lib.load_config(path), open_now=False).get("img")
   bucket.proxy.stall_s = 600.0  # no answer, ever
   bucket.proxy.faults_only_for = lambda method, path: method == "GET"
   bucket.proxy.inject("stall", "stall")
   got = img.host_batch_leaves(9, G, 0, 1)
   assert bucket.proxy.pending_faults() == 0
-  want = dataset_lib.Datasets(config_lib.load_config(local_config), open_now=False).get("img")
+  want = registry.Datasets(config_lib.load_config(local_config), open_now=False).get("img")
   for a, b in zip(got, want.host_batch_leaves(9, G, 0, 1)):
     assert a.tobytes() == b.tobytes()

@@ -23,8 +23,9 @@ from grain_elevator.proto import elevator_pb2_grpc as pb_grpc
 from grain_elevator.server import Server, ServerOptions
 from grain_elevator.proto.errors import ServiceUnavailableError
 from grain_elevator.server.data import config as config_lib
-from grain_elevator.server.data import dataset as dataset_lib
+from grain_elevator.server.data import registry
 from grain_elevator.server.data.object_source import ObjectRecordSource
+from grain_elevator.server.data.record_source import BatchedArrayRecordSource
 from grain_elevator.server.data.storage import read_ahead
 from grain_elevator.tools import top
 from helpers import proto_leaves, wait_for
@@ -136,8 +137,8 @@ def _source(bucket) -> ObjectRecordSource:
                              for s in range(3)])
 
 
-def _local(shards: pathlib.Path) -> dataset_lib.BatchedArrayRecordSource:
-  return dataset_lib.BatchedArrayRecordSource(sorted(str(p) for p in
+def _local(shards: pathlib.Path) -> BatchedArrayRecordSource:
+  return BatchedArrayRecordSource(sorted(str(p) for p in
                                                      shards.glob("*.array_record")))
 
 
@@ -212,7 +213,7 @@ def test_a_streams_head_reads_its_next_blocks_before_it_computes_them(
                                 "[datasets.st.storage]\nretry_s = 3")):
     paths[name] = tmp_path / f"{name}.toml"
     paths[name].write_text(STREAM.format(where=where, storage=storage))
-  open_st = lambda name: dataset_lib.Datasets(config_lib.load_config(str(paths[name])),
+  open_st = lambda name: registry.Datasets(config_lib.load_config(str(paths[name])),
                                               open_now=False).get("st")
   local = open_st("local")
   want = [leaves for leaves, _ in itertools.islice(local.batches(G, local.info.stream_start), 12)]

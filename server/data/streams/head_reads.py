@@ -9,8 +9,8 @@ pipeline keeps the length, a filter's holes included; i // fan_out behind
 a flat_map), and a position's record is a pure function of the config
 (the shuffle). So the head is read in blocks of BLOCK consecutive indices,
 and each block's records are planned into the worker's read-ahead
-(storage/read_ahead.py) at once, concurrently, before its first element is
-computed:
+(server/data/storage/read_ahead.py) at once, concurrently, before its
+first element is computed:
 - the parallel head (parallel_head.py) plans each task, whoever computes
   it, as the task starts (and its owner as it deals one to itself);
 - a head in one process (embedded mode, a one-worker server) is a

@@ -56,7 +56,7 @@ from typing import Any, Callable, Protocol
 import grain
 
 from grain_elevator.proto.throttle import Throttled
-from grain_elevator.server.data import head_reads
+from grain_elevator.server.data.streams import head_reads
 
 log = logging.getLogger("grain_elevator.server")
 

@@ -1,10 +1,12 @@
-"""What the request path serves: a dataset that answers for any step.
+"""A step dataset: one that answers for any step, found in O(1).
 
-A registered dataset (dataset.py's `ElevatorDataset`) and a mixture of them
-(mixture.py's `MixtureDataset`) both are one; the request path sees nothing
-else of either. Its sibling is a stream dataset (stream.py's `StreamDataset`),
-which continues from a position instead; the request path serves each by its
-shape (server/serving/step_shape.py, stream_shape.py).
+A registered 1:1 dataset (elevator_dataset.py's `ElevatorDataset`) and a
+mixture of them (mixture.py's `MixtureDataset`) both are one; the request
+path sees nothing else of either. Its sibling is a stream dataset
+(streams/stream.py's `StreamDataset`), which continues from a position
+instead. The registry holds one of the two (factory.py's `Dataset`), and
+the request path serves each by its shape (server/serving/step_shape.py,
+stream_shape.py).
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ from grain_elevator.proto.rows import RowStack
 from grain_elevator.proto.spec import DatasetInfo
 
 
-class ServedDataset(Protocol):
-  """A dataset the server offers by name."""
+class StepDataset(Protocol):
+  """A dataset the server offers by name, whose every step is found from
+  the contract's arithmetic (proto/contract.py)."""
 
   info: DatasetInfo  # what Describe says of it: records, epochs, element spec, fingerprint
 

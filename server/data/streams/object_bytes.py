@@ -1,5 +1,5 @@
 """The bytes an object graph holds, found by walking it: how a stream's live
-iterator is priced (server/data/stream.py, `iterator_bytes`).
+iterator is priced (server/data/streams/stream.py, `iterator_bytes`).
 
 tracemalloc would count the allocations exactly, but tracing in a process
 whose native threads attach to Python crashes CPython 3.11: obstore's tokio

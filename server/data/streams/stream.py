@@ -28,10 +28,11 @@ found at start-up.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import json
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping
 
 import grain
 import numpy as np
@@ -44,11 +45,11 @@ from grain_elevator.proto import tree
 from grain_elevator.proto.errors import ConfigError, InvalidRequestError, ShardChangedError
 from grain_elevator.proto.limits import MAX_STREAM_STATE_BYTES
 from grain_elevator.proto.spec import DatasetInfo, ElementSpec
-from grain_elevator.server.data import cancellation
 from grain_elevator.server.data import grain_private
-from grain_elevator.server.data import head_reads
-from grain_elevator.server.data import object_bytes
 from grain_elevator.server.data.config import DatasetConfig
+from grain_elevator.server.data.streams import cancellation
+from grain_elevator.server.data.streams import head_reads
+from grain_elevator.server.data.streams import object_bytes
 
 # Head: the random-access part, pipeline(records), as an IterDataset.
 HeadFactory = Callable[[grain.MapDataset], grain.IterDataset]
@@ -73,35 +74,44 @@ def parse_position(text: str, start: str, dataset: str) -> str:
         f"dataset {dataset!r}: stream_state is not a position of this stream: {e}") from None
 
 
-def is_stream_pipeline(records: grain.MapDataset, head: grain.MapDataset) -> bool:
-  """Whether `head` (a pipeline applied to `records`) is not 1:1: it changes
-  the length (flat_map) or holds a filter between the two."""
-  if len(head) != len(records):
-    return True
-  seen, todo = set(), [head]
-  while todo:
-    node = todo.pop()
-    if node is records or id(node) in seen:
-      continue
-    seen.add(id(node))
-    if "Filter" in type(node).__name__ or "FlatMap" in type(node).__name__:
-      return True
-    todo.extend(p for p in getattr(node, "parents", ()) if isinstance(p, grain.MapDataset))
-  return False
+@dataclasses.dataclass(frozen=True)
+class StreamRecords:
+  """The records a stream dataset reads, and what is known of them: what
+  its constructor needs whole (server/data/factory.py opens them)."""
+
+  # Its record stream: its source's records, seeded, shuffled and repeated,
+  # or a mixture's of fixed weights, as Grain mixes them.
+  records: grain.MapDataset
+  num_records: int  # its source's records per epoch (Describe's num_records)
+  fingerprint: str  # the stream's: its records' and every stream key
+  # Its shards' identities as recorded at start-up (none of its own for a
+  # mixture's records: the mixture's components hold theirs).
+  identities: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  # Record stream position -> where it is stored (server/data/provenance.py);
+  # None if nobody can say.
+  origins: Callable[[list[int]], list[dict[str, Any]]] | None = None
+  # A stream over a mixture: the components' names, and the component of
+  # each record position (an int array in, indices into component_names
+  # out), for per-source counts.
+  component_names: tuple[str, ...] = ()
+  component_of: Callable[[np.ndarray], np.ndarray] | None = None
+  # Records in a bucket: the chunk extents the records at these positions
+  # need, which the head reads by plan (head_reads.py); None for local shards.
+  needs: Callable[[list[int]], Any] | None = None
 
 
 class StreamDataset:
   """A registered stream dataset: its info, and its global batches from any
   position. Thread-safe: every call builds its own Grain iterator."""
 
-  def __init__(self, config: DatasetConfig, records: grain.MapDataset, head: grain.MapDataset,
-               *, num_records: int, fingerprint: str,
-               check_files: Callable[[], None] | None = None):
-    """`check_files`: run before each build of the iter_pipeline, which may
-    read its iter_options' files again (server/data/shards/option_files.py)."""
+  def __init__(self, config: DatasetConfig, records: StreamRecords, head: grain.MapDataset,
+               *, check_files: Callable[[], None] | None = None):
+    """`head`: the config's pipeline over `records.records`. `check_files`:
+    run before each build of the iter_pipeline, which may read its
+    iter_options' files again (server/data/shards/option_files.py)."""
     self.config = config
     self._check_files = check_files
-    self.records = records
+    self.records = records.records
     self.head = head  # pipeline(records): a MapDataset that may hold None holes
     self._iter_fn = config.iter_pipeline_fn()
     self._user_batch_fn = config.batch_fn_fn()
@@ -110,30 +120,33 @@ class StreamDataset:
     self._head_factory: HeadFactory = lambda ds: ds.to_iter_dataset(
         grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
     self._head_elements_held = 0
-    # Its records' reads from a bucket, planned (read_by_plan); None for local shards.
-    self.head_reads: head_reads.HeadReads | None = None
-    # Record stream position -> where it is stored (server/data/provenance.py);
-    # set by whoever opened the records (dataset.py), None if nobody can say.
-    self.origins: Callable[[list[int]], list[dict[str, Any]]] | None = None
-    # A stream over a mixture: the component of each record position (an
-    # int array in, indices into component_names out), for per-source counts.
-    self.component_names: tuple[str, ...] = ()
-    self.component_of: Callable[[np.ndarray], np.ndarray] | None = None
     first, start = self._first_batch()
     self._spec = ElementSpec.of(first)  # of one row
     self._leaves = self._spec.leaves
     self._iterator_base_bytes, self._element_bytes = self._measure_iterator()
     self.info = DatasetInfo(
-        name=config.name, num_records=num_records, num_epochs=config.num_epochs,
-        shuffle=config.shuffle, seed=config.seed, config_fingerprint=fingerprint,
+        name=config.name, num_records=records.num_records, num_epochs=config.num_epochs,
+        shuffle=config.shuffle, seed=config.seed, config_fingerprint=records.fingerprint,
         element_spec=self._spec, stream_length=contract.FOREVER_LENGTH,
         drop_remainder=config.drop_remainder, stream=True, stream_start=start)
+    # What is known of its records (StreamRecords): their shards, where each
+    # came from, their sources. Kept after the measure above, which walks
+    # what the dataset holds, as it did when these were set from outside.
+    self.identities = records.identities
+    self.origins = records.origins
+    self.component_names = records.component_names
+    self.component_of = records.component_of
+    # Its records' reads from a bucket, planned; None for local shards.
+    self.head_reads: head_reads.HeadReads | None = None
+    if records.needs is not None:
+      self._read_by_plan(records.needs)
 
-  def read_by_plan(self, record_needs: Callable[[list[int]], Any]) -> None:
+  def _read_by_plan(self, record_needs: Callable[[list[int]], Any]) -> None:
     """Its records are in a bucket: `record_needs(positions)` names the
     chunk extents the records at these positions need, and the head reads
     them by plan, a block ahead (head_reads.py), until `use_head` gives it
-    the parallel head, which plans each task."""
+    the parallel head, which plans each task. Set once its first batch
+    and its iterator's bytes were found, through the plain head."""
     self.head_reads = head_reads.HeadReads(self.config.name, self.info.config_fingerprint,
                                            len(self.head), len(self.records), record_needs)
     self._head_factory = lambda ds: head_reads.PlannedHead(ds, self.head_reads)
@@ -240,7 +253,7 @@ class StreamDataset:
   def _measure_iterator(self) -> tuple[int, int]:
     """(bytes a live iterator holds after a batch of one, bytes of a head
     element), found once, at start-up, by walking what they reference
-    beyond what this dataset already holds (server/data/object_bytes.py)."""
+    beyond what this dataset already holds (object_bytes.py)."""
     shared = object_bytes.reachable([self])
     it = iter(self.pipeline(1, head=self._head_factory))
     next(it)

@@ -1,0 +1,207 @@
+"""provenance.py in-process: what `elevator explain` says a step held,
+checked against the rows themselves. A row named by its shard and record is
+rebuilt from that record alone; a stream's traced segments are found in the
+served tokens and in the elements that made them; summaries agree with the
+explanations of the same steps. No server process."""
+
+from __future__ import annotations
+
+import collections
+import pathlib
+import sys
+import textwrap
+from typing import Any, Iterator
+
+import grain
+import numpy as np
+import pytest
+from array_record.python import array_record_data_source
+
+from grain_elevator.pipelines import examples
+from grain_elevator.proto import contract
+from grain_elevator.proto import tree
+from grain_elevator.proto.errors import InvalidRequestError
+from grain_elevator.proto.limits import MAX_EXPLAIN_ROWS
+from grain_elevator.server.data import config as config_lib
+from grain_elevator.server.data import provenance
+from grain_elevator.server.data.registry import Datasets
+
+IMAGE = {"height": 4, "width": 4, "channels": 3}  # the conftest's shards
+
+CONFIG = textwrap.dedent("""\
+    [datasets.a]
+    paths = ["{shards}/train-00000*.array_record"]
+    pipeline = "grain_elevator.pipelines.examples:decode_images"
+    seed = 72
+    [datasets.a.options]
+    height = 4
+    width = 4
+    channels = 3
+    [datasets.b]
+    paths = ["{shards}/train-00002*.array_record"]
+    pipeline = "grain_elevator.pipelines.examples:decode_images"
+    seed = 73
+    [datasets.b.options]
+    height = 4
+    width = 4
+    channels = 3
+    [datasets.mix]           # a mixture whose weights change at step 2
+    [[datasets.mix.schedule]]
+    step = 0
+    weights = {{ a = 0.5, b = 0.5 }}
+    [[datasets.mix.schedule]]
+    step = 2
+    weights = {{ a = 0.2, b = 0.8 }}
+
+    [datasets.tok]           # each image's first 1 + label pixels as tokens, packed
+    paths = ["{shards}/*.array_record"]
+    pipeline = "provenance_tokens:tokens"
+    iter_pipeline = "grain_elevator.pipelines.text:chunk_and_pack"
+    batch_fn = "grain.experimental:batch_and_pad"
+    seed = 9
+    num_epochs = 0
+    [datasets.tok.iter_options]
+    length = 16
+    num_packing_bins = 4
+    """)
+
+TOKENS = textwrap.dedent("""\
+    import numpy as np
+    from grain_elevator.pipelines import examples
+
+    def tokens(ds):
+      return examples.decode_images(ds, height=4, width=4, channels=3).map(_tokens)
+
+    def _tokens(e):
+      return {"tokens": e["image"].reshape(-1)[:1 + int(e["label"])].astype(np.int32)}
+    """)
+
+
+@pytest.fixture(scope="module")
+def datasets(config_path: str, data_dir: pathlib.Path,
+             tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+  """The conftest's datasets and this module's, opened in-process."""
+  root = tmp_path_factory.mktemp("provenance")
+  (root / "provenance_tokens.py").write_text(TOKENS)
+  (root / "elevator.toml").write_text(CONFIG.format(shards=data_dir / "shards"))
+  sys.path.insert(0, str(root))
+  try:
+    out = {}
+    for path in (config_path, root / "elevator.toml"):
+      registry = Datasets(config_lib.load_config(str(path)), open_now=False)
+      out.update({name: registry.get(name) for name in registry.names})
+    yield out
+  finally:
+    sys.path.remove(str(root))
+
+
+def _rebuilt(origin: dict[str, Any]) -> dict[str, Any]:
+  """The row an origin names, made from its record alone."""
+  raw = array_record_data_source.ArrayRecordDataSource([origin["shard"]])[origin["record"]]
+  return examples.decode_images(grain.MapDataset.source([raw]), **IMAGE)[0]
+
+
+def _served(ds: Any, step: int, g: int, h: int, n: int) -> dict[str, np.ndarray]:
+  leaves = ds.host_batch_leaves(step, g, h, n)
+  return tree.unflatten(ds.info.element_spec.structure, leaves)
+
+
+@pytest.mark.parametrize("name,step,g,h,n", [
+    ("forever", 90, 12, 2, 3),  # positions 1080..1083: epoch 1
+    ("mix", 1, 10, 0, 1), ("mix", 3, 10, 1, 2),  # both sides of the schedule's change
+])
+def test_each_named_record_rebuilds_its_served_row(datasets, name, step, g, h, n):
+  ds = datasets[name]
+  explained = provenance.explain(ds, step, g, h, n)
+  served = _served(ds, step, g, h, n)
+  positions = contract.host_positions(step, g, h, n)
+  assert explained["kind"] == ("mixture" if name == "mix" else "records")
+  assert len(explained["rows"]) == len(positions)
+  for i, (row, p) in enumerate(zip(explained["rows"], positions)):
+    assert (row["row"], row["global_row"], row["position"]) == (i, h * g // n + i, p)
+    if name == "mix":
+      assert row["component"] in ("a", "b")
+      component = ds.components[ds.names.index(row["component"])]  # read forever
+      assert row["epoch"] == row["component_position"] // component.info.num_records
+    else:
+      assert row["epoch"] == p // 1000
+    want = _rebuilt(row)
+    for key in ("id", "label", "image"):
+      assert np.asarray(want[key]).tobytes() == served[key][i].tobytes(), f"row {i} {key}"
+
+
+def test_evaluation_modes_padding_is_named_as_such(datasets):
+  ds = datasets["eval"]  # 1000 records: step 83 of 12 holds 4, then 8 rows of padding
+  rows = provenance.explain(ds, 83, 12, 0, 1)["rows"]
+  assert [r.get("padding", False) for r in rows] == [False] * 4 + [True] * 8
+  assert [r["position"] for r in rows] == list(range(996, 1008))
+  counted = provenance.summary(ds, 82, 2, 12)
+  assert (counted["records"], counted["padding_rows"]) == (16, 8)
+
+
+def test_an_explanation_too_long_is_refused_with_the_hosts_that_fit(datasets):
+  g = 2 * MAX_EXPLAIN_ROWS + 1
+  with pytest.raises(InvalidRequestError, match=f"a host slice of {g} rows is more than "
+                     f"one explanation holds .*--hosts 3 or more"):
+    provenance.explain(datasets["forever"], 0, g, 0, 1)
+
+
+def test_a_mixtures_summary_counts_what_its_explanations_name(datasets):
+  ds = datasets["mix"]
+  named = collections.Counter(
+      row["component"] for step in range(4) for row in provenance.explain(ds, step, 10, 0, 1)[
+          "rows"])
+  summary = provenance.summary(ds, 0, 4, 10)
+  assert {name: c["records"] for name, c in summary["components"].items()} == dict(named)
+  assert summary["records"] == 40 and named["b"] > named["a"]  # 0.5/0.5, then 0.2/0.8
+  assert provenance.counts(ds, 0, 40, 10) == dict(named)
+
+
+def _stream_steps(ds: Any, g: int, num: int) -> list[tuple[str, list[np.ndarray]]]:
+  """(the position where each step starts, its served leaves)."""
+  out, position = [], ds.info.stream_start
+  for leaves, after in ds.batches(g, position):
+    out.append((position, leaves))
+    position = after
+    if len(out) == num:
+      return out
+  raise AssertionError("the stream ended")
+
+
+def test_a_streams_segments_are_the_tokens_served_and_their_records(datasets):
+  ds = datasets["tok"]
+  paths = [l.path for l in ds.info.element_spec.leaves]
+  for step, (position, leaves) in enumerate(_stream_steps(ds, 8, 3)):
+    tokens = leaves[paths.index("tokens")]
+    for h in range(2):
+      explained = provenance.explain_stream(ds, 8, h, 2, step, position)
+      assert (explained["stream_state"], explained["traced_leaf"]) == (position, "tokens")
+      for row in explained["rows"]:
+        served = tokens[row["global_row"]]
+        covered = 0
+        for s in row["segments"]:
+          element = ds.head[s["element"]]["tokens"]
+          got = served[s["slot"]:s["slot"] + s["length"]]
+          assert got.tobytes() == element[s["token_offset"]:s["token_offset"] +
+                                          s["length"]].tobytes()
+          rebuilt = _rebuilt(s)["image"].reshape(-1)[:len(element)].astype(np.int32)
+          assert rebuilt.tobytes() == element.tobytes()  # the element's record
+          assert s["position"] == s["element"]  # the pipeline keeps the length
+          covered += s["length"]
+        assert covered == np.count_nonzero(leaves[paths.index("tokens_segment_ids")][
+            row["global_row"]])
+
+
+def test_a_streams_summary_adds_up_its_steps_explanations(datasets):
+  ds = datasets["tok"]
+  steps = _stream_steps(ds, 8, 4)
+  segments = [s for step, (position, _) in enumerate(steps[:3]) for row in
+              provenance.explain_stream(ds, 8, 0, 1, step, position)["rows"]
+              for s in row["segments"]]
+  summary = provenance.summary_stream(ds, 0, 3, 8, ds.info.stream_start)
+  ids = [l.path for l in ds.info.element_spec.leaves].index("tokens_segment_ids")
+  assert summary["next_stream_state"] == steps[3][0]
+  assert summary["tokens"] == sum(np.count_nonzero(leaves[ids]) for _, leaves in steps[:3])
+  assert summary["components"] == {"tok": {
+      "tokens": summary["tokens"], "segments": len(segments),
+      "documents": sum(s["token_offset"] == 0 for s in segments), "share": 1.0}}
