@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast test-grain-lowest test-newest lock lock-diff fuzz proto clean host-tools \
+.PHONY: demo test test-fast test-grain-lowest durations test-newest lock lock-diff fuzz proto clean host-tools \
   beam-venv beam-venv-or-skip docs
 
 # Every venv installs from a lock: lock/main.txt (.venv) and lock/beam.txt
@@ -54,28 +54,36 @@ demo: $(STAMP)
 # Everything: real servers on 127.0.0.1, the slow end-to-end runs, the
 # network-namespace test where it can run; and, beside them, the contract's
 # Grain paths on the lowest Grain release pyproject.toml admits (everything
-# else runs on the highest, which pip installs). That run times nothing and
-# starts its own server; its output follows the main run's. The set-ups, too,
-# run at once: they share nothing, and each waits on pip.
+# else runs on the highest, which pip installs). The set-ups, too, run at
+# once: they share nothing, and each waits on pip.
 #
-# The main run has a budget (TEST_BUDGET_S: the suite takes ~26 min on an
-# idle 2-core machine and ~29 with one core kept busy by something else, and
-# took ~45 before workers were forked; the budget leaves room for a slower one):
-# past it, pytest gets SIGINT and prints what failed so far and where it was,
-# instead of a CI runner's limit killing it with nothing said.
-TEST_BUDGET_S ?= 4800
+# The main run is PYTEST_WORKERS pytest processes (pytest-xdist), each given
+# a whole test file at a time (its module fixtures start once), the files
+# that took longest first (tests/durations.json, `make durations`), so the
+# run does not end waiting on a long file started last. Its tests wait on
+# servers and sockets as much as they compute: three share two cores well.
+#
+# The main run has a budget (TEST_BUDGET_S, far past the suite's length; see
+# SUITE_TIMES below): past it, pytest gets SIGINT and prints what failed so
+# far and where it was, instead of a CI runner's limit killing it with
+# nothing said.
+PYTEST_WORKERS ?= 3
+XDIST = $(if $(filter-out 0 1,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadfile)
+TEST_BUDGET_S ?= 2400
 test:
 	$(MAKE) --no-print-directory -j3 $(STAMP) host-tools beam-venv-or-skip $(GRAIN_LOWEST_DIR)/.installed
 	@$(MAKE) --no-print-directory test-grain-lowest > $(VENV)/grain-lowest.log 2>&1 & lowest=$$!; \
 	$(call pip_with,$(LOCK))ELEVATOR_BEAM_VENV=$(CURDIR)/$(BEAM_VENV) \
-	  timeout -s INT -k 60 $(TEST_BUDGET_S) $(PY) -m pytest $(PYTEST_ARGS); main=$$?; \
+	  timeout -s INT -k 60 $(TEST_BUDGET_S) $(PY) -m pytest $(XDIST) $(PYTEST_ARGS); main=$$?; \
 	wait $$lowest; low=$$?; \
 	echo "--- make test-grain-lowest (run beside the main run) ---"; cat $(VENV)/grain-lowest.log; \
 	exit $$(( main != 0 || low != 0 ))
 
 # The tests marked grain_contract (Grain's shuffle, mix and checkpointing, which
 # the service reproduces: server/data/grain_private.py) on the lowest Grain
-# release pyproject.toml admits, installed beside .venv and put first on the path.
+# release pyproject.toml admits, installed beside .venv and put first on the
+# path, in embedded mode only (ELEVATOR_EMBEDDED_ONLY, tests/conftest.py): a
+# server runs the same code, and the main run compares the two.
 GRAIN_LOWEST := $(shell sed -n 's/^ *"grain>=\([0-9.]*\),.*/\1/p' pyproject.toml)
 GRAIN_LOWEST_DIR := .venv-grain-$(GRAIN_LOWEST)
 $(GRAIN_LOWEST_DIR)/.installed: pyproject.toml | $(STAMP)
@@ -83,14 +91,20 @@ $(GRAIN_LOWEST_DIR)/.installed: pyproject.toml | $(STAMP)
 	touch $@
 
 test-grain-lowest: $(STAMP) $(GRAIN_LOWEST_DIR)/.installed
-	ELEVATOR_EXPECT_GRAIN=$(GRAIN_LOWEST) PYTHONPATH=$(CURDIR)/$(GRAIN_LOWEST_DIR) \
+	ELEVATOR_EMBEDDED_ONLY=1 ELEVATOR_EXPECT_GRAIN=$(GRAIN_LOWEST) \
+	  PYTHONPATH=$(CURDIR)/$(GRAIN_LOWEST_DIR) \
 	  $(PY) -m pytest -m grain_contract -p no:cacheprovider $(PYTEST_ARGS)
 
-# The edit loop (under two minutes here): what `make test` runs but the tests
-# marked slow (bench, demo, soak, failover, crash-resume, multi-host, a fresh
-# install) or netns.
+# The edit loop: what `make test` runs but the tests marked slow (bench,
+# demo, soak, failover, crash-resume, multi-host, a fresh install) or netns.
 test-fast: $(STAMP)
-	$(PY) -m pytest -m "not slow and not netns" $(PYTEST_ARGS)
+	$(PY) -m pytest $(XDIST) -m "not slow and not netns" $(PYTEST_ARGS)
+
+# tests/durations.json, the seconds each test file took in a whole run (the
+# order `make test` starts them in): rewrite it after adding a long file.
+durations: $(STAMP)
+	$(PY) -m pytest $(XDIST) -p no:cacheprovider --junitxml=$(VENV)/durations.xml $(PYTEST_ARGS); \
+	  $(PY) tests/durations.py $(VENV)/durations.xml > tests/durations.json
 
 # Three fuzzers side by side for FUZZ_SECONDS, a process each (tests/fuzz): the
 # shard reader (server/data/shards/riegeli.c built with ASan and UBSan) against

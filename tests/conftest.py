@@ -8,86 +8,43 @@ import os
 # 8 CPU devices for the mesh tests; must be set before JAX starts a backend.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
+import dataclasses
 import pathlib
-import textwrap
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 import pytest
 
 from grain_elevator.pipelines import examples
+from grain_elevator.server import Server, ServerOptions
 from grain_elevator.tools.testing.launcher import LocalServer
+import datasets
+import durations
+from datasets import IMAGE  # pylint: disable=unused-import (the shards' image size, for tests)
 import stable_environ
 
 stable_environ.declare()  # before any thread starts: tests/stable_environ.py
 
-IMAGE = {"height": 4, "width": 4, "channels": 3}
 NUM_RECORDS = 1000
 
-CONFIG = textwrap.dedent("""\
-    [datasets.aug2]          # random transform, shuffled, 2 epochs
-    paths = ["shards/train-*.array_record"]
-    pipeline = "grain_elevator.pipelines.examples:decode_and_augment"
-    seed = 7
-    num_epochs = 2
-    [datasets.aug2.options]
-    height = 4
-    width = 4
-    channels = 3
-
-    [datasets.plain]         # no shuffle, 1 epoch
-    paths = ["shards/train-*.array_record"]
-    pipeline = "grain_elevator.pipelines.examples:decode_images"
-    shuffle = false
-    [datasets.plain.options]
-    height = 4
-    width = 4
-    channels = 3
-
-    [datasets.seed3]         # shuffled, 1 epoch, another seed, float images
-    paths = ["shards/train-0000[0-1]*.array_record", "shards/train-00002*"]
-    pipeline = "grain_elevator.pipelines.examples:decode_images"
-    seed = 3
-    [datasets.seed3.options]
-    height = 4
-    width = 4
-    channels = 3
-    normalize = true
-
-    [datasets.seed3fast]     # seed3 with a whole-batch decode: identical rows
-    paths = ["shards/train-*.array_record"]
-    pipeline = "grain_elevator.pipelines.examples:decode_images"
-    batch_transform = "grain_elevator.pipelines.examples:decode_images_batch"
-    seed = 3
-    [datasets.seed3fast.options]
-    height = 4
-    width = 4
-    channels = 3
-    normalize = true
-
-    [datasets.forever]       # repeats forever
-    paths = ["shards/*.array_record"]
-    pipeline = "grain_elevator.pipelines.examples:decode_images"
-    seed = 11
-    num_epochs = 0
-    [datasets.forever.options]
-    height = 4
-    width = 4
-    channels = 3
-
-    [datasets.raw]           # no pipeline: raw record bytes
-    paths = ["shards/*.array_record"]
-    seed = 5
-
-    [datasets.eval]          # evaluation mode: every record once, the last batch padded
-    paths = ["shards/*.array_record"]
-    pipeline = "grain_elevator.pipelines.examples:decode_images"
-    seed = 13
-    drop_remainder = false
-    [datasets.eval.options]
-    height = 4
-    width = 4
-    channels = 3
-    """)
+CONFIG = datasets.config_text(
+    # a random transform, shuffled, 2 epochs
+    aug2=datasets.images("shards/train-*.array_record", pipeline=datasets.AUGMENT, seed=7,
+                         num_epochs=2),
+    # no shuffle, 1 epoch
+    plain=datasets.images("shards/train-*.array_record", shuffle=False),
+    # shuffled, 1 epoch, another seed, float images
+    seed3=datasets.images(["shards/train-0000[0-1]*.array_record", "shards/train-00002*"],
+                          seed=3, options={"normalize": True}),
+    # seed3's records decoded a whole batch at once: rows identical to its
+    # decode of each record
+    seed3fast=datasets.images("shards/train-*.array_record", seed=3,
+                              batch_transform="grain_elevator.pipelines.examples:decode_images_batch",
+                              options={"normalize": True}),
+    forever=datasets.images(seed=11, num_epochs=0),  # repeats forever
+    raw=datasets.raw(seed=5),  # no pipeline: raw record bytes
+    # evaluation mode: every record once, the last batch padded
+    eval=datasets.images(seed=13, drop_remainder=False),
+)
 
 DATASETS = ("aug2", "plain", "seed3", "seed3fast", "forever", "raw", "eval")
 
@@ -106,31 +63,75 @@ def config_path(data_dir: pathlib.Path) -> str:
   return str(data_dir / "elevator.toml")
 
 
+# `make test-grain-lowest` checks Grain's semantics on the lowest Grain
+# admitted in embedded mode alone: the servers run the same code (the
+# main run compares them with embedded mode), so starting them again proves
+# nothing about Grain. There `server` and `serve` give embedded targets, and
+# a test that starts a server itself is skipped.
+EMBEDDED_ONLY = os.environ.get("ELEVATOR_EMBEDDED_ONLY") == "1"
+
+
+@dataclasses.dataclass(frozen=True)
+class EmbeddedTarget:
+  """Where the embedded-only pass reads what a server would serve."""
+  config: str
+
+  @property
+  def target(self) -> str:
+    return f"local:{self.config}"
+
+
 @pytest.fixture(scope="session")
-def server(config_path: str) -> Iterator[LocalServer]:
-  """One 2-worker server shared by the whole session."""
+def server(config_path: str) -> Iterator[LocalServer | EmbeddedTarget]:
+  """One 2-worker `elevator serve` shared by the whole session."""
+  if EMBEDDED_ONLY:
+    yield EmbeddedTarget(config_path)
+    return
   with LocalServer(config_path, workers=2) as s:
     yield s
+
+
+@pytest.fixture(scope="session")
+def serve(config_path: str) -> Iterator[Callable[..., Server | EmbeddedTarget]]:
+  """In-process servers shared by the session, one per distinct config and
+  options, stopped at its end: `serve(config=config_path, workers=1,
+  **ServerOptions fields)`. For tests that only read from a server; a test
+  that signals one, kills its workers or reads its log starts its own."""
+  started: dict[tuple[str, tuple[tuple[str, Any], ...]], Server] = {}
+
+  def get(config: str | os.PathLike[str] | None = None, **options: Any
+          ) -> Server | EmbeddedTarget:
+    path = str(config or config_path)
+    if EMBEDDED_ONLY:
+      return EmbeddedTarget(path)
+    options = {"port": 0, "workers": 1, **options}
+    key = (path, tuple(sorted(options.items())))
+    if key not in started:
+      started[key] = Server(path, ServerOptions(**options)).start()
+    return started[key]
+
+  yield get
+  for s in started.values():
+    s.stop()
+
+
+def _skip_in_the_embedded_only_pass(*args: Any, **kwargs: Any) -> None:
+  pytest.skip("the lowest-Grain pass runs embedded mode only (ELEVATOR_EMBEDDED_ONLY)")
+
+
+if EMBEDDED_ONLY:  # a test, or a fixture of any scope, that starts a server is skipped
+  LocalServer.__init__ = _skip_in_the_embedded_only_pass
+  Server.start = _skip_in_the_embedded_only_pass
 
 
 @pytest.fixture(scope="session")
 def few_config(data_dir: pathlib.Path, tmp_path_factory: pytest.TempPathFactory) -> str:
   """A stream dataset, "few": the images of three labels (a filter,
   examples.decode_some), repeating forever."""
-  path = tmp_path_factory.mktemp("few") / "elevator.toml"
-  path.write_text(textwrap.dedent(f"""\
-      [datasets.few]
-      paths = ["{data_dir}/shards/*.array_record"]
-      pipeline = "grain_elevator.pipelines.examples:decode_some"
-      seed = 41
-      num_epochs = 0
-      [datasets.few.options]
-      height = 4
-      width = 4
-      channels = 3
-      labels = [1, 3, 4]
-      """))
-  return str(path)
+  return datasets.write_config(
+      tmp_path_factory.mktemp("few") / "elevator.toml",
+      few=datasets.images(data_dir / datasets.SHARDS, pipeline=datasets.DECODE_SOME, seed=41,
+                          num_epochs=0, options={"labels": [1, 3, 4]}))
 
 
 # "big": a stream dataset of rows of about 3 KiB (32x32x3 images, a filter
@@ -143,19 +144,11 @@ def big_config(tmp_path_factory: pytest.TempPathFactory) -> str:
   root = tmp_path_factory.mktemp("big")
   examples.write_image_shards(str(root / "shards"), num_records=600, num_shards=2,
                               height=BIG_SIDE, width=BIG_SIDE, channels=3)
-  (root / "elevator.toml").write_text(textwrap.dedent(f"""\
-      [datasets.big]
-      paths = ["shards/*.array_record"]
-      pipeline = "grain_elevator.pipelines.examples:decode_some"
-      seed = 5
-      num_epochs = 0
-      [datasets.big.options]
-      height = {BIG_SIDE}
-      width = {BIG_SIDE}
-      channels = 3
-      labels = [0, 1, 2, 3, 4, 5, 6, 7, 8]
-      """))
-  return str(root / "elevator.toml")
+  return datasets.write_config(
+      root / "elevator.toml",
+      big=datasets.images(pipeline=datasets.DECODE_SOME, seed=5, num_epochs=0,
+                          image={"height": BIG_SIDE, "width": BIG_SIDE, "channels": 3},
+                          options={"labels": list(range(9))}))
 
 
 @pytest.fixture(scope="session")
@@ -163,6 +156,18 @@ def oracle(config_path: str):
   """Embedded mode: the in-process contract every service test compares to."""
   from grain_elevator.client.embedded import EmbeddedBackend
   return EmbeddedBackend(config_path)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+  """Test files in the order of the seconds they took (tests/durations.py),
+  longest first, each file's tests together and in their own order."""
+  seconds = durations.load()
+  root = pathlib.Path(__file__).resolve().parent.parent
+  first_seen: dict[str, int] = {}
+  for item in items:
+    first_seen.setdefault(str(item.path.relative_to(root)), len(first_seen))
+  items.sort(key=lambda item: (-seconds.get(str(item.path.relative_to(root)), 0.0),
+                               first_seen[str(item.path.relative_to(root))]))
 
 
 def pytest_report_header() -> str:

@@ -68,9 +68,8 @@ def mix_config(data_dir, tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def mix_server(mix_config):
-  with LocalServer(mix_config, workers=2) as s:
-    yield s
+def mix_server(serve, mix_config):
+  return serve(mix_config, workers=2)
 
 
 def _oracle_picks(name: str, steps: int) -> list[tuple[str, int]]:
