@@ -4,7 +4,7 @@ shuffled and repeated with Grain's own `seed().shuffle().repeat()`, its
 pipeline applied; its fingerprint; and where each record came from.
 
 Every kind of dataset is built on it: a 1:1 dataset (elevator_dataset.py),
-a stream dataset (streams/stream.py, opened by factory.py), a mixture's
+a stream dataset (streams/stream.py, opened by registry/factory.py), a mixture's
 components. The fingerprint covers each shard's identity, recorded when the
 server started, and shards are read only while they still have it
 (server/data/shards/identity.py); likewise the files its options name

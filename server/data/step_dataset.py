@@ -4,7 +4,7 @@ A registered 1:1 dataset (elevator_dataset.py's `ElevatorDataset`) and a
 mixture of them (mixture.py's `MixtureDataset`) both are one; the request
 path sees nothing else of either. Its sibling is a stream dataset
 (streams/stream.py's `StreamDataset`), which continues from a position
-instead. The registry holds one of the two (factory.py's `Dataset`), and
+instead. The registry holds one of the two (registry/factory.py's `Dataset`), and
 the request path serves each by its shape (server/serving/step_shape.py,
 stream_shape.py).
 """

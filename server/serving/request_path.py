@@ -38,7 +38,7 @@ from grain_elevator.proto import wire
 from grain_elevator.proto.errors import (InvalidRequestError, ShardChangedError,
                                          StreamMismatchError, UnauthenticatedError)
 from grain_elevator.proto.spec import DatasetInfo
-from grain_elevator.server.data.factory import Dataset
+from grain_elevator.server.data.registry import Dataset
 from grain_elevator.server.data.registry import Datasets
 from grain_elevator.server.data.streams.stream import StreamDataset
 from grain_elevator.server.serving.options import (DEFAULT_MAX_MESSAGE_BYTES,

@@ -1,11 +1,14 @@
-"""The package graph runs one way: proto <- server, proto <- client,
-proto <- pipelines, and tools on top. Each package is imported in a fresh
-interpreter and what it loaded is inspected; so is what a running worker
-loaded."""
+"""The code's graph runs one way. One table says which folder may import
+which, for every folder, and every module's imports are checked against it;
+each package is also imported in a fresh interpreter and what it loaded is
+inspected, and so is what a running worker loaded."""
 
 from __future__ import annotations
 
+import ast
+import graphlib
 import json
+import pathlib
 import subprocess
 import sys
 import textwrap
@@ -73,15 +76,6 @@ def _client_imports(path) -> set[str]:
   return out
 
 
-def test_client_transport_imports_nothing_above_it():
-  """Inside client/, transport/ is the floor: the iterators, the window and
-  the options' users sit on it, and it imports none of them."""
-  upward = {(str(path.relative_to(ROOT)), name)
-            for path in sorted((ROOT / "client" / "transport").rglob("*.py"))
-            for name in _client_imports(path) if not name.startswith("transport")}
-  assert not upward, f"client/transport/ imports above it: {sorted(upward)}"
-
-
 def test_nothing_in_client_imports_remote_dataset_but_the_package():
   """RemoteDataset sits on top: what reads for it takes its ReadSpec
   (client/read_spec.py), so no module under it imports it, not even to
@@ -128,79 +122,110 @@ def test_a_worker_runs_nothing_from_tools(data_dir, tmp_path):
     assert set(loaded) <= {"grain_elevator.tools", "grain_elevator.tools.cli"}, loaded
 
 
-# Inside server/, the folders run one way too: data/ (what a step is made
-# of) <- serving/ (a request's path) <- process/ (a server's life). A module
-# may import its own folder and those below it, anywhere in its body.
-SERVER_LAYERS = ("data", "serving", "process")
+# Which folders each folder's modules may import (beyond its own), named as
+# packages below grain_elevator; what a listed folder may import comes with
+# it. Every folder of the code is a key, so a new one is placed here before it
+# lands, and the table has no cycle, so every pair of folders points one way
+# at most. A module's imports count wherever they stand in its body,
+# type-checking imports too.
+MAY_IMPORT: dict[str, set[str]] = {
+    "proto": set(),  # the wire and the contract, shared by both sides
+    "pipelines": {"proto"},  # runtime code configs name
+    # server/: data <- serving <- process; inside data/, storage <- shards <-
+    # the datasets <- streams/ <- registry/; serving's metrics/ below the rest.
+    "server.data.storage": {"proto"},
+    "server.data.shards": {"server.data.storage"},
+    "server.data": {"pipelines", "server.data.shards"},
+    "server.data.streams": {"server.data"},
+    "server.data.registry": {"server.data.streams"},
+    "server.serving.metrics": {"proto"},
+    "server.serving": {"server.data.registry", "server.serving.metrics"},
+    "server.process": {"server.serving"},
+    "server": {"server.process"},  # the public surface
+    # client/: transport/ is the floor; embedded mode imports the serving
+    # engine inside a function, when a `local:` target is first used.
+    "client.transport": {"proto"},
+    "client": {"client.transport", "server.serving"},
+    # tools/ on top: the test infrastructure, converters, the library modules
+    # of the demos and benches (tools/*.py), the benches.
+    "tools.testing": {"server.process"},
+    "tools.convert": {"pipelines", "server.data.storage"},
+    "tools": {"client", "server", "tools.convert", "tools.testing"},
+    "tools.bench": {"tools"},
+}
+TOPS = ("proto", "server", "client", "pipelines", "tools")
+# Entry points sit above every folder: they may import anything, and nothing
+# imports them (the `elevator` command, and `python -m` entries).
+ENTRY_POINTS = {"tools/cli.py", "tools/bench/__main__.py"}
 
 
-def _server_imports(path) -> set[str]:
-  """The server folders (data, serving, process) that module `path` imports."""
-  import ast  # pylint: disable=g-import-not-at-top
-  out = set()
-  for node in ast.walk(ast.parse(path.read_text(), str(path))):
-    names = ([a.name for a in node.names] if isinstance(node, ast.Import)
-             else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
-    for name in names:
-      parts = name.split(".")
-      if parts[:2] == ["grain_elevator", "server"] and len(parts) > 2:
-        out.add(parts[2])
-  return out
+def _folders() -> set[str]:
+  return {".".join(init.parent.relative_to(ROOT).parts)
+          for top in TOPS for init in (ROOT / top).rglob("__init__.py")}
 
 
-def test_server_folders_import_downward():
-  upward = set()
-  for path in sorted((ROOT / "server").rglob("*.py")):
-    folder = path.relative_to(ROOT / "server").parts[0]
-    if folder not in SERVER_LAYERS:
-      continue
-    level = SERVER_LAYERS.index(folder)
-    for imported in _server_imports(path) & set(SERVER_LAYERS):
-      if SERVER_LAYERS.index(imported) > level:
-        upward.add((str(path.relative_to(ROOT / "server")), imported))
-  assert not upward, f"imports that run upward: {sorted(upward)}"
+def _closure(folder: str) -> set[str]:
+  seen, todo = set(), [folder]
+  while todo:
+    for below in MAY_IMPORT[todo.pop()] - seen:
+      seen.add(below)
+      todo.append(below)
+  return seen
 
 
-# Inside server/data/, the rooms run one way too: storage/ (a bucket) <-
-# shards/ (a shard, read from a file or through storage/) <- the rest of
-# data/ (the datasets, streams/). A pair that pointed both ways before
-# (read_ahead.py took shards/' coalesce; identity.py took data/config.py's
-# classes) would hide which one a change must start from.
-DATA_ROOMS = ("storage", "shards")
-
-
-def _data_rooms(path) -> set[int]:
-  """The levels of the server/data/ modules that module `path` imports:
-  its DATA_ROOMS index, or len(DATA_ROOMS) for any other data/ module."""
-  import ast  # pylint: disable=g-import-not-at-top
-  top = len(DATA_ROOMS)
-
-  def level(parts: list[str]) -> int | None:
-    if parts[:3] != ["grain_elevator", "server", "data"]:
-      return None
-    return DATA_ROOMS.index(parts[3]) if len(parts) > 3 and parts[3] in DATA_ROOMS else top
+def _imported_folders(path: pathlib.Path, folders: set[str]) -> set[str]:
+  """The folders (as MAY_IMPORT names them) whose modules `path` imports."""
+  def folder_of(name: str) -> str | None:
+    parts = name.split(".")[1:]  # below grain_elevator
+    for end in range(len(parts), 0, -1):
+      if ".".join(parts[:end]) in folders:
+        return ".".join(parts[:end])
+    return None
   out = set()
   for node in ast.walk(ast.parse(path.read_text(), str(path))):
     if isinstance(node, ast.Import):
-      found = [level(a.name.split(".")) for a in node.names]
-    elif isinstance(node, ast.ImportFrom) and node.module == "grain_elevator.server.data":
-      found = [level([*node.module.split("."), a.name]) for a in node.names]
-    elif isinstance(node, ast.ImportFrom):
-      found = [level((node.module or "").split("."))]
+      names = [a.name for a in node.names]
+    elif isinstance(node, ast.ImportFrom) and node.module:
+      # `from pkg import name`: the module pkg.name where it is one (pkg
+      # itself is then only its path), else pkg.
+      names = [f"{node.module}.{a.name}" for a in node.names]
     else:
       continue
-    out |= {l for l in found if l is not None}
+    out |= {folder_of(n) for n in names if n.startswith("grain_elevator.")} - {None}
   return out
 
 
-def test_data_rooms_import_downward():
-  upward = set()
-  for path in sorted((ROOT / "server" / "data").rglob("*.py")):
-    room = path.relative_to(ROOT / "server" / "data").parts[0]
-    if room not in DATA_ROOMS:
-      continue
-    for imported in _data_rooms(path):
-      if imported > DATA_ROOMS.index(room):
-        upward.add((str(path.relative_to(ROOT / "server")),
-                    DATA_ROOMS[imported] if imported < len(DATA_ROOMS) else "data"))
-  assert not upward, f"imports that run upward: {sorted(upward)}"
+def test_the_table_names_every_folder_and_runs_one_way():
+  assert set(MAY_IMPORT) == _folders(), (
+      f"folders missing from MAY_IMPORT: {sorted(_folders() - set(MAY_IMPORT))}; "
+      f"named but absent: {sorted(set(MAY_IMPORT) - _folders())}")
+  graphlib.TopologicalSorter(MAY_IMPORT).prepare()  # raises CycleError on a cycle
+
+
+def test_every_module_imports_only_what_the_table_allows():
+  folders = _folders()
+  against = []
+  for top in TOPS:
+    for path in sorted((ROOT / top).rglob("*.py")):
+      if str(path.relative_to(ROOT)) in ENTRY_POINTS:
+        continue
+      folder = ".".join(path.parent.relative_to(ROOT).parts)
+      against += [f"{path.relative_to(ROOT)} -> {imported}"
+                  for imported in sorted(_imported_folders(path, folders) - {folder}
+                                         - _closure(folder))]
+  assert not against, "imports MAY_IMPORT does not allow: " + ", ".join(against)
+
+
+def test_nothing_imports_an_entry_point():
+  entries = {"grain_elevator." + p.removesuffix(".py").replace("/", ".") for p in ENTRY_POINTS}
+  importers = []
+  for top in TOPS:
+    for path in sorted((ROOT / top).rglob("*.py")):
+      if str(path.relative_to(ROOT)) in ENTRY_POINTS:
+        continue
+      for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                 [node.module or "", *(f"{node.module}.{a.name}" for a in node.names)]
+                 if isinstance(node, ast.ImportFrom) else [])
+        importers += [f"{path.relative_to(ROOT)} -> {n}" for n in names if n in entries]
+  assert not importers, f"entry points imported: {importers}"

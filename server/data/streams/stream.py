@@ -77,7 +77,7 @@ def parse_position(text: str, start: str, dataset: str) -> str:
 @dataclasses.dataclass(frozen=True)
 class StreamRecords:
   """The records a stream dataset reads, and what is known of them: what
-  its constructor needs whole (server/data/factory.py opens them)."""
+  its constructor needs whole (server/data/registry/factory.py opens them)."""
 
   # Its record stream: its source's records, seeded, shuffled and repeated,
   # or a mixture's of fixed weights, as Grain mixes them.

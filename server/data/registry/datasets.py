@@ -1,4 +1,4 @@
-"""The registry: a config's datasets by name, each opened once as one of
+"""A config's datasets by name, each opened once as one of
 two kinds (factory.py's `Dataset`: a StepDataset or a StreamDataset), and
 the datasets refused because their files changed since start-up.
 """
@@ -13,7 +13,7 @@ from typing import Callable, Mapping, TypeVar
 from grain_elevator.proto.errors import ShardChangedError, UnknownDatasetError
 from grain_elevator.server.data.config import DatasetConfig, ServerConfig
 from grain_elevator.server.data.elevator_dataset import ElevatorDataset
-from grain_elevator.server.data.factory import Dataset, open_dataset
+from grain_elevator.server.data.registry.factory import Dataset, open_dataset
 from grain_elevator.server.data.shards.identity import Recorded, ShardIdentity
 from grain_elevator.server.data.shards.option_files import OptionFiles
 
