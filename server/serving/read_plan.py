@@ -6,9 +6,9 @@ h, H and k (proto/contract.py), so the records of any step are known in
 advance. Clients cut their requests at multiples of their size n (chunk c
 is steps [c*n, (c+1)*n)) and send chunk c to the worker that owns it
 (client/transport/slots.py's `owner_of`), which is a function of c, the
-replicas and the workers alone: a worker that serves chunk c of a stream
-will be asked for chunk c + s next, where s, its *stride*, is the number of
-workers of all the replicas (W with one replica). So on each request a
+replicas and the workers alone: a worker that serves chunk c of a host's
+reading will be asked for chunk c + s next, where s, its *stride*, is the
+number of workers of all the replicas (W with one replica). So on each request a
 worker plans, in order, the request's own steps (all their ranges go out at
 once, not a step at a time), then the steps of its next AHEAD_CHUNKS
 chunks: server/data/storage/read_ahead.py fetches what they need within
@@ -16,8 +16,9 @@ its byte budget (`--read-ahead-mb`), and the reads of those steps take it
 when the requests come. Step datasets plan here (step_shape.py); a stream
 dataset's head plans its own reads (server/data/streams/head_reads.py).
 
-The stride is learned per stream and host from the chunks a worker is
-asked for (the difference between the last two), and starts at the
+The stride is learned per reader (a dataset, G, host and offset) from the
+chunks a worker is asked for (the difference between the last two), and
+starts at the
 number of workers of this server (one replica). A guess that is wrong
 costs bytes, never exactness: what no request takes is dropped after
 read_ahead.STALE_S, and `elevator_storage_fetched_bytes_total` against
@@ -29,10 +30,11 @@ from __future__ import annotations
 import collections
 import itertools
 import threading
-from typing import Any, Hashable, Iterable
+from typing import Hashable, Iterable
 
 from grain_elevator.proto import contract
 from grain_elevator.proto import elevator_pb2 as pb
+from grain_elevator.proto.spec import DatasetInfo
 from grain_elevator.server.data.step_dataset import StepDataset
 from grain_elevator.server.data.storage import read_ahead
 
@@ -40,12 +42,12 @@ from grain_elevator.server.data.storage import read_ahead
 # comes when the client's window moves past the chunks of every other
 # worker, so two cover the wait with one to spare.
 AHEAD_CHUNKS = 2
-# Steps one request plans at most (a long stream's request asks for
+# Steps one request plans at most (a request may ask for
 # thousands): planning costs a moment per step, and the budget bounds the bytes.
 MAX_STEPS = 192
-# Streams (dataset, fingerprint, G, host, offset, request size) whose
+# Readers (dataset, fingerprint, G, host, offset, request size) whose
 # stride is kept.
-MAX_STREAMS = 4096
+MAX_READERS = 4096
 
 
 class ReadPlanner:
@@ -54,24 +56,24 @@ class ReadPlanner:
   def __init__(self, num_workers: int = 1):
     self._num_workers = max(1, num_workers)
     self._lock = threading.Lock()
-    # stream -> (last chunk asked for, stride), least recently used first.
-    self._streams: collections.OrderedDict[Hashable, tuple[int, int]] = (
+    # reader -> (last chunk asked for, stride), least recently used first.
+    self._readers: collections.OrderedDict[Hashable, tuple[int, int]] = (
         collections.OrderedDict())
 
-  def _stride(self, stream: Hashable, chunk: int) -> int:
+  def _stride(self, reader: Hashable, chunk: int) -> int:
     with self._lock:
-      last, stride = self._streams.pop(stream, (None, self._num_workers))
+      last, stride = self._readers.pop(reader, (None, self._num_workers))
       if last is not None and chunk > last:
         stride = chunk - last
-      self._streams[stream] = (max(chunk, last if last is not None else chunk), stride)
-      while len(self._streams) > MAX_STREAMS:
-        self._streams.popitem(last=False)
+      self._readers[reader] = (max(chunk, last if last is not None else chunk), stride)
+      while len(self._readers) > MAX_READERS:
+        self._readers.popitem(last=False)
       return stride
 
   def steps_to_plan(self, r: pb.BatchRequest, stream_length: int, drop_remainder: bool,
-                    stream: Hashable) -> list[int]:
+                    reader: Hashable) -> list[int]:
     """The request's steps, then those of the chunks this worker is
-    expected to be asked for next, within the stream. A request that does
+    expected to be asked for next, within the dataset's steps. A request that does
     not start at a multiple of its size (a resumed client's first, cut to
     the next multiple) gives no chunk: only its own steps are planned."""
     n = max(1, r.num_steps)
@@ -79,16 +81,16 @@ class ReadPlanner:
                                drop_remainder)
     steps = list(range(r.start_step, min(r.start_step + n, end, r.start_step + MAX_STEPS)))
     if r.start_step % n or n > MAX_STEPS // (AHEAD_CHUNKS + 1):
-      return steps  # no chunk, or a long stream's request: its own first steps only
+      return steps  # no chunk, or a request for many steps: its own first steps only
     chunk = r.start_step // n
-    stride = self._stride((*stream, n), chunk)
+    stride = self._stride((*reader, n), chunk)
     for j in range(1, AHEAD_CHUNKS + 1):
       first = (chunk + j * stride) * n
       steps += range(first, min(first + n, end))
     return steps
 
   @staticmethod
-  def _tag(info: Any, r: pb.BatchRequest, step: int) -> Hashable:
+  def _tag(info: DatasetInfo, r: pb.BatchRequest, step: int) -> Hashable:
     """A step's group in the read-ahead: the same for every request of it."""
     return (info.name, info.config_fingerprint, r.global_batch_size, r.shard_index,
             r.shard_count, r.record_offset, step)
@@ -102,18 +104,14 @@ class ReadPlanner:
     if ahead.budget_bytes <= 0 or needs_of(r.start_step, r.global_batch_size, r.shard_index,
                                            r.shard_count, r.record_offset) is None:
       return 0  # off, or nothing of this dataset is in a bucket
-    stream = (info.name, info.config_fingerprint, r.global_batch_size, r.shard_index,
+    reader = (info.name, info.config_fingerprint, r.global_batch_size, r.shard_index,
               r.shard_count, r.record_offset)
     groups = []
-    for step in self.steps_to_plan(r, info.stream_length, info.drop_remainder, stream):
+    for step in self.steps_to_plan(r, info.stream_length, info.drop_remainder, reader):
       tag = self._tag(info, r, step)
-      if ahead.planned(tag):
-        continue
-      needs = needs_of(step, r.global_batch_size, r.shard_index, r.shard_count,
-                       r.record_offset)
-      if needs is None:
-        return 0  # nothing of this dataset is in a bucket
-      groups.append((tag, needs))
+      if not ahead.planned(tag):
+        groups.append((tag, needs_of(step, r.global_batch_size, r.shard_index, r.shard_count,
+                                     r.record_offset)))
     return ahead.plan(info.name, groups)
 
   def release(self, ds: StepDataset, r: pb.BatchRequest, steps: Iterable[int]) -> None:

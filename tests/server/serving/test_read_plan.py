@@ -14,8 +14,8 @@ from grain_elevator.server.data.registry import Datasets
 from grain_elevator.server.data.storage import read_ahead
 from grain_elevator.server.serving.read_plan import AHEAD_CHUNKS, MAX_STEPS, ReadPlanner
 
-STREAM = ("ds", "fingerprint", 8, 0, 1, 0)  # what keys a stream's stride: name ... offset
-LONG = 10**9  # records: a stream whose end no plan reaches
+READER = ("ds", "fingerprint", 8, 0, 1, 0)  # what keys a reader's stride: name ... offset
+LONG = 10**9  # records: a dataset whose end no plan reaches
 
 
 def _request(start: int, num: int, g: int = 8, h: int = 0, n: int = 1) -> pb.BatchRequest:
@@ -32,18 +32,18 @@ def test_a_chunk_plans_itself_then_the_next_chunks_of_this_worker():
   chunks 5 and 8 next."""
   assert AHEAD_CHUNKS == 2  # the table below spells out two chunks ahead
   planner = ReadPlanner(num_workers=3)
-  assert planner.steps_to_plan(_request(8, 4), LONG, True, STREAM) == _chunks(
+  assert planner.steps_to_plan(_request(8, 4), LONG, True, READER) == _chunks(
       (8, 12), (20, 24), (32, 36))
 
 
-def test_the_stride_is_learned_per_stream_from_the_chunks_asked_for():
+def test_the_stride_is_learned_per_reader_from_the_chunks_asked_for():
   planner = ReadPlanner(num_workers=3)
-  planner.steps_to_plan(_request(0, 4), LONG, True, STREAM)
+  planner.steps_to_plan(_request(0, 4), LONG, True, READER)
   # Asked for chunk 2 after chunk 0: two workers in all (another replica's
   # count, or fewer workers), so chunks 4 and 6 come next.
-  assert planner.steps_to_plan(_request(8, 4), LONG, True, STREAM) == _chunks(
+  assert planner.steps_to_plan(_request(8, 4), LONG, True, READER) == _chunks(
       (8, 12), (16, 20), (24, 28))
-  other = (*STREAM[:3], 1, 2, 0)  # another host: its own stride, from the worker count
+  other = (*READER[:3], 1, 2, 0)  # another host: its own stride, from the worker count
   assert planner.steps_to_plan(_request(8, 4, h=1, n=2), LONG, True, other) == _chunks(
       (8, 12), (20, 24), (32, 36))
 
@@ -56,7 +56,7 @@ def test_the_stride_is_learned_per_stream_from_the_chunks_asked_for():
 ])
 def test_what_plans_no_chunk_ahead(start, num, want):
   assert ReadPlanner(num_workers=2).steps_to_plan(_request(start, num), LONG, True,
-                                                  STREAM) == want
+                                                  READER) == want
 
 
 @pytest.mark.parametrize("drop_remainder,want", [
@@ -65,7 +65,7 @@ def test_what_plans_no_chunk_ahead(start, num, want):
 ])
 def test_nothing_past_the_stream_is_planned(drop_remainder, want):
   assert ReadPlanner(num_workers=1).steps_to_plan(_request(4, 4), 75, drop_remainder,
-                                                  STREAM) == want
+                                                  READER) == want
 
 
 class _InBucket:
