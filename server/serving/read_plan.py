@@ -18,9 +18,8 @@ dataset's head plans its own reads (server/data/streams/head_reads.py).
 
 The stride is learned per reader (a dataset, G, host and offset) from the
 chunks a worker is asked for (the difference between the last two), and
-starts at the
-number of workers of this server (one replica). A guess that is wrong
-costs bytes, never exactness: what no request takes is dropped after
+starts at the number of workers of this server (one replica). A guess that
+is wrong costs bytes, never exactness: what no request takes is dropped after
 read_ahead.STALE_S, and `elevator_storage_fetched_bytes_total` against
 `elevator_storage_needed_bytes_total` shows it (docs/operations.md).
 """
