@@ -331,7 +331,7 @@ def _bench(args: argparse.Namespace) -> int:
       seconds=args.seconds, warmup_s=args.warmup,
       records={"small": args.small_records, "large": args.large_records,
                "image": args.image_records, "text": args.text_records},
-      tfdata=not args.no_tfdata)
+      tfdata=not args.no_tfdata, global_batch_size=args.global_batch_size)
   print(run.table(report))
   if args.json:
     pathlib.Path(args.json).write_text(json.dumps(report, indent=1))
@@ -356,7 +356,8 @@ def _bench_storage(args: argparse.Namespace) -> int:
                          repeats=args.repeats, seconds=args.seconds, warmup_s=args.warmup,
                          latency_ms=args.storage_latency_ms,
                          records={"small": args.small_records, "image": args.image_records,
-                                  "text": args.text_records})
+                                  "text": args.text_records},
+                         global_batch_size=args.global_batch_size)
   except ValueError as e:
     print(f"elevator: error: {e}", file=sys.stderr)
     return 2
@@ -389,6 +390,10 @@ def _add_bench(sub: Any) -> None:
     p.add_argument(f"--{name}-records", type=int, default=0,
                    help=f"{'documents' if name == 'text' else 'records'} in the {name} "
                         f"workload (default {records:,})")
+  p.add_argument("--global-batch-size", type=int, default=0, metavar="G",
+                 help="records (text: rows) a step in every workload instead of its own G "
+                      "(default: each workload's): a smoke run's smaller steps, whose "
+                      "figures are not the benchmark's")
   p.add_argument("--json", default=None, help="also write the full results here")
   p.add_argument("--plot", default=None, help="also draw a PNG here (needs matplotlib)")
   p.add_argument("--no-tfdata", action="store_true",

@@ -35,7 +35,6 @@ import pathlib
 import random
 import sys
 import tempfile
-import textwrap
 import time
 from typing import Any
 
@@ -43,6 +42,9 @@ import grpc
 import psutil
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))  # tests/
+# pylint: disable=g-import-not-at-top,wrong-import-position
+import datasets  # the one builder of the tests' dataset configs (tests/datasets.py)
 from grain_elevator.client.embedded import EmbeddedBackend
 from grain_elevator.pipelines import examples
 from grain_elevator.proto import contract
@@ -57,41 +59,15 @@ from grain_elevator.tools import text_corpus
 from grain_elevator.tools import tokenizer as tokenizer_lib
 from grain_elevator.tools import top
 
-CONFIG = textwrap.dedent("""\
-    [datasets.few]           # a filter, 2 epochs
-    paths = ["shards/*.array_record"]
-    pipeline = "grain_elevator.pipelines.examples:decode_some"
-    seed = 21
-    num_epochs = 2
-    [datasets.few.options]
-    height = 4
-    width = 4
-    channels = 3
-    labels = [1, 3, 7]
-
-    [datasets.rows]          # a flat_map, evaluation mode
-    paths = ["shards/*.array_record"]
-    pipeline = "grain_elevator.pipelines.examples:decode_rows"
-    seed = 22
-    drop_remainder = false
-    [datasets.rows.options]
-    height = 4
-    width = 4
-    channels = 3
-
-    [datasets.lm]            # tokenize, chunk, first-fit packing
-    paths = ["text/*.array_record"]
-    pipeline = "grain_elevator.pipelines.text:tokenize"
-    iter_pipeline = "grain_elevator.pipelines.text:chunk_and_pack"
-    seed = 23
-    num_epochs = 0
-    [datasets.lm.options]
-    tokenizer = "tokenizer.json"
-    field = "text"
-    [datasets.lm.iter_options]
-    length = 32
-    num_packing_bins = 8
-    """)
+CONFIG = datasets.config_text(
+    # a filter, 2 epochs
+    few=datasets.images(pipeline=datasets.DECODE_SOME, seed=21, num_epochs=2,
+                        options={"labels": [1, 3, 7]}),
+    # a flat_map, evaluation mode
+    rows=datasets.images(pipeline="grain_elevator.pipelines.examples:decode_rows", seed=22,
+                         drop_remainder=False),
+    # tokenize, chunk, first-fit packing
+    lm=datasets.packed_text(seed=23, num_epochs=0, length=32, bins=8))
 DATASETS = ("few", "rows", "lm")
 ALLOWED = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE,
            grpc.StatusCode.DATA_LOSS}

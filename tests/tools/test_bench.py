@@ -1,7 +1,12 @@
 """`elevator bench` and `bench-feed` run end to end on tiny sizes. No timing
 is asserted; what is checked is that every figure measures what its row
 says: the bytes each system delivered, rates that agree with each other,
-and ratios that are the printed figures' ratios."""
+and ratios that are the printed figures' ratios.
+
+The bench runs at G=8 (--global-batch-size) rather than each workload's
+own: local Grain's read threads compute 32 steps ahead, at every setting
+and in every mp_prefetch process, so a full-size step multiplies what a
+run computes and never reads; a small one checks every system the same."""
 
 from __future__ import annotations
 
@@ -31,11 +36,15 @@ def _cell(table: str, label: str, column: int) -> str:
   return row.split(" | ")[column].strip()
 
 
+G = 8  # rows a step in the bench runs below (--global-batch-size)
+
+
 def test_bench_reports_every_system(tmp_path):
   out = tmp_path / "bench.json"
   result = subprocess.run(
-      [*ELEVATOR, "bench", "--workloads", "large", "--large-records", "200", "--workers", "1", "--repeats", "1", "--seconds", "0.3",
-       "--warmup", "0.1", "--data", str(tmp_path / "data"), "--json", str(out)],
+      [*ELEVATOR, "bench", "--workloads", "large", "--large-records", "200", "--workers", "1",
+       "--repeats", "1", "--seconds", "0.3", "--warmup", "0.1", "--global-batch-size", str(G),
+       "--data", str(tmp_path / "data"), "--json", str(out)],
       capture_output=True, text=True, timeout=600)
   assert result.returncode == 0, result.stderr[-3000:]
   report = json.loads(out.read_text())
@@ -43,13 +52,14 @@ def test_bench_reports_every_system(tmp_path):
   # small one's data and config are checked below, its decode everywhere else.
   for name in ("large",):
     w = workloads.WORKLOADS[name]
+    assert report["workloads"][name]["global_batch_size"] == G != w.global_batch_size
     systems = report["workloads"][name]["systems"]
     assert set(systems) == SYSTEMS
     for key, row in systems.items():
       (run,) = row["runs"]  # --repeats 1
       # The floor moves raw records; everything else the decoded batch.
       per_record = w.record_bytes if key == "floor" else w.delivered_bytes_per_record
-      assert run["batch_bytes"] == w.global_batch_size * per_record, key
+      assert run["batch_bytes"] == G * per_record, key
       assert run["records_per_s"] > 0, key
       # GB/s is records/s times the bytes of a record, in the same run.
       assert run["gb_per_s"] == pytest.approx(run["records_per_s"] * per_record / 1e9,
@@ -73,6 +83,7 @@ def test_bench_reports_every_system(tmp_path):
   assert "tf.data service: skipped" in result.stdout
   assert "| (f) floor: shard reads + TCP, W=1, raw records |" in result.stdout
   assert "| (c) service, W=1, shards read through ArrayRecord |" in result.stdout
+  assert f"### large: 153,616 B records, G={G}, 200 records;" in result.stdout
   if HAS_TORCH:  # the note's ratio is the table's two CPU-per-GB medians
     systems = report["workloads"]["large"]["systems"]
     ratio = (systems["service_w1_torch"]["client_cpu_s_per_gb"]["median"]
@@ -135,18 +146,19 @@ def test_bench_image_workload_reports_per_image_costs(tmp_path):
   result = subprocess.run(
       [*ELEVATOR, "bench", "--workloads", "image", "--image-records", "96", "--workers", "1",
        "--repeats", "1", "--seconds", "0.3", "--warmup", "0.1", "--no-tfdata",
-       "--data", str(tmp_path / "data"), "--json", str(out)],
+       "--global-batch-size", str(G), "--data", str(tmp_path / "data"), "--json", str(out)],
       capture_output=True, text=True, timeout=600)
   assert result.returncode == 0, result.stderr[-3000:]
   wl = json.loads(out.read_text())["workloads"]["image"]
   w = workloads.WORKLOADS["image"]
   assert wl["kind"] == "image" and wl["records"] == 96
+  assert wl["global_batch_size"] == G != w.global_batch_size
   systems = wl["systems"]
   assert set(systems) == IMAGE_SYSTEMS
   for key, row in systems.items():
     (run,) = row["runs"]
     # Every system delivers G decoded 224x224x3 uint8 images and their labels.
-    assert run["batch_bytes"] == w.global_batch_size * (8 + 224 * 224 * 3), key
+    assert run["batch_bytes"] == G * (8 + 224 * 224 * 3), key
     rate = run["records_per_s"]
     assert rate > 0, key
     assert run["client_cpu_s_per_1k"] == pytest.approx(run["client_cores"] / rate * 1000), key

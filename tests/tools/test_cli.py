@@ -1,6 +1,8 @@
 """The `elevator` command: describe against a real server and a local
 config, health, make-dataset, serve's flags against ServerOptions, and
-every default a help text shows is the flag's own."""
+every default a help text shows is the flag's own. The command runs as a
+process of its own; the server it asks is the session's in-process one
+(conftest's serve), which answers over gRPC as `elevator serve` does."""
 
 from __future__ import annotations
 
@@ -20,8 +22,8 @@ from helpers import ROOT
 
 
 @pytest.mark.parametrize("local", [False, True])
-def test_describe(server, config_path, local):
-  target = f"local:{config_path}" if local else server.target
+def test_describe(serve, config_path, local):
+  target = f"local:{config_path}" if local else serve().target
   result = subprocess.run([*ELEVATOR, "describe", target, "--dataset", "aug2", "-G", "96"],
                           capture_output=True, text=True, timeout=120)
   assert result.returncode == 0, result.stderr
@@ -31,15 +33,15 @@ def test_describe(server, config_path, local):
   assert {"path": "image", "dtype": "uint8", "shape": [4, 4, 3]} in info["element_spec"]
 
 
-def test_describe_unknown_dataset(server):
-  result = subprocess.run([*ELEVATOR, "describe", server.target, "--dataset", "nope"],
+def test_describe_unknown_dataset(serve):
+  result = subprocess.run([*ELEVATOR, "describe", serve().target, "--dataset", "nope"],
                           capture_output=True, text=True, timeout=120)
   assert result.returncode == 2
   assert "elevator: error: unknown dataset 'nope'" in result.stderr
 
 
-def test_health(server):
-  result = subprocess.run([*ELEVATOR, "health", server.target],
+def test_health(serve):
+  result = subprocess.run([*ELEVATOR, "health", serve().target],
                           capture_output=True, text=True, timeout=60)
   assert result.returncode == 0 and "SERVING" in result.stdout
   result = subprocess.run([*ELEVATOR, "health", "127.0.0.1:1", "--timeout", "1"],

@@ -66,9 +66,10 @@ def _systems(w: text.TextWorkload, workers: int, servers: dict[str, LocalServer]
 
 def run_workload(root: pathlib.Path, *, workers: int, repeats: int, seconds: float,
                  warmup_s: float, latency_ms: float = buckets.DEFAULT_LATENCY_MS,
-                 documents: int | None = None) -> dict[str, Any]:
-  """Every system `repeats` times, interleaved; the report's workload entry."""
-  w = text.WORKLOAD
+                 documents: int | None = None, global_batch_size: int = 0) -> dict[str, Any]:
+  """Every system `repeats` times, interleaved; the report's workload entry.
+  `global_batch_size`: rows a step instead of the workload's G (0: its own)."""
+  w = workloads_lib.at_batch_size(text.WORKLOAD, global_batch_size)
   n = documents or DOCUMENTS
   data = root / "buckets"
   harness.log(f"[text/s3] preparing {n:,} documents in {SHARDS} shards in {data / w.name} ...")

@@ -137,9 +137,10 @@ def _systems(w: workloads_lib.Workload, workers: int, local: LocalServer, bucket
 
 def run_workload(root: pathlib.Path, name: str, *, workers: int, repeats: int, seconds: float,
                  warmup_s: float, latency_ms: float = DEFAULT_LATENCY_MS,
-                 records: int | None = None) -> dict[str, Any]:
-  """Every system `repeats` times, interleaved; the report's workload entry."""
-  w = workloads_lib.WORKLOADS[name]
+                 records: int | None = None, global_batch_size: int = 0) -> dict[str, Any]:
+  """Every system `repeats` times, interleaved; the report's workload entry.
+  `global_batch_size`: G instead of the workload's own (0: its own)."""
+  w = workloads_lib.at_batch_size(workloads_lib.WORKLOADS[name], global_batch_size)
   n = records or RECORDS[name]
   data = root / "buckets"
   wanted = max(1, -(-n * w.record_bytes // SHARD_BYTES))
@@ -208,7 +209,7 @@ def run_workload(root: pathlib.Path, name: str, *, workers: int, repeats: int, s
 
 def run(root: pathlib.Path, workload_names: list[str], *, workers: int, repeats: int,
         seconds: float, warmup_s: float, latency_ms: float = DEFAULT_LATENCY_MS,
-        records: dict[str, int] | None = None) -> dict[str, Any]:
+        records: dict[str, int] | None = None, global_batch_size: int = 0) -> dict[str, Any]:
   import sys  # pylint: disable=g-import-not-at-top
   report: dict[str, Any] = {"machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
                             "repeats": repeats, "seconds": seconds, "storage": "s3",
@@ -221,11 +222,13 @@ def run(root: pathlib.Path, workload_names: list[str], *, workers: int, repeats:
       from grain_elevator.tools.bench import bucket_text  # pylint: disable=g-import-not-at-top
       report["workloads"][name] = bucket_text.run_workload(
           root, workers=workers, repeats=repeats, seconds=seconds, warmup_s=warmup_s,
-          latency_ms=latency_ms, documents=(records or {}).get(name) or None)
+          latency_ms=latency_ms, documents=(records or {}).get(name) or None,
+          global_batch_size=global_batch_size)
       continue
     report["workloads"][name] = run_workload(
         root, name, workers=workers, repeats=repeats, seconds=seconds, warmup_s=warmup_s,
-        latency_ms=latency_ms, records=(records or {}).get(name) or None)
+        latency_ms=latency_ms, records=(records or {}).get(name) or None,
+        global_batch_size=global_batch_size)
   report["wall_s"] = time.perf_counter() - began
   return report
 

@@ -23,6 +23,7 @@ from grain_elevator.tools.testing.launcher import LocalServer
 
 COMPONENTS = {"c1": 1, "c2": 2, "c3": 3}
 WEIGHTS = {"c1": 0.5, "c2": 0.3, "c3": 0.2}
+WARMUP_S = 1.0  # before each measured run
 
 
 def write_config(data: pathlib.Path, records: int) -> tuple[str, workloads_lib.Workload]:
@@ -43,7 +44,8 @@ def write_config(data: pathlib.Path, records: int) -> tuple[str, workloads_lib.W
   return str(config), w
 
 
-def run(data: pathlib.Path, rounds: int, seconds: float, records: int) -> dict[str, list[float]]:
+def run(data: pathlib.Path, rounds: int, seconds: float, records: int,
+        warmup_s: float = WARMUP_S) -> dict[str, list[float]]:
   config, w = write_config(data, records)
   workloads_lib.warm_page_cache(workloads_lib.shard_files(data, w))
   rates: dict[str, list[float]] = {n: [] for n in [*COMPONENTS, "mix"]}
@@ -53,7 +55,7 @@ def run(data: pathlib.Path, rounds: int, seconds: float, records: int) -> dict[s
         r = harness.consume({
             "system": "service", "workload": w.name, "target": server.target,
             "dataset": name, "global_batch_size": w.global_batch_size,
-            "seconds": seconds, "warmup_s": 1.0, "client": {}})
+            "seconds": seconds, "warmup_s": warmup_s, "client": {}})
         rates[name].append(r["records_per_s"])
       print(f"round {rnd + 1}/{rounds}: " + ", ".join(
           f"{k} {v[-1]:,.0f}" for k, v in rates.items()), file=sys.stderr, flush=True)
@@ -79,9 +81,10 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--data", default=str(pathlib.Path(tempfile.gettempdir()) / "elevator-bench"))
   p.add_argument("--rounds", type=int, default=3)
   p.add_argument("--seconds", type=float, default=3.0)
+  p.add_argument("--warmup", type=float, default=WARMUP_S, help="warm-up seconds per run")
   p.add_argument("--records", type=int, default=workloads_lib.WORKLOADS["small"].default_records)
   a = p.parse_args(argv)
-  print(table(run(pathlib.Path(a.data), a.rounds, a.seconds, a.records)))
+  print(table(run(pathlib.Path(a.data), a.rounds, a.seconds, a.records, a.warmup)))
   return 0
 
 

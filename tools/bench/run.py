@@ -123,8 +123,10 @@ def _tfdata_note(ran: bool) -> str:
 
 def run(*, data_dir: str | None, workload_names: list[str], workers: list[int],
         repeats: int, seconds: float, warmup_s: float,
-        records: dict[str, int], tfdata: bool = True) -> dict[str, Any]:
-  """Runs every system of every workload `repeats` times, interleaved."""
+        records: dict[str, int], tfdata: bool = True, global_batch_size: int = 0
+        ) -> dict[str, Any]:
+  """Runs every system of every workload `repeats` times, interleaved; at
+  `global_batch_size` instead of each workload's own G where it is not 0."""
   root = pathlib.Path(data_dir or os.path.join(tempfile.gettempdir(), "grain-elevator-bench"))
   report: dict[str, Any] = {"machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
                             "repeats": repeats, "seconds": seconds, "workloads": {}}
@@ -133,9 +135,10 @@ def run(*, data_dir: str | None, workload_names: list[str], workers: list[int],
       from grain_elevator.tools.bench import text  # pylint: disable=g-import-not-at-top
       report["workloads"][name] = text.run_workload(
           root, records.get(name) or text.WORKLOAD.default_records, workers=workers,
-          repeats=repeats, seconds=seconds, warmup_s=warmup_s)
+          repeats=repeats, seconds=seconds, warmup_s=warmup_s,
+          global_batch_size=global_batch_size)
       continue
-    w = workloads_lib.WORKLOADS[name]
+    w = workloads_lib.at_batch_size(workloads_lib.WORKLOADS[name], global_batch_size)
     n = records.get(name) or w.default_records
     if w.kind == "image":  # its own systems and figures: bench/images.py
       from grain_elevator.tools.bench import images  # pylint: disable=g-import-not-at-top

@@ -118,10 +118,12 @@ def _derived(s: harness.System, r: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_workload(root: pathlib.Path, documents: int, *, workers: list[int], repeats: int,
-                 seconds: float, warmup_s: float) -> dict[str, Any]:
-  """Every system `repeats` times, interleaved; the report's workload entry."""
+                 seconds: float, warmup_s: float, global_batch_size: int = 0
+                 ) -> dict[str, Any]:
+  """Every system `repeats` times, interleaved; the report's workload entry.
+  `global_batch_size`: rows a step instead of the workload's G (0: its own)."""
   del workers  # the service runs with `elevator serve`'s default and with one worker
-  w = WORKLOAD
+  w = workloads_lib.at_batch_size(WORKLOAD, global_batch_size)
   harness.log(f"[{w.name}] preparing {documents:,} documents in {root / w.name} ...")
   config, tokenizer = prepare(root, w, documents)
   files = sorted(os.fspath(p) for p in (root / w.name).glob("*.array_record"))

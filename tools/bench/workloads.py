@@ -16,6 +16,7 @@ import functools
 import os
 import pathlib
 import textwrap
+from typing import TypeVar
 
 import numpy as np
 
@@ -59,6 +60,8 @@ class Workload:
     return 16 + self.height * self.width * self.channels * pixel
 
 
+W = TypeVar("W")  # a workload: Workload, or text.py's TextWorkload
+
 IMAGE_JPEG_BYTES = 114_000  # images.synthetic_jpeg's files, on average
 IMAGE_CLASSES = 1000
 
@@ -68,6 +71,13 @@ WORKLOADS = {
     "image": Workload("image", 224, 224, 3, False, 64, defaults.RECORDS["image"],
                       kind="image"),
 }
+
+
+def at_batch_size(w: W, global_batch_size: int) -> W:
+  """`w` with another G (`elevator bench --global-batch-size`, for a smoke
+  run that checks every system without paying for full-size steps); `w`
+  itself when `global_batch_size` is 0."""
+  return dataclasses.replace(w, global_batch_size=global_batch_size) if global_batch_size else w
 
 
 def prepare(root: pathlib.Path, w: Workload, num_records: int, num_shards: int = 8,
