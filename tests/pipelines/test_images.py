@@ -5,7 +5,6 @@ server giving exactly embedded mode's batches."""
 from __future__ import annotations
 
 import pathlib
-import textwrap
 
 import grain
 import numpy as np
@@ -14,7 +13,7 @@ import pytest
 from grain_elevator.client import DataLossError, RemoteDataset
 from grain_elevator.pipelines import examples
 from grain_elevator.pipelines import images
-from grain_elevator.tools.testing.launcher import LocalServer
+import datasets
 from helpers import assert_streams_equal
 
 cv2 = pytest.importorskip("cv2")
@@ -22,29 +21,15 @@ simplejpeg = pytest.importorskip("simplejpeg")
 
 NUM_RECORDS = 40
 CORRUPT_AT = 5  # source index of the broken record in the "corrupt" dataset
-CONFIG = textwrap.dedent("""\
-    [datasets.train]
-    paths = ["img/*.array_record"]
-    pipeline = "grain_elevator.pipelines.images:train_pipeline"
-    seed = 3
-    num_epochs = 2
-    [datasets.train.options]
-    size = 224
-
-    [datasets.eval]
-    paths = ["img/*.array_record"]
-    pipeline = "grain_elevator.pipelines.images:eval_pipeline"
-    shuffle = false
-    [datasets.eval.options]
-    size = 96
-
-    [datasets.corrupt]
-    paths = ["bad/*.array_record"]
-    pipeline = "grain_elevator.pipelines.images:train_pipeline"
-    shuffle = false
-    [datasets.corrupt.options]
-    size = 32
-    """)
+PIPELINES = "grain_elevator.pipelines.images"
+CONFIG = datasets.config_text(
+    train=datasets.dataset("img/*.array_record", pipeline=f"{PIPELINES}:train_pipeline",
+                           seed=3, num_epochs=2, options={"size": 224}),
+    eval=datasets.dataset("img/*.array_record", pipeline=f"{PIPELINES}:eval_pipeline",
+                          shuffle=False, options={"size": 96}),
+    corrupt=datasets.dataset("bad/*.array_record", pipeline=f"{PIPELINES}:train_pipeline",
+                             shuffle=False, options={"size": 32}),
+)
 
 
 def _jpeg(pixels: np.ndarray, **kw) -> bytes:
@@ -261,9 +246,8 @@ def image_config(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def image_server(image_config):
-  with LocalServer(image_config, workers=2) as server:
-    yield server
+def image_server(serve, image_config):
+  return serve(image_config, workers=2)
 
 
 @pytest.mark.parametrize("dataset,g,n,h", [

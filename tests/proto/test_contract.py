@@ -9,6 +9,7 @@ import pytest
 from grain_elevator.proto import contract
 from grain_elevator.proto.errors import EndOfDataError, InvalidRequestError
 from grain_elevator.server.data import config as config_lib
+import datasets
 from helpers import assert_trees_equal, oracle_batch
 
 pytestmark = pytest.mark.grain_contract  # run again on the lowest Grain admitted
@@ -95,15 +96,13 @@ def test_big_records_equal_literal_formula(tmp_path, monkeypatch, reader):
   from grain_elevator.server.data.record_source import BatchedArrayRecordSource
   examples.write_image_shards(str(tmp_path / "shards"), num_records=60, num_shards=3,
                               height=128, width=192, channels=3)  # 73,744 B records
-  (tmp_path / "big.toml").write_text(
-      '[datasets.big]\npaths = ["shards/*.array_record"]\n'
-      'pipeline = "grain_elevator.pipelines.examples:decode_images"\nseed = 2\n'
-      'num_epochs = 2\n[datasets.big.options]\nheight = 128\nwidth = 192\nchannels = 3\n')
-  config = config_lib.load_config(tmp_path / "big.toml").datasets["big"]
+  path = datasets.write_config(tmp_path / "big.toml", big=datasets.images(
+      seed=2, num_epochs=2, image={"height": 128, "width": 192, "channels": 3}))
+  config = config_lib.load_config(path).datasets["big"]
   source = BatchedArrayRecordSource(list(config.files))
   assert source._reads_singly()  # pylint: disable=protected-access
   records = _literal_records(config)
-  backend = EmbeddedBackend(str(tmp_path / "big.toml"))
+  backend = EmbeddedBackend(path)
   for step, (h, n) in ((0, (0, 1)), (3, (1, 2)), (9, (2, 4))):
     rows = [records[i] for i in contract.host_positions(step, 12, h, n)]
     expected = {k: np.stack([np.asarray(r[k]) for r in rows]) for k in rows[0]}

@@ -12,7 +12,7 @@ from grain_elevator.pipelines import MIN_ROW_BYTES, RowStack
 from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.proto import tree, wire
 from grain_elevator.server.data import collate
-from grain_elevator.tools.testing.launcher import LocalServer
+import datasets
 from helpers import assert_streams_equal, proto_batch
 
 BIG = {"height": 96, "width": 96, "channels": 3}  # 27,648 B of pixels a record
@@ -106,25 +106,21 @@ def test_collate_stacks_a_leaf_once_a_row_is_strided():
   assert np.array_equal(leaf, np.stack([r[:, :64] for r in rows]))
 
 
-def _dataset(name: str, *, batch_transform: bool, **extra: object) -> str:
-  """A config section over the big-record shards, 96x96x3 images."""
-  lines = [f"[datasets.{name}]", 'paths = ["big/*.array_record"]',
-           'pipeline = "grain_elevator.pipelines.examples:decode_images"', "seed = 2"]
-  if batch_transform:
-    lines.append('batch_transform = "grain_elevator.pipelines.examples:decode_images_batch"')
-  lines += [f"{k} = {v}" for k, v in extra.items() if k != "normalize"]
-  lines += [f"[datasets.{name}.options]", "height = 96", "width = 96", "channels = 3"]
-  if extra.get("normalize"):
-    lines.append("normalize = true")
-  return "\n".join(lines) + "\n"
+def _dataset(*, batch_transform: bool, normalize: bool = False, **keys: object) -> dict:
+  """A dataset over the big-record shards, 96x96x3 images."""
+  return datasets.images(
+      "big/*.array_record", image=BIG, seed=2,
+      batch_transform=("grain_elevator.pipelines.examples:decode_images_batch"
+                       if batch_transform else None),
+      options={"normalize": True} if normalize else None, **keys)
 
 
-CONFIG = "\n".join([
-    _dataset("per_record", batch_transform=False),  # collate gathers the pixels
-    _dataset("batch", batch_transform=True),  # the batch_transform returns a RowStack
+CONFIG = datasets.config_text(
+    per_record=_dataset(batch_transform=False),  # collate gathers the pixels
+    batch=_dataset(batch_transform=True),  # the batch_transform returns a RowStack
     # normalised row by row into one array; 2 epochs
-    _dataset("batch_float", batch_transform=True, num_epochs=2, normalize=True),
-])
+    batch_float=_dataset(batch_transform=True, num_epochs=2, normalize=True),
+)
 
 
 @pytest.fixture(scope="module")
@@ -136,9 +132,8 @@ def big_config(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def big_server(big_config):
-  with LocalServer(big_config, workers=1) as s:
-    yield s
+def big_server(serve, big_config):
+  return serve(big_config)
 
 
 @pytest.mark.parametrize("transport,compression", [

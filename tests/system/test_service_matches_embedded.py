@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import itertools
+from typing import Iterator
 
 import numpy as np
 import pytest
 
 from grain_elevator.client import RemoteDataset, TransportOptions
+from grain_elevator.server import Server, ServerOptions
+from grain_elevator.server.data.shards.reader import READER_ENV
 from helpers import assert_streams_equal, assert_trees_equal, oracle_batch
 
 # (dataset, G, H, h): seeds 7/3/11/5, shuffle on/off, 1 and 2 epochs, forever.
@@ -20,6 +23,26 @@ CASES = [
     ("seed3", 30, 3, 2),
     ("raw", 32, 2, 0),     # no pipeline: raw bytes
 ]
+
+
+@pytest.fixture(scope="module")
+def server(serve):
+  """The conftest's datasets on two workers, in-process."""
+  return serve(workers=2)
+
+
+@pytest.fixture(scope="module")
+def array_record_server(config_path: str) -> Iterator[Server]:
+  """A server whose workers read shards through ArrayRecord: they take
+  READER_ENV from this process's environment as they start, which has it
+  only then (embedded mode here reads with server/data/shards/reader.py)."""
+  with pytest.MonkeyPatch.context() as env:
+    env.setenv(READER_ENV, "arrayrecord")
+    srv = Server(config_path, ServerOptions(port=0, workers=1)).start()
+  try:
+    yield srv
+  finally:
+    srv.stop()
 
 
 @pytest.mark.parametrize("dataset,g,n,h", CASES)
@@ -63,12 +86,12 @@ def test_in_flight_settings_do_not_change_the_stream(server, config_path, prefet
 
 @pytest.mark.parametrize("dataset,g,n,h", [
     ("aug2", 96, 2, 1), pytest.param("raw", 32, 1, 0, marks=pytest.mark.slow)])
-def test_server_reading_through_array_record_matches_oracle(config_path, dataset, g, n, h):
+def test_server_reading_through_array_record_matches_oracle(array_record_server, config_path,
+                                                           dataset, g, n, h):
   """The same stream whichever reader a server uses: ArrayRecord's here,
   server/data/shards/reader.py in embedded mode (and in the `server` fixture)."""
-  from grain_elevator.tools.testing.launcher import LocalServer
-  with LocalServer(config_path, workers=1, env={"ELEVATOR_SHARD_READER": "arrayrecord"}) as srv:
-    with RemoteDataset(srv.target, dataset, g, shard_index=h, shard_count=n) as remote:
-      with RemoteDataset.embedded(config_path, dataset, g, shard_index=h,
-                                  shard_count=n, prefetch=0) as local:
-        assert assert_streams_equal(remote, local) == (1000 * (2 if dataset == "aug2" else 1)) // g
+  with RemoteDataset(array_record_server.target, dataset, g, shard_index=h,
+                     shard_count=n) as remote:
+    with RemoteDataset.embedded(config_path, dataset, g, shard_index=h,
+                                shard_count=n, prefetch=0) as local:
+      assert assert_streams_equal(remote, local) == (1000 * (2 if dataset == "aug2" else 1)) // g

@@ -10,20 +10,23 @@ middle of the clients' streams, however fast or slow the machine is.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import logging
 import os
 import random
 import signal
 import threading
 import time
+from typing import Iterator
 
 import numpy as np
 import psutil
 import pytest
 
 from grain_elevator.client import RemoteDataset, RetryPolicy
-from grain_elevator.tools.testing.launcher import LocalServer
-from helpers import oracle_batch, worker_pids
+from grain_elevator.server import Server, ServerOptions
+from helpers import oracle_batch
 
 pytestmark = pytest.mark.slow
 
@@ -83,12 +86,40 @@ def _wait_for(condition, what: str) -> None:
     time.sleep(0.05)
 
 
+@contextlib.contextmanager
+def _supervisor_log() -> Iterator[list[str]]:
+  """The messages an in-process Server's supervisor logs while in the block
+  (its thread logs to "grain_elevator.server" in this process): each death
+  and restart. A handler of that logger's own, at INFO, sees them whatever
+  the logger's propagation (logs.setup turns it off)."""
+  messages: list[str] = []
+
+  class _Keep(logging.Handler):
+    def emit(self, record: logging.LogRecord) -> None:
+      messages.append(record.getMessage())
+
+  logger = logging.getLogger("grain_elevator.server")
+  handler, level = _Keep(logging.INFO), logger.level
+  logger.addHandler(handler)
+  logger.setLevel(logging.INFO)
+  try:
+    yield messages
+  finally:
+    logger.removeHandler(handler)
+    logger.setLevel(level)
+
+
+def _count(log: list[str], text: str) -> int:
+  return sum(text in line for line in list(log))
+
+
 def test_four_clients_while_workers_die(config_path, oracle):
   rng = random.Random(7)
   gates = KillGates()
   results: dict[str, list[np.ndarray]] = {}
   errors: list[BaseException] = []
-  with LocalServer(config_path, workers=2) as server:
+  # In-process (it kills its own workers): its supervisor's log is read here.
+  with _supervisor_log() as log, Server(config_path, ServerOptions(port=0, workers=2)) as server:
     def consume(dataset, g, h, n, steps):
       try:
         milestones = sorted(gates.milestones(steps))
@@ -113,9 +144,9 @@ def test_four_clients_while_workers_die(config_path, oracle):
       if not gates.wait_reached(i):
         break
       # The worker killed last is back (not merely spawned) before the next kill.
-      _wait_for(lambda: server.stderr().count("is serving again") == i
-                and len(worker_pids(server)) == 2, f"worker restart {i}")
-      workers = worker_pids(server)
+      _wait_for(lambda: _count(log, "is serving again") == i
+                and len(server.worker_pids()) == 2, f"worker restart {i}")
+      workers = server.worker_pids()
       peak_rss = max(peak_rss, sum(psutil.Process(p).memory_info().rss for p in workers
                                    if psutil.pid_exists(p)))
       os.kill(rng.choice(workers), signal.SIGKILL)
@@ -124,7 +155,7 @@ def test_four_clients_while_workers_die(config_path, oracle):
       t.join(_WAIT_S)
     assert not errors, errors
     assert gates.made == MAX_KILLS
-    _wait_for(lambda: server.stderr().count("restarting it") == MAX_KILLS,
+    _wait_for(lambda: _count(log, "restarting it") == MAX_KILLS,
               "the last restart's log line")
   for dataset, g, h, n, steps in CLIENTS:
     got = results[dataset]

@@ -4,6 +4,7 @@ keeps serving every other step and dataset."""
 from __future__ import annotations
 
 import shutil
+import sys
 
 import grpc
 import numpy as np
@@ -12,7 +13,8 @@ import pytest
 from grain_elevator.client import (ConfigError, DataLossError, ElevatorError, RemoteDataset,
                                    StreamMismatchError, TransportOptions)
 from grain_elevator.pipelines import examples
-from grain_elevator.tools.testing.launcher import LocalServer
+from grain_elevator.server import Server, ServerOptions
+import datasets
 
 RECORD = 16 + 4 * 4 * 3
 
@@ -42,26 +44,19 @@ def bad_server(tmp_path_factory, data_dir):
       "  return decode_images(ds, **kw).map(check)\n"
       "def config_error_on_id_7(ds, **kw):\n"
       "  return fail_on_id_7(ds, error=ConfigError, **kw)\n")
-  opts = "[datasets.{n}.options]\nheight = 4\nwidth = 4\nchannels = 3\n"
-  (root / "elevator.toml").write_text(
-      '[datasets.good]\npaths = ["shards/*.array_record"]\nshuffle = false\n'
-      'pipeline = "grain_elevator.pipelines.examples:decode_images"\n' + opts.format(n="good") +
-      '[datasets.corrupt]\npaths = ["corrupt/*.array_record"]\nshuffle = false\n'
-      'pipeline = "grain_elevator.pipelines.examples:decode_images"\n' + opts.format(n="corrupt") +
-      '[datasets.failing]\npaths = ["shards/*.array_record"]\nshuffle = false\n'
-      'pipeline = "broken:fail_on_id_7"\n' + opts.format(n="failing") +
-      '[datasets.config_error]\npaths = ["shards/*.array_record"]\nshuffle = false\n'
-      'pipeline = "broken:config_error_on_id_7"\n' + opts.format(n="config_error"))
-  import os
-  import sys
-  env_path = os.environ.get("PYTHONPATH", "")
-  os.environ["PYTHONPATH"] = f"{root}:{env_path}"  # the server's processes
-  sys.path.insert(0, str(root))  # embedded mode, in this one
+  config = datasets.write_config(
+      root / "elevator.toml",
+      good=datasets.images(shuffle=False),
+      corrupt=datasets.images("corrupt/*.array_record", shuffle=False),
+      failing=datasets.images(pipeline="broken:fail_on_id_7", shuffle=False),
+      config_error=datasets.images(pipeline="broken:config_error_on_id_7", shuffle=False))
+  # `broken` for embedded mode here, and for the in-process server's worker,
+  # which takes this process's sys.path.
+  sys.path.insert(0, str(root))
   try:
-    with LocalServer(str(root / "elevator.toml"), workers=1) as server:
+    with Server(config, ServerOptions(port=0, workers=1)) as server:
       yield server
   finally:
-    os.environ["PYTHONPATH"] = env_path
     sys.path.remove(str(root))
 
 
@@ -106,7 +101,7 @@ def test_an_error_arrives_as_the_class_the_server_raised(bad_server, kind):
   """ConfigError and StreamMismatchError share FAILED_PRECONDITION; the type
   travels with the status, so the trainer sees the server's own class."""
   if kind == "embedded":
-    ds = RemoteDataset(f"local:{bad_server.config}", "config_error", 4, prefetch=0)
+    ds = RemoteDataset(f"local:{bad_server.config_path}", "config_error", 4, prefetch=0)
   else:
     ds = RemoteDataset(bad_server.target, "config_error", 4, prefetch=0,
                        transport=TransportOptions(kind=kind))

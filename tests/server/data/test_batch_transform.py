@@ -10,7 +10,16 @@ from grain_elevator.pipelines import examples
 from grain_elevator.proto.errors import ConfigError
 from grain_elevator.server.data import registry
 from grain_elevator.server.data.config import load_config
+import datasets
 from helpers import assert_streams_equal
+
+EXAMPLES = "grain_elevator.pipelines.examples"
+
+
+@pytest.fixture(scope="module")
+def server(serve):
+  """The conftest's datasets (seed3, seed3fast) on two workers, in-process."""
+  return serve(workers=2)
 
 
 @pytest.mark.parametrize("g,n,h", [(64, 1, 0), (30, 3, 2)])
@@ -28,12 +37,8 @@ def test_batch_transform_equals_per_record_pipeline(server, g, n, h):
     ("decode_images", "encode_record", "fails on positions 0..63: TypeError"),
 ])
 def test_batch_transform_that_differs_is_refused(data_dir, pipeline, transform, message):
-  path = data_dir / "bad_batch.toml"
-  path.write_text(
-      "[datasets.d]\npaths = [\"shards/*.array_record\"]\n"
-      f"pipeline = \"grain_elevator.pipelines.examples:{pipeline}\"\n"
-      f"batch_transform = \"grain_elevator.pipelines.examples:{transform}\"\n"
-      "[datasets.d.options]\nheight = 4\nwidth = 4\nchannels = 3\n")
+  path = datasets.write_config(data_dir / "bad_batch.toml", d=datasets.images(
+      pipeline=f"{EXAMPLES}:{pipeline}", batch_transform=f"{EXAMPLES}:{transform}"))
   with pytest.raises(ConfigError, match="dataset 'd'") as info:
     registry.Datasets(load_config(path))
   assert message in str(info.value)
@@ -47,12 +52,8 @@ def test_batch_transform_with_other_values_is_refused(data_dir, tmp_path, monkey
       "  out['label'] = out['label'] + 1\n"
       "  return out\n")
   monkeypatch.syspath_prepend(str(tmp_path))
-  path = data_dir / "off_by_one.toml"
-  path.write_text(
-      "[datasets.d]\npaths = [\"shards/*.array_record\"]\n"
-      "pipeline = \"grain_elevator.pipelines.examples:decode_images\"\n"
-      "batch_transform = \"off_by_one:decode\"\n"
-      "[datasets.d.options]\nheight = 4\nwidth = 4\nchannels = 3\n")
+  path = datasets.write_config(data_dir / "off_by_one.toml",
+                               d=datasets.images(batch_transform="off_by_one:decode"))
   with pytest.raises(ConfigError, match=r"does not reproduce pipeline .*: leaf 'label' differs"):
     registry.Datasets(load_config(path))
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import subprocess
-import textwrap
+from typing import Any
 
 import numpy as np
 import pytest
@@ -12,48 +12,49 @@ from grain_elevator.proto.errors import ConfigError
 from grain_elevator.server.data import registry
 from grain_elevator.server.data.config import load_config
 from grain_elevator.tools.testing.launcher import ELEVATOR
+import datasets
 
-GOOD = """\
-[datasets.d]
-paths = ["shards/*.array_record"]
-pipeline = "grain_elevator.pipelines.examples:decode_images"
-{extra}
-[datasets.d.options]
-height = 4
-width = 4
-channels = 3
-"""
+GOOD = datasets.images()  # the conftest's shards, decoded
 
 
-def _write(data_dir, text: str, name: str = "bad.toml") -> str:
+def _without_paths(**keys: Any) -> dict[str, Any]:
+  """GOOD with its paths under another key."""
+  return {k: v for k, v in GOOD.items() if k != "paths"} | keys
+
+
+def _write(data_dir, config: dict[str, Any] | str, name: str = "bad.toml") -> str:
+  """A config of one dataset, "d", or a file's text as it is (for what
+  the datasets' tables cannot say: another top level, not TOML at all)."""
+  if isinstance(config, dict):
+    return datasets.write_config(data_dir / name, d=config)
   path = data_dir / name
-  path.write_text(textwrap.dedent(text).replace("{extra}", ""))
+  path.write_text(config)
   return str(path)
 
 
-@pytest.mark.parametrize("text,message", [
-    (GOOD.replace("paths", "pathz"), "dataset 'd': unknown key(s) 'pathz'"),
-    (GOOD.replace("{extra}", 'colour = 3'), "dataset 'd': unknown key(s) 'colour'"),
-    (GOOD.replace("shards/*", "missing/*"),
+@pytest.mark.parametrize("config,message", [
+    (_without_paths(pathz=GOOD["paths"]), "dataset 'd': unknown key(s) 'pathz'"),
+    ({**GOOD, "colour": 3}, "dataset 'd': unknown key(s) 'colour'"),
+    (datasets.images("missing/*.array_record"),
      "dataset 'd': key 'paths': 'missing/*.array_record' matches no files"),
-    (GOOD.replace("examples:decode_images", "nosuchmodule:f"),
+    (datasets.images(pipeline="grain_elevator.pipelines.nosuchmodule:f"),
      "dataset 'd': key 'pipeline': cannot import module 'grain_elevator.pipelines.nosuchmodule'"),
-    (GOOD.replace("examples:decode_images", "examples:nope"),
+    (datasets.images(pipeline="grain_elevator.pipelines.examples:nope"),
      "dataset 'd': key 'pipeline': module 'grain_elevator.pipelines.examples' has no attribute 'nope'"),
-    (GOOD.replace('"grain_elevator.pipelines.examples:decode_images"', '"no_colon"'),
+    (datasets.images(pipeline="no_colon"),
      "key 'pipeline' must look like 'package.module:function'"),
-    (GOOD.replace("{extra}", 'seed = -1'), "dataset 'd': key 'seed' must be in [0, 2**32)"),
-    (GOOD.replace("{extra}", 'seed = "x"'), "dataset 'd': key 'seed' must be an integer"),
-    (GOOD.replace("{extra}", 'shuffle = 1'), "dataset 'd': key 'shuffle' must be true or false"),
-    (GOOD.replace("{extra}", 'num_epochs = -2'), "dataset 'd': key 'num_epochs' must be >= 0"),
-    (GOOD.replace("{extra}", 'num_epochs = true'), "dataset 'd': key 'num_epochs' must be an integer"),
+    ({**GOOD, "seed": -1}, "dataset 'd': key 'seed' must be in [0, 2**32)"),
+    ({**GOOD, "seed": "x"}, "dataset 'd': key 'seed' must be an integer"),
+    ({**GOOD, "shuffle": 1}, "dataset 'd': key 'shuffle' must be true or false"),
+    ({**GOOD, "num_epochs": -2}, "dataset 'd': key 'num_epochs' must be >= 0"),
+    ({**GOOD, "num_epochs": True}, "dataset 'd': key 'num_epochs' must be an integer"),
     ("[datasets]\n", "defines no [datasets.NAME] table"),
     ("[dataset.x]\npaths=[]\n", "unknown top-level key(s) 'dataset'"),
     ("this is not toml", "is not valid TOML"),
 ])
-def test_bad_config_names_the_problem(data_dir, text, message):
+def test_bad_config_names_the_problem(data_dir, config, message):
   with pytest.raises(ConfigError) as info:
-    load_config(_write(data_dir, text))
+    load_config(_write(data_dir, config))
   assert message in str(info.value)
 
 
@@ -63,16 +64,15 @@ def test_bad_config_names_the_problem(data_dir, text, message):
     ("builtins:list", "returned list, expected a grain.MapDataset"),
 ])
 def test_pipeline_that_cannot_serve_is_refused(data_dir, pipeline, message):
-  text = f'[datasets.d]\npaths = ["shards/*.array_record"]\npipeline = "{pipeline}"\n'
   with pytest.raises(ConfigError, match="dataset 'd'") as info:
-    registry.Datasets(load_config(_write(data_dir, text)))
+    registry.Datasets(load_config(_write(data_dir, datasets.dataset(pipeline=pipeline))))
   assert message in str(info.value)
 
 
 def test_unknown_pipeline_option_is_named(data_dir):
-  text = GOOD.replace("channels = 3", "channels = 3\ncolour = 1")
+  config = datasets.images(options={"colour": 1})
   with pytest.raises(ConfigError, match=r"dataset 'd': pipeline .* failed: TypeError: .*colour"):
-    registry.Datasets(load_config(_write(data_dir, text)))
+    registry.Datasets(load_config(_write(data_dir, config)))
 
 
 def test_a_pipeline_that_changes_the_record_count_is_a_stream(data_dir, tmp_path,
@@ -82,9 +82,8 @@ def test_a_pipeline_that_changes_the_record_count_is_a_stream(data_dir, tmp_path
   (tmp_path / "halving_pipeline.py").write_text(
       "def drop_half(ds):\n  return ds[::2]\n")
   monkeypatch.syspath_prepend(str(tmp_path))
-  text = '[datasets.d]\npaths = ["shards/*.array_record"]\npipeline = "halving_pipeline:drop_half"\n'
-  datasets = registry.Datasets(load_config(_write(data_dir, text)))
-  ds = datasets.get("d")
+  config = datasets.dataset(pipeline="halving_pipeline:drop_half")
+  ds = registry.Datasets(load_config(_write(data_dir, config))).get("d")
   assert ds.info.stream and ds.info.num_records == 1000
   batches = [leaves for leaves, _ in ds.batches(100, "")]
   assert len(batches) == 5  # 500 records left: 5 whole batches of 100
@@ -93,7 +92,7 @@ def test_a_pipeline_that_changes_the_record_count_is_a_stream(data_dir, tmp_path
 
 
 def test_serve_exits_with_the_message(data_dir):
-  path = _write(data_dir, GOOD.replace("paths", "pathz"), "bad_serve.toml")
+  path = _write(data_dir, _without_paths(pathz=GOOD["paths"]), "bad_serve.toml")
   result = subprocess.run([*ELEVATOR, "serve", "--config", path, "--port", "0"],
                           capture_output=True, text=True, timeout=120)
   assert result.returncode == 2

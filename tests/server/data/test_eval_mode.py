@@ -15,6 +15,7 @@ import pytest
 
 from grain_elevator.client import ConfigError, RemoteDataset
 from grain_elevator.pipelines import examples
+import datasets
 from helpers import assert_streams_equal
 
 G, N = 96, 1000  # 1,000 = 10 * 96 + 40: 11 steps, the last with 40 real rows
@@ -29,6 +30,12 @@ def grain_records(data_dir) -> dict[str, np.ndarray]:
   ds = ds.map(functools.partial(examples.decode_record, **IMAGE))
   rows = [ds[i] for i in range(len(ds))]
   return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
+
+
+@pytest.fixture(scope="module")
+def server(serve):
+  """The conftest's datasets ("eval") on two workers, in-process."""
+  return serve(workers=2)
 
 
 @pytest.mark.parametrize("n", [1, 2, 4])
@@ -72,16 +79,14 @@ def test_resuming_at_the_last_step_gives_the_padded_batch_then_stops(server, gra
   np.testing.assert_array_equal(last["id"][:40], grain_records["id"][10 * G:])
 
 
-@pytest.mark.parametrize("table, message", [
-    ('pipeline = "grain_elevator.pipelines.examples:decode_images"\nnum_epochs = 0\n'
-     '[datasets.bad.options]\nheight = 4\nwidth = 4\nchannels = 3\n',
+@pytest.mark.parametrize("keys, message", [
+    ({"pipeline": datasets.DECODE, "num_epochs": 0, "options": datasets.IMAGE},
      "drop_remainder = false (evaluation mode) needs a finite num_epochs"),
-    ("", "needs records that are dicts without a '_mask' key"),  # raw bytes records
+    ({}, "needs records that are dicts without a '_mask' key"),  # raw bytes records
 ])
-def test_evaluation_mode_refuses_what_it_cannot_pad(data_dir, tmp_path, table, message):
-  config = tmp_path / "elevator.toml"
-  config.write_text(f'[datasets.bad]\npaths = ["{data_dir}/shards/*.array_record"]\n'
-                    f"drop_remainder = false\n{table}")
+def test_evaluation_mode_refuses_what_it_cannot_pad(data_dir, tmp_path, keys, message):
+  config = datasets.write_config(tmp_path / "elevator.toml", bad=datasets.dataset(
+      data_dir / datasets.SHARDS, drop_remainder=False, **keys))
   with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
-    with RemoteDataset.embedded(str(config), "bad", G) as ds:
+    with RemoteDataset.embedded(config, "bad", G) as ds:
       next(iter(ds))

@@ -17,37 +17,19 @@ from grain_elevator.proto import contract
 from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.proto import elevator_pb2_grpc as pb_grpc
 from grain_elevator.tools.testing.launcher import LocalServer
+import datasets
 from helpers import assert_trees_equal, oracle_batch
 
 pytestmark = pytest.mark.grain_contract  # run again on the lowest Grain admitted
 
 G, BIG = 32, 10**12
-COMPONENT = """
-[datasets.{name}]
-paths = ["{shards}/{glob}"]
-pipeline = "grain_elevator.pipelines.examples:decode_images"
-seed = {seed}
-num_epochs = 0
-[datasets.{name}.options]
-height = 4
-width = 4
-channels = 3
-"""
-MIXES = """
-[datasets.static]
-mixture = { a = 0.7, b = 0.3 }
-
-[datasets.scheduled]
-[[datasets.scheduled.schedule]]
-step = 0
-weights = { a = 0.7, b = 0.3 }
-[[datasets.scheduled.schedule]]
-step = 2
-weights = { a = 0.2, b = 0.8 }
-[[datasets.scheduled.schedule]]
-step = 4
-weights = { a = 1, b = 0, c = 2 }
-"""
+# The two mixtures of mix_config: fixed weights, and weights that change at
+# steps 2 and 4 (the last adds c and drops b).
+MIXES = {
+    "static": datasets.mixture(a=0.7, b=0.3),
+    "scheduled": datasets.scheduled({0: {"a": 0.7, "b": 0.3}, 2: {"a": 0.2, "b": 0.8},
+                                     4: {"a": 1, "b": 0, "c": 2}}),
+}
 SCHEDULES = {
     "static": [(0, {"a": 0.7, "b": 0.3})],
     "scheduled": [(0, {"a": 0.7, "b": 0.3}), (2, {"a": 0.2, "b": 0.8}),
@@ -55,16 +37,16 @@ SCHEDULES = {
 }
 
 
-def _components(shards: str) -> str:
-  return "".join(COMPONENT.format(name=n, shards=shards, glob=g, seed=s) for n, g, s in (
-      ("a", "*.array_record", 1), ("b", "train-0000[0-1]*", 2), ("c", "*.array_record", 3)))
+def _components(shards: str) -> dict[str, dict]:
+  """The mixtures' components a, b, c: the conftest's images, repeating forever."""
+  return {n: datasets.images(f"{shards}/{g}", seed=s, num_epochs=0) for n, g, s in (
+      ("a", "*.array_record", 1), ("b", "train-0000[0-1]*", 2), ("c", "*.array_record", 3))}
 
 
 @pytest.fixture(scope="module")
 def mix_config(data_dir, tmp_path_factory) -> str:
-  path = tmp_path_factory.mktemp("mix") / "elevator.toml"
-  path.write_text(_components(f"{data_dir}/shards") + MIXES)
-  return str(path)
+  return datasets.write_config(tmp_path_factory.mktemp("mix") / "elevator.toml",
+                               **_components(f"{data_dir}/shards"), **MIXES)
 
 
 @pytest.fixture(scope="module")
@@ -128,47 +110,43 @@ def test_resuming_a_scheduled_mixture_mid_segment(mix_server, mix_config):
 
 
 @pytest.mark.parametrize("mix, message", [
-    ("mixture = { a = 0.5, nope = 0.5 }", "unknown component 'nope'"),
-    ("mixture = { a = -1, b = 2 }", "weight of 'a' must be a finite number >= 0"),
-    ("mixture = { a = 0, b = 0 }", "the weights are all zero"),
-    ("mixture = { a = 1 }\nseed = 3", "a mixture has 'mixture' or 'schedule', not both"),
-    ("schedule = [{ step = 0, weights = { a = 1 } }, { step = 0, weights = { b = 1 } }]",
+    (datasets.mixture(a=0.5, nope=0.5), "unknown component 'nope'"),
+    (datasets.mixture(a=-1, b=2), "weight of 'a' must be a finite number >= 0"),
+    (datasets.mixture(a=0, b=0), "the weights are all zero"),
+    ({**datasets.mixture(a=1), "seed": 3}, "a mixture has 'mixture' or 'schedule', not both"),
+    ({"schedule": [{"step": 0, "weights": {"a": 1}}, {"step": 0, "weights": {"b": 1}}]},
      "schedule steps must increase: entry 1 has step 0 after 0"),
-    ("schedule = [{ step = 5, weights = { a = 1 } }]", "the schedule must start at step 0"),
-    ("mixture = { a = 1, raw = 1 }", "components 'a' and 'raw' have different element structure"),
+    (datasets.scheduled({5: {"a": 1}}), "the schedule must start at step 0"),
+    (datasets.mixture(a=1, raw=1), "components 'a' and 'raw' have different element structure"),
 ])
 def test_bad_mixtures_are_refused_at_start(data_dir, tmp_path, mix, message):
-  config = tmp_path / "elevator.toml"
-  config.write_text(_components(f"{data_dir}/shards")
-                    + f'\n[datasets.raw]\npaths = ["{data_dir}/shards/*.array_record"]\n'
-                    + f"\n[datasets.bad]\n{mix}\n")
+  config = datasets.write_config(tmp_path / "elevator.toml", **_components(f"{data_dir}/shards"),
+                                 raw=datasets.raw(f"{data_dir}/shards/*.array_record"), bad=mix)
   with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
-    with RemoteDataset.embedded(str(config), "bad", G) as ds:
+    with RemoteDataset.embedded(config, "bad", G) as ds:
       next(iter(ds))
 
 
-def _config(tmp_path, data_dir, name: str, entries: list[tuple[int, str]]) -> str:
-  path = tmp_path / f"{name}.toml"
-  schedule = "".join(f"[[datasets.m.schedule]]\nstep = {s}\nweights = {{ {w} }}\n"
-                     for s, w in entries)
-  path.write_text(_components(f"{data_dir}/shards") + "\n[datasets.m]\n" + schedule)
-  return str(path)
+def _config(tmp_path, data_dir, name: str, schedule: dict[int, dict[str, float]]) -> str:
+  return datasets.write_config(tmp_path / f"{name}.toml", **_components(f"{data_dir}/shards"),
+                               m=datasets.scheduled(schedule))
 
 
-def test_an_entry_added_after_a_checkpoint_keeps_it_valid(data_dir, tmp_path):
+def test_an_entry_added_after_a_checkpoint_keeps_it_valid(serve, data_dir, tmp_path):
   """Saved at step 3 under [0: a .7 b .3]; the operator adds an entry at step
   5 and restarts: the checkpoint resumes, steps 3-4 are what the old schedule
   gave, 5 on follow the new one. An entry at step 2 (already consumed) is refused."""
-  old = _config(tmp_path, data_dir, "old", [(0, "a = 0.7, b = 0.3")])
-  new = _config(tmp_path, data_dir, "new", [(0, "a = 0.7, b = 0.3"), (5, "b = 1")])
-  rewritten = _config(tmp_path, data_dir, "bad", [(0, "a = 0.7, b = 0.3"), (2, "b = 1")])
+  old = _config(tmp_path, data_dir, "old", {0: {"a": 0.7, "b": 0.3}})
+  new = _config(tmp_path, data_dir, "new", {0: {"a": 0.7, "b": 0.3}, 5: {"b": 1}})
+  rewritten = _config(tmp_path, data_dir, "bad", {0: {"a": 0.7, "b": 0.3}, 2: {"b": 1}})
   with RemoteDataset.embedded(old, "m", G) as ds:
     it = iter(ds)
     for _ in range(3):
       next(it)
     saved = it.get_state()
     old_steps = [next(it) for _ in range(3)]  # steps 3, 4, 5 under the old schedule
-  with LocalServer(new, workers=1) as server, RemoteDataset(server.target, "m", G) as ds:
+  # A server started on the new config (in-process; embedded in the lowest-Grain pass).
+  with RemoteDataset(serve(new).target, "m", G) as ds:
     it = iter(ds)
     it.set_state(saved)
     got = [next(it) for _ in range(3)]
@@ -203,23 +181,10 @@ def test_the_period_table_matches_grains_function_record_by_record(monkeypatch):
 # arithmetic can overflow (it was INTERNAL, an OverflowError).
 
 LATE, FAR = 10**9, 2**62
-LATE_MIXES = f"""
-[datasets.late]
-[[datasets.late.schedule]]
-step = 0
-weights = {{ a = 1 }}
-[[datasets.late.schedule]]
-step = {LATE}
-weights = {{ b = 1 }}
-
-[datasets.far]
-[[datasets.far.schedule]]
-step = 0
-weights = {{ a = 0.5, b = 0.5 }}
-[[datasets.far.schedule]]
-step = {FAR}
-weights = {{ c = 1 }}
-"""
+LATE_MIXES = {
+    "late": datasets.scheduled({0: {"a": 1}, LATE: {"b": 1}}),
+    "far": datasets.scheduled({0: {"a": 0.5, "b": 0.5}, FAR: {"c": 1}}),
+}
 # (dataset, G, H, what the refusal says): G/H rows stay under the message size
 # limit, so the mixture's own check answers; G = 2**62 is refused by that
 # limit first, as for any dataset.
@@ -236,9 +201,8 @@ TOO_BIG = [
 
 @pytest.fixture(scope="module")
 def late_config(data_dir, tmp_path_factory) -> str:
-  path = tmp_path_factory.mktemp("late") / "elevator.toml"
-  path.write_text(_components(f"{data_dir}/shards") + LATE_MIXES)
-  return str(path)
+  return datasets.write_config(tmp_path_factory.mktemp("late") / "elevator.toml",
+                               **_components(f"{data_dir}/shards"), **LATE_MIXES)
 
 
 def test_a_batch_size_that_overflows_the_schedule_is_invalid_not_internal(late_config):

@@ -1,13 +1,15 @@
 """A stream's head computed by every worker survives its peers: connections
 that never finish their handshake, a worker killed mid-dial, a worker that
-hangs (SIGSTOP). Real `elevator serve` processes on 127.0.0.1, the stream
-dataset "few" (tests/conftest.py); every stream is compared with embedded
-mode, and elevator_head_tasks_total{owner,worker} says which worker computed
-the tasks of the stream's owner."""
+hangs (SIGSTOP). Servers on 127.0.0.1 (`elevator serve` processes where a
+test reads what the workers log, else in-process), the stream dataset "few"
+(tests/conftest.py); every stream is compared with embedded mode, and
+elevator_head_tasks_total{owner,worker} says which worker computed the tasks
+of the stream's owner."""
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import pathlib
 import signal
@@ -21,6 +23,7 @@ import psutil
 import pytest
 
 from grain_elevator.client import RemoteDataset, RetryPolicy, TransportOptions
+from grain_elevator.server import Server, ServerOptions
 from grain_elevator.server.data.streams import parallel_head
 from grain_elevator.server.process import head_sockets
 from grain_elevator.tools import top
@@ -39,43 +42,100 @@ def want(few_config: str) -> list:
     return [next(it) for _ in range(STEPS)]
 
 
+AnyServer = LocalServer | Server
+
+
 @contextlib.contextmanager
 def _server(config: str, tmp: pathlib.Path, workers: int) -> Iterator[LocalServer]:
-  """A server whose head sockets are under `tmp` (its TMPDIR), with metrics."""
+  """A server whose head sockets are under `tmp` (its TMPDIR), with metrics:
+  `elevator serve`, for the tests that read its workers' log."""
   server = LocalServer(config, workers=workers, env={"TMPDIR": str(tmp)},
                        extra_args=["--metrics-port", "0"])
   try:
     yield server
   finally:
-    for pid in worker_pids(server):  # none may stay stopped
-      with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGCONT)
+    _continue(server)
     server.stop()
 
 
-def _dataset(server: LocalServer) -> RemoteDataset:
+@contextlib.contextmanager
+def _in_process_server(config: str, workers: int) -> Iterator[Server]:
+  """The same in this process (a test that kills workers starts its own)."""
+  server = Server(config, ServerOptions(port=0, workers=workers, metrics_port=0)).start()
+  try:
+    yield server
+  finally:
+    _continue(server)
+    server.stop()
+
+
+def _pids(server: AnyServer) -> list[int]:
+  return server.worker_pids() if isinstance(server, Server) else worker_pids(server)
+
+
+def _continue(server: AnyServer) -> None:
+  """None of the workers may stay stopped."""
+  for pid in _pids(server):
+    with contextlib.suppress(ProcessLookupError):
+      os.kill(pid, signal.SIGCONT)
+
+
+@contextlib.contextmanager
+def _supervisor_log() -> Iterator[list[str]]:
+  """The messages an in-process Server's supervisor logs while in the block
+  (its thread logs to "grain_elevator.server" in this process): which worker
+  serves again. A handler of that logger's own, at INFO, sees them whatever
+  the logger's propagation (logs.setup turns it off)."""
+  messages: list[str] = []
+
+  class _Keep(logging.Handler):
+    def emit(self, record: logging.LogRecord) -> None:
+      messages.append(record.getMessage())
+
+  logger = logging.getLogger("grain_elevator.server")
+  handler, level = _Keep(logging.INFO), logger.level
+  logger.addHandler(handler)
+  logger.setLevel(logging.INFO)
+  try:
+    yield messages
+  finally:
+    logger.removeHandler(handler)
+    logger.setLevel(level)
+
+
+def _dataset(server: AnyServer) -> RemoteDataset:
   return RemoteDataset(server.target, "few", G, prefetch=PER_REQUEST,
                        retry=RetryPolicy(timeout_s=120),
                        transport=TransportOptions(steps_per_request=PER_REQUEST))
 
 
-def _sockets(tmp: pathlib.Path) -> dict[int, str]:
-  """Worker index -> its head socket (HeadPeers: one per index)."""
-  (directory,) = tmp.glob("elevator-head-*")
-  return {int(p.stem): str(p) for p in directory.glob("*.sock")}
+def _sockets(server: AnyServer) -> dict[int, str]:
+  """Worker index -> its head socket (HeadPeers: one per index, named
+  INDEX.sock in a folder of the server's own), as its workers listen."""
+  out: dict[int, str] = {}
+  for pid in _pids(server):
+    with contextlib.suppress(psutil.NoSuchProcess):
+      for c in psutil.Process(pid).net_connections("unix"):
+        path = pathlib.Path(c.laddr) if c.laddr else None
+        if path and path.parent.name.startswith("elevator-head-") and path.suffix == ".sock":
+          out[int(path.stem)] = str(path)
+  assert len({os.path.dirname(p) for p in out.values()}) <= 1, out
+  return out
 
 
-def _pid_of(server: LocalServer, address: str) -> int:
+def _pid_of(server: AnyServer, address: str) -> int:
   """The worker listening at `address` (the name its sockets bear)."""
-  for pid in worker_pids(server):
+  for pid in _pids(server):
     with contextlib.suppress(psutil.NoSuchProcess):
       if any(c.laddr == address for c in psutil.Process(pid).net_connections("unix")):
         return pid
   raise AssertionError(f"no worker listens at {address}")
 
 
-def _metrics(server: LocalServer) -> str:
+def _metrics(server: AnyServer) -> str:
   """HOST:PORT of the supervisor's /metrics (the one port it listens on)."""
+  if isinstance(server, Server):
+    return f"127.0.0.1:{server.metrics_port}"
   ports = {c.laddr.port for c in psutil.Process(server.proc.pid).net_connections("tcp")
            if c.status == psutil.CONN_LISTEN} - {server.port, server.bulk_port,
                                                     server.health_port}
@@ -83,7 +143,7 @@ def _metrics(server: LocalServer) -> str:
   return f"127.0.0.1:{port}"
 
 
-def _tasks(server: LocalServer) -> dict[tuple[int, int], float]:
+def _tasks(server: AnyServer) -> dict[tuple[int, int], float]:
   """(owner, worker) -> tasks of owner's streams that worker computed."""
   out = {}
   for (name, labels), value in top.scrape(_metrics(server), timeout_s=10).items():
@@ -93,7 +153,7 @@ def _tasks(server: LocalServer) -> dict[tuple[int, int], float]:
   return out
 
 
-def _owner(server: LocalServer) -> int:
+def _owner(server: AnyServer) -> int:
   (owner,) = {o for o, _ in _tasks(server)}
   return owner
 
@@ -165,7 +225,7 @@ def test_connections_that_never_finish_their_handshake_leave_every_worker_in_the
   mid-dial), one sending a length over the handshake's, and one answering
   the challenge wrongly."""
   with _server(few_config, tmp_path, workers=3) as server:
-    sockets = _sockets(tmp_path)
+    sockets = _sockets(server)
     assert sorted(sockets) == [0, 1, 2]
     silent = [_connect(address) for address in sockets.values()
               for _ in range(head_sockets.MAX_HEAD_HANDSHAKES + 4)]
@@ -197,20 +257,19 @@ def _handshake_lines(server: LocalServer, worker: int) -> list[str]:
           if f"elevator[worker {worker}]" in line and "did not complete its handshake" in line]
 
 
-def _serving_again(server: LocalServer, worker: int) -> bool:
+def _serving_again(log: list[str], worker: int) -> bool:
   """Whether the supervisor said that worker `worker` serves again."""
-  return any(f"worker {worker} (pid" in line and "is serving again" in line
-             for line in server.stderr().splitlines())
+  return any(f"worker {worker} (pid" in line and "is serving again" in line for line in log)
 
 
 @pytest.mark.slow  # kills workers and waits for their restart
-def test_a_worker_killed_mid_dial_is_dialled_again_once_restarted(few_config, want, tmp_path):
+def test_a_worker_killed_mid_dial_is_dialled_again_once_restarted(few_config, want):
   """The stream's owner dials its peer while the peer is stopped, and is
   SIGKILLed mid-dial, its connection still queued at the peer, which
   accepts it when continued. Then the peer (restarted before) and the owner
   (restarted after) compute the stream's head together again."""
-  with _server(few_config, tmp_path, workers=2) as server:
-    sockets = _sockets(tmp_path)
+  with _supervisor_log() as log, _in_process_server(few_config, workers=2) as server:
+    sockets = _sockets(server)
     with _dataset(server) as ds:
       it = iter(ds)
       got = _read(it, PER_REQUEST, 60)[0]
@@ -221,14 +280,14 @@ def test_a_worker_killed_mid_dial_is_dialled_again_once_restarted(few_config, wa
       # Restarted, the peer has no connection from the owner, which dials
       # it at its next task: while it is stopped.
       os.kill(_pid_of(server, sockets[peer]), signal.SIGKILL)
-      _wait_for(lambda: _serving_again(server, peer), f"worker {peer} to restart", 120)
+      _wait_for(lambda: _serving_again(log, peer), f"worker {peer} to restart", 120)
       stopped = _pid_of(server, sockets[peer])
       os.kill(stopped, signal.SIGSTOP)
       got += _read(it, 2 * PER_REQUEST, 60)[0]
     assert assert_streams_equal(got, want[:len(got)]) == len(got)
     os.kill(_pid_of(server, sockets[owner]), signal.SIGKILL)  # mid-dial
     os.kill(stopped, signal.SIGCONT)
-    _wait_for(lambda: _serving_again(server, owner), f"worker {owner} to restart", 120)
+    _wait_for(lambda: _serving_again(log, owner), f"worker {owner} to restart", 120)
     before = _tasks(server).get((owner, peer), 0)
     with _dataset(server) as ds:
       it = iter(ds)
@@ -248,7 +307,7 @@ def test_a_stopped_worker_is_skipped_within_seconds_and_used_again_once_continue
   the TASKS_AHEAD_PER_WORKER x 3 dealt before the stop."""
   assert parallel_head.PEER_SILENT_S < 15 / 2
   with _server(few_config, tmp_path, workers=3) as server:
-    sockets = _sockets(tmp_path)
+    sockets = _sockets(server)
     with _dataset(server) as ds:
       it = iter(ds)
       got = _read(it, PER_REQUEST, 60)[0]

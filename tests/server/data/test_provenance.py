@@ -25,45 +25,26 @@ from grain_elevator.proto.limits import MAX_EXPLAIN_ROWS
 from grain_elevator.server.data import config as config_lib
 from grain_elevator.server.data import provenance
 from grain_elevator.server.data.registry import Datasets
+import datasets as configs
 
 IMAGE = {"height": 4, "width": 4, "channels": 3}  # the conftest's shards
 
-CONFIG = textwrap.dedent("""\
-    [datasets.a]
-    paths = ["{shards}/train-00000*.array_record"]
-    pipeline = "grain_elevator.pipelines.examples:decode_images"
-    seed = 72
-    [datasets.a.options]
-    height = 4
-    width = 4
-    channels = 3
-    [datasets.b]
-    paths = ["{shards}/train-00002*.array_record"]
-    pipeline = "grain_elevator.pipelines.examples:decode_images"
-    seed = 73
-    [datasets.b.options]
-    height = 4
-    width = 4
-    channels = 3
-    [datasets.mix]           # a mixture whose weights change at step 2
-    [[datasets.mix.schedule]]
-    step = 0
-    weights = {{ a = 0.5, b = 0.5 }}
-    [[datasets.mix.schedule]]
-    step = 2
-    weights = {{ a = 0.2, b = 0.8 }}
 
-    [datasets.tok]           # each image's first 1 + label pixels as tokens, packed
-    paths = ["{shards}/*.array_record"]
-    pipeline = "provenance_tokens:tokens"
-    iter_pipeline = "grain_elevator.pipelines.text:chunk_and_pack"
-    batch_fn = "grain.experimental:batch_and_pad"
-    seed = 9
-    num_epochs = 0
-    [datasets.tok.iter_options]
-    length = 16
-    num_packing_bins = 4
-    """)
+def _config(path: pathlib.Path, shards: pathlib.Path) -> str:
+  """This module's datasets over the conftest's shards (`datasets` here is
+  the fixture of opened datasets, so the builder is `configs`)."""
+  return configs.write_config(
+      path,
+      a=configs.images(shards / "train-00000*.array_record", seed=72),
+      b=configs.images(shards / "train-00002*.array_record", seed=73),
+      # a mixture whose weights change at step 2
+      mix=configs.scheduled({0: {"a": 0.5, "b": 0.5}, 2: {"a": 0.2, "b": 0.8}}),
+      # each image's first 1 + label pixels as tokens, packed
+      tok=configs.dataset(shards / "*.array_record", pipeline="provenance_tokens:tokens",
+                          iter_pipeline=configs.PACK, batch_fn=configs.BATCH_AND_PAD,
+                          seed=9, num_epochs=0,
+                          iter_options={"length": 16, "num_packing_bins": 4}))
+
 
 TOKENS = textwrap.dedent("""\
     import numpy as np
@@ -83,7 +64,7 @@ def datasets(config_path: str, data_dir: pathlib.Path,
   """The conftest's datasets and this module's, opened in-process."""
   root = tmp_path_factory.mktemp("provenance")
   (root / "provenance_tokens.py").write_text(TOKENS)
-  (root / "elevator.toml").write_text(CONFIG.format(shards=data_dir / "shards"))
+  _config(root / "elevator.toml", data_dir / "shards")
   sys.path.insert(0, str(root))
   try:
     out = {}

@@ -6,15 +6,16 @@ from __future__ import annotations
 
 import pathlib
 import sys
-import textwrap
+from typing import Any
 
 import pytest
 
 from grain_elevator.client import DataLossError, RemoteDataset
 from grain_elevator.proto.errors import ConfigError
 from grain_elevator.server.data import config as config_lib
+from grain_elevator.server import Server, ServerOptions
 from grain_elevator.server.data import registry
-from grain_elevator.tools.testing.launcher import LocalServer
+import datasets
 from helpers import assert_streams_equal
 
 _PIPES = '''
@@ -74,91 +75,68 @@ def big_state(ds):
   return _BigState(ds)
 '''
 
-IMAGE = 'height = 4\nwidth = 4\nchannels = 3\n'
+PIPES = "bad_stream_pipes"
 
 
 @pytest.fixture(scope="module")
-def pipes(tmp_path_factory) -> pathlib.Path:
+def pipes(tmp_path_factory, data_dir: pathlib.Path) -> pathlib.Path:
+  """A folder with the pipelines above (importable here, and so in the
+  workers of an in-process server: they take this process's sys.path) and
+  the conftest's shards (shards/, which the configs name)."""
   root = tmp_path_factory.mktemp("bad_streams")
-  (root / "bad_stream_pipes.py").write_text(_PIPES)
+  (root / f"{PIPES}.py").write_text(_PIPES)
+  (root / "shards").symlink_to(data_dir / "shards")
   sys.path.insert(0, str(root))
   return root
 
 
-def _config(data_dir: pathlib.Path, pipes: pathlib.Path, body: str, name: str) -> pathlib.Path:
-  path = pipes / f"{name}.toml"
-  path.write_text(body.replace("SHARDS", f'"{data_dir}/shards/*.array_record"'))
-  return path
+def _config(pipes: pathlib.Path, tables: dict[str, Any], name: str) -> str:
+  return datasets.write_config(pipes / f"{name}.toml", **tables)
 
 
-@pytest.mark.parametrize("body,message", [
-    ("[datasets.d]\npaths = [SHARDS]\npipeline = \"grain_elevator.pipelines.examples:"
-     "decode_images\"\niter_pipeline = \"bad_stream_pipes:not_an_iter_dataset\"\n"
-     f"[datasets.d.options]\n{IMAGE}",
+@pytest.mark.parametrize("tables,message", [
+    ({"d": datasets.images(iter_pipeline=f"{PIPES}:not_an_iter_dataset")},
      "iter_pipeline 'bad_stream_pipes:not_an_iter_dataset' returned list, expected a "
      "grain.IterDataset"),
-    ("[datasets.d]\npaths = [SHARDS]\npipeline = \"grain_elevator.pipelines.examples:"
-     "decode_images\"\nbatch_fn = \"bad_stream_pipes:rows_disagree\"\n"
-     f"[datasets.d.options]\n{IMAGE}",
+    ({"d": datasets.images(batch_fn=f"{PIPES}:rows_disagree")},
      "leaf 'b' of a batch of one is float64[2]; every leaf must be a numeric array with one "
      "row per element"),
-    ("[datasets.d]\npaths = [SHARDS]\npipeline = \"grain_elevator.pipelines.examples:"
-     "decode_some\"\nnum_epochs = 1\n"
-     f"[datasets.d.options]\n{IMAGE}labels = [99]\n",
+    ({"d": datasets.images(pipeline=datasets.DECODE_SOME, num_epochs=1,
+                           options={"labels": [99]})},
      "dataset 'd': the stream is empty"),
-    ("[datasets.d]\npaths = [SHARDS]\niter_options = { length = 8 }\n",
+    ({"d": datasets.raw(iter_options={"length": 8})},
      "key 'iter_options' given without an 'iter_pipeline'"),
-    ("[datasets.d]\nsource = \"nope\"\n",
+    ({"d": datasets.dataset(None, source="nope")},
      "key 'source' must name a registered mixture of fixed weights"),
-    ("[datasets.f]\npaths = [SHARDS]\npipeline = \"grain_elevator.pipelines.examples:"
-     f"decode_some\"\n[datasets.f.options]\n{IMAGE}labels = [1]\n"
-     "[datasets.m]\nmixture = { f = 1.0 }\n",
+    ({"f": datasets.images(pipeline=datasets.DECODE_SOME, options={"labels": [1]}),
+      "m": datasets.mixture(f=1.0)},
      "pipeline 'grain_elevator.pipelines.examples:decode_some' filters or flat-maps: that "
      "makes it a stream dataset, which cannot be a mixture's component"),
-    ("[datasets.f]\npaths = [SHARDS]\nbatch_fn = \"bad_stream_pipes:rows_disagree\"\n"
-     "[datasets.m]\nmixture = { f = 1.0 }\n",
+    ({"f": datasets.raw(batch_fn=f"{PIPES}:rows_disagree"), "m": datasets.mixture(f=1.0)},
      "component 'f' is a stream dataset"),
-    ("[datasets.d]\npaths = [SHARDS]\npipeline = \"grain_elevator.pipelines.examples:"
-     "decode_some\"\nbatch_transform = \"grain_elevator.pipelines.examples:"
-     f"decode_images_batch\"\n[datasets.d.options]\n{IMAGE}labels = [1]\n",
+    ({"d": datasets.images(pipeline=datasets.DECODE_SOME,
+                           batch_transform="grain_elevator.pipelines.examples:decode_images_batch",
+                           options={"labels": [1]})},
      "its pipeline filters or flat-maps, so it is a stream dataset, and 'batch_transform'"),
 ])
-def test_a_bad_stream_config_is_refused_at_start(data_dir, pipes, body, message):
+def test_a_bad_stream_config_is_refused_at_start(pipes, tables, message):
   with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("(", r"\(")):
-    path = _config(data_dir, pipes, body, "bad")
+    path = _config(pipes, tables, "bad")
     registry.Datasets(config_lib.load_config(path))
 
 
 def test_a_failing_record_or_broken_stream_is_named_and_others_are_served(data_dir, pipes):
-  path = _config(data_dir, pipes, textwrap.dedent(f"""\
-      [datasets.broken]
-      paths = [SHARDS]
-      pipeline = "bad_stream_pipes:failing_on_id_300"
-      shuffle = false
-      [datasets.broken.options]
-      {IMAGE.replace(chr(10), chr(10) + '      ')}
-      [datasets.lonely]
-      paths = [SHARDS]
-      pipeline = "bad_stream_pipes:drop_all_but_one"
-      num_epochs = 3
-      [datasets.lonely.options]
-      {IMAGE.replace(chr(10), chr(10) + '      ')}
-      [datasets.wide]
-      paths = [SHARDS]
-      pipeline = "grain_elevator.pipelines.examples:decode_images"
-      batch_fn = "bad_stream_pipes:wider_past_one"
-      [datasets.wide.options]
-      {IMAGE.replace(chr(10), chr(10) + '      ')}
-      [datasets.big]
-      paths = [SHARDS]
-      iter_pipeline = "bad_stream_pipes:big_state"
-      [datasets.fine]
-      paths = [SHARDS]
-      pipeline = "grain_elevator.pipelines.examples:decode_some"
-      [datasets.fine.options]
-      {IMAGE.replace(chr(10), chr(10) + '      ')}labels = [2]
-      """), "broken")
-  with LocalServer(str(path), workers=2, env={"PYTHONPATH": str(pipes)}) as server:
+  path = _config(pipes, {
+      "broken": datasets.images(pipeline=f"{PIPES}:failing_on_id_300", shuffle=False),
+      "lonely": datasets.images(pipeline=f"{PIPES}:drop_all_but_one", num_epochs=3),
+      "wide": datasets.images(batch_fn=f"{PIPES}:wider_past_one"),
+      "big": datasets.raw(iter_pipeline=f"{PIPES}:big_state"),
+      "fine": datasets.images(pipeline=datasets.DECODE_SOME, options={"labels": [2]}),
+  }, "broken")
+  # A private in-process server: its workers import bad_stream_pipes from
+  # this process's sys.path, as embedded mode does.
+  with Server(path, ServerOptions(port=0, workers=2)) as server:
+    workers = sorted(server.worker_pids())
     with RemoteDataset(server.target, "broken", 20) as ds:
       it = iter(ds)
       for _ in range(15):  # records 0..299, in order (no shuffle): 15 steps of 20
@@ -181,9 +159,9 @@ def test_a_failing_record_or_broken_stream_is_named_and_others_are_served(data_d
       got = list(ds)
     assert [b["id"].tolist() for b in got] == [[5, 5, 5]]
     with RemoteDataset(server.target, "fine", 8) as remote, \
-        RemoteDataset.embedded(str(path), "fine", 8) as local:
+        RemoteDataset.embedded(path, "fine", 8) as local:
       assert assert_streams_equal(remote, local) == _count_label(data_dir, 2) // 8
-    assert server.proc.poll() is None
+    assert sorted(server.worker_pids()) == workers  # no request ended a worker
 
 
 def _count_label(data_dir: pathlib.Path, label: int) -> int:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import pathlib
 import subprocess
-import textwrap
 
 import grain
 import numpy as np
@@ -24,33 +23,29 @@ from grain_elevator.proto.errors import ConfigError
 from grain_elevator.server.data import registry
 from grain_elevator.server.data.config import load_config
 from grain_elevator.tools import tfds_example
-from grain_elevator.tools.testing.launcher import ELEVATOR, LocalServer
+from grain_elevator.tools.testing.launcher import ELEVATOR
+import datasets
 from helpers import assert_streams_equal, assert_trees_equal
 
 NAME = "elevator_tfds_test"
 TRAIN, TEST = 300, 40
 
-CONFIG = textwrap.dedent(f"""\
-    [datasets.aug]            # shuffled, 2 epochs, a random transform
-    tfds = "{NAME}"
-    split = "train"
-    data_dir = "tfds"
-    seed = 7
-    num_epochs = 2
-    pipeline = "grain_elevator.tools.tfds_example:augment"
 
-    [datasets.sliced]         # TFDS split syntax across shards and splits
-    tfds = "{NAME}:1.0.0"
-    split = "train[25:275]+test"
-    data_dir = "tfds"
-    seed = 3
 
-    [datasets.ordered]        # no shuffle, no pipeline
-    tfds = "{NAME}"
-    split = "test"
-    data_dir = "tfds"
-    shuffle = false
-    """)
+def tfds_dataset(tfds: str = NAME, *, data_dir: str = "tfds", **keys) -> dict:
+  """A TFDS dataset's table (prepared under `data_dir`, relative to the config)."""
+  return datasets.dataset(None, tfds=tfds, data_dir=data_dir, **keys)
+
+
+DATASETS = {
+    # shuffled, 2 epochs, a random transform
+    "aug": tfds_dataset(split="train", seed=7, num_epochs=2,
+                        pipeline="grain_elevator.tools.tfds_example:augment"),
+    # TFDS split syntax across shards and splits
+    "sliced": tfds_dataset(f"{NAME}:1.0.0", split="train[25:275]+test", seed=3),
+    # no shuffle, no pipeline
+    "ordered": tfds_dataset(split="test", shuffle=False),
+}
 
 
 @pytest.fixture(scope="module")
@@ -62,12 +57,12 @@ def tfds_root(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
             for split, n in (("train", TRAIN), ("test", TEST))}
   tfds_example.write_tfds_dataset(str(root / "tfds"), NAME, splits, num_classes=10,
                                   shards_per_split=3)
-  (root / "elevator.toml").write_text(CONFIG)
+  datasets.write_config(root / "elevator.toml", **DATASETS)
   return root
 
 
 @pytest.fixture(scope="module")
-def config_path(tfds_root: pathlib.Path) -> str:
+def tfds_config(tfds_root: pathlib.Path) -> str:
   return str(tfds_root / "elevator.toml")
 
 
@@ -94,80 +89,75 @@ def _oracle_batches(records: grain.MapDataset, g: int, h: int, n: int):
 
 @pytest.mark.parametrize("dataset,g,n,h", [
     ("aug", 32, 1, 0), ("aug", 32, 2, 1), ("sliced", 20, 2, 0), ("ordered", 8, 1, 0)])
-def test_embedded_equals_tfds_data_source(tfds_root, config_path, dataset, g, n, h):
+def test_embedded_equals_tfds_data_source(tfds_root, tfds_config, dataset, g, n, h):
   expected = list(_oracle_batches(_tfds_oracle(tfds_root, dataset), g, h, n))
-  with RemoteDataset.embedded(config_path, dataset, g, shard_index=h, shard_count=n,
+  with RemoteDataset.embedded(tfds_config, dataset, g, shard_index=h, shard_count=n,
                               prefetch=0) as local:
     assert assert_streams_equal(local, expected) == len(expected)
     assert expected  # the oracle itself is not empty
 
 
 @pytest.fixture(scope="module")
-def server(config_path: str):
-  with LocalServer(config_path, workers=2) as s:
-    yield s
+def tfds_server(serve, tfds_config: str):
+  return serve(tfds_config, workers=2)
 
 
 # aug: 2 epochs of TRAIN records; sliced: 250 + TEST; whole global batches only.
 @pytest.mark.parametrize("dataset,g,n,h,steps", [
     ("aug", 32, 1, 0, 2 * TRAIN // 32), ("aug", 32, 2, 0, 2 * TRAIN // 32),
     ("aug", 32, 2, 1, 2 * TRAIN // 32), ("sliced", 20, 2, 1, (250 + TEST) // 20)])
-def test_service_equals_embedded(server, config_path, dataset, g, n, h, steps):
-  with RemoteDataset(server.target, dataset, g, shard_index=h, shard_count=n) as remote:
-    with RemoteDataset.embedded(config_path, dataset, g, shard_index=h, shard_count=n,
+def test_service_equals_embedded(tfds_server, tfds_config, dataset, g, n, h, steps):
+  with RemoteDataset(tfds_server.target, dataset, g, shard_index=h, shard_count=n) as remote:
+    with RemoteDataset.embedded(tfds_config, dataset, g, shard_index=h, shard_count=n,
                                 prefetch=0) as local:
       assert assert_streams_equal(remote, local) == steps
 
 
-def test_resume_mid_stream(server, tfds_root):
+def test_resume_mid_stream(tfds_server, tfds_root):
   records = _tfds_oracle(tfds_root, "aug")
-  with RemoteDataset(server.target, "aug", 32) as ds:
+  with RemoteDataset(tfds_server.target, "aug", 32) as ds:
     it = iter(ds)
     for _ in range(5):
       next(it)
     state = json.loads(json.dumps(it.get_state()))
-  with RemoteDataset(server.target, "aug", 32) as ds:
+  with RemoteDataset(tfds_server.target, "aug", 32) as ds:
     it = iter(ds)
     it.set_state(state)
     assert_trees_equal(next(it), list(_oracle_batches(records, 32, 0, 1))[5], "step 5")
 
 
-def test_splits_have_their_own_fingerprint(config_path):
-  datasets = registry.Datasets(load_config(config_path))
-  prints = {name: datasets.get(name).info.config_fingerprint for name in datasets.names}
+def test_splits_have_their_own_fingerprint(tfds_config):
+  opened = registry.Datasets(load_config(tfds_config))
+  prints = {name: opened.get(name).info.config_fingerprint for name in opened.names}
   assert len(set(prints.values())) == 3
-  assert datasets.get("sliced").info.num_records == 250 + TEST
+  assert opened.get("sliced").info.num_records == 250 + TEST
 
 
-def _write(root: pathlib.Path, body: str, name: str = "bad.toml") -> pathlib.Path:
-  path = root / name
-  path.write_text(textwrap.dedent(body))
-  return path
+def _write(root: pathlib.Path, d: dict, name: str = "bad.toml") -> str:
+  """A config of one dataset, "d"."""
+  return datasets.write_config(root / name, d=d)
 
 
-@pytest.mark.parametrize("body,message", [
-    (f'tfds = "no_such_dataset"\ndata_dir = "tfds"',
-     r"TFDS dataset 'no_such_dataset' not found in data_dir"),
-    (f'tfds = "{NAME}:9.9.9"\ndata_dir = "tfds"', rf"TFDS dataset '{NAME}:9.9.9' not found .*versions on disk: 1.0.0"),
-    (f'tfds = "{NAME}"\nsplit = "validation"\ndata_dir = "tfds"',
+@pytest.mark.parametrize("d,message", [
+    (tfds_dataset("no_such_dataset"), r"TFDS dataset 'no_such_dataset' not found in data_dir"),
+    (tfds_dataset(f"{NAME}:9.9.9"), rf"TFDS dataset '{NAME}:9.9.9' not found .*versions on disk: 1.0.0"),
+    (tfds_dataset(split="validation"),
      r"key 'split': 'validation' is not a split of TFDS dataset .*Unknown split"),
-    (f'tfds = "{NAME}"\nsplit = "train[:200%]"\ndata_dir = "tfds"',
-     r"key 'split': 'train\[:200%\]' is not a split"),
-    (f'tfds = "{NAME}"\ndata_dir = "nowhere"', r"key 'data_dir': '.*nowhere' is not a folder"),
-    (f'tfds = "{NAME}"\npaths = ["x"]\ndata_dir = "tfds"',
-     r"give one of 'paths', 'tfds', 'source', not 'paths' and 'tfds'"),
-    ('paths = ["tfds/**/*array_record*"]\nsplit = "train"',
+    (tfds_dataset(split="train[:200%]"), r"key 'split': 'train\[:200%\]' is not a split"),
+    (tfds_dataset(data_dir="nowhere"), r"key 'data_dir': '.*nowhere' is not a folder"),
+    (datasets.dataset(["x"], tfds=NAME, data_dir="tfds"), r"give one of 'paths', 'tfds', 'source', not 'paths' and 'tfds'"),
+    (datasets.dataset("tfds/**/*array_record*", split="train"),
      r"key\(s\) 'split' belong to a 'tfds' dataset"),
-    ('tfds = 3', r"key 'tfds' must be a TFDS name"),
+    (datasets.dataset(None, tfds=3), r"key 'tfds' must be a TFDS name"),
 ])
-def test_bad_tfds_config_names_the_problem(tfds_root, body, message):
-  path = _write(tfds_root, "[datasets.d]\n" + body + "\n")
+def test_bad_tfds_config_names_the_problem(tfds_root, d, message):
+  path = _write(tfds_root, d)
   with pytest.raises(ConfigError, match=r"dataset 'd': " + message):
     load_config(path)
 
 
 def test_registered_but_unprepared_dataset_says_how_to_build_it(tfds_root, tmp_path):
-  path = _write(tmp_path, '[datasets.d]\ntfds = "mnist"\ndata_dir = "."\n')
+  path = _write(tmp_path, tfds_dataset("mnist", data_dir="."))
   with pytest.raises(ConfigError, match=r"TFDS dataset 'mnist' is not prepared in data_dir "
                                         r".*tfds build mnist --file_format=array_record"):
     load_config(path)
@@ -183,42 +173,44 @@ def test_tfrecord_format_is_refused_with_the_way_out(tfds_root, tmp_path):
   info["fileFormat"] = "tfrecord"
   info.pop("alternativeFileFormats", None)
   info_path.write_text(json.dumps(info))
-  path = _write(tmp_path, f'[datasets.d]\ntfds = "{NAME}"\ndata_dir = "tfds"\n')
+  path = _write(tmp_path, tfds_dataset())
   with pytest.raises(ConfigError, match=r"stored as tfrecord, not ArrayRecord; rebuild it "
                                         r"with `tfds build --file_format=array_record`"):
     load_config(path)
 
 
 def test_serve_exits_naming_the_split(tfds_root):
-  path = _write(tfds_root, f'[datasets.d]\ntfds = "{NAME}"\nsplit = "dev"\n'
-                           'data_dir = "tfds"\n', "bad_serve.toml")
-  result = subprocess.run([*ELEVATOR, "serve", "--config", str(path), "--port", "0"],
+  path = _write(tfds_root, tfds_dataset(split="dev"), "bad_serve.toml")
+  result = subprocess.run([*ELEVATOR, "serve", "--config", path, "--port", "0"],
                           capture_output=True, text=True, timeout=120)
   assert result.returncode == 2
   assert "elevator: error: dataset 'd': key 'split': 'dev' is not a split" in result.stderr
   assert "Traceback" not in result.stderr
 
 
-def test_serving_does_not_import_tensorflow(server):
-  """TFDS reads without TensorFlow; a server never pulls it in."""
+def test_serving_does_not_import_tensorflow(tfds_server):
+  """TFDS reads without TensorFlow; a server never pulls it in: its workers
+  (which have served the tests above) nor the fork server they come from."""
   import psutil
-  for child in psutil.Process(server.proc.pid).children(recursive=True):
+  workers = [psutil.Process(pid) for pid in tfds_server.worker_pids()]
+  assert len(workers) == 2
+  for child in {*workers, *(w.parent() for w in workers)}:
     maps = pathlib.Path(f"/proc/{child.pid}/maps").read_text()
     assert "libtensorflow" not in maps and "_pywrap_tensorflow" not in maps
 
 
-def test_datasets_without_pipeline_decode_whole_batches(config_path):
+def test_datasets_without_pipeline_decode_whole_batches(tfds_config):
   """The batch decoder serves `sliced` and `ordered` (checked at start
   against TFDS's per-record decode; the oracle tests above compare its
   output); `aug`'s pipeline needs records one by one."""
-  datasets = registry.Datasets(load_config(config_path))
-  assert "TFDS batch decoder of id, image, label" in repr(datasets.get("sliced")._batch_fn)
-  assert datasets.get("ordered")._batch_fn is not None
-  assert datasets.get("aug")._batch_fn is None
+  opened = registry.Datasets(load_config(tfds_config))
+  assert "TFDS batch decoder of id, image, label" in repr(opened.get("sliced")._batch_fn)
+  assert opened.get("ordered")._batch_fn is not None
+  assert opened.get("aug")._batch_fn is None
 
 
 @pytest.fixture(scope="module")
-def corrupt_server(tfds_root, tmp_path_factory):
+def corrupt_server(serve, tfds_root, tmp_path_factory):
   """The dataset with one record of one shard replaced by bytes that are
   validly stored (ArrayRecord's hashes check) but are no Example."""
   import shutil
@@ -232,13 +224,11 @@ def corrupt_server(tfds_root, tmp_path_factory):
   for i, record in enumerate(records):
     writer.write(b"\xff\xfe not an Example" if i == 5 else record)
   writer.close()
-  (root / "elevator.toml").write_text(CONFIG.replace('split = "train"', 'split = "train"\n'
-                                                     'shuffle = false', 1)
-                                      .replace("seed = 7\n", "", 1)
-                                      + '\n[datasets.plain]\ntfds = "' + NAME + '"\n'
-                                      'data_dir = "tfds"\nshuffle = false\n')
-  with LocalServer(str(root / "elevator.toml"), workers=1) as s:
-    yield s, shard, len(records)
+  # aug and plain in shard order: aug decodes record by record, plain by batch.
+  aug = {k: v for k, v in DATASETS["aug"].items() if k != "seed"}
+  config = datasets.write_config(root / "elevator.toml", **{
+      **DATASETS, "aug": {**aug, "shuffle": False}, "plain": tfds_dataset(shuffle=False)})
+  return serve(config), shard, len(records)
 
 
 @pytest.mark.parametrize("dataset", ["aug", "plain"])  # per-record decode; batch decoder
@@ -306,10 +296,9 @@ def test_feature_types_decode_as_tfds_does(tmp_path, with_uint64):
 
   name = f"elevator_zoo{int(with_uint64)}"
   _write_feature_zoo(str(tmp_path / "tfds"), name, features, make)
-  (tmp_path / "elevator.toml").write_text(
-      f'[datasets.zoo]\ntfds = "{name}"\ndata_dir = "tfds"\nseed = 4\n')
-  datasets = registry.Datasets(load_config(tmp_path / "elevator.toml"))
-  assert (datasets.get("zoo")._batch_fn is None) == with_uint64
+  datasets.write_config(tmp_path / "elevator.toml", zoo=tfds_dataset(name, seed=4))
+  opened = registry.Datasets(load_config(tmp_path / "elevator.toml"))
+  assert (opened.get("zoo")._batch_fn is None) == with_uint64
   source = tfds.data_source(name, split="train", data_dir=str(tmp_path / "tfds"),
                             download=False)
   records = grain.MapDataset.source(source).seed(4).shuffle()

@@ -18,7 +18,6 @@ import pathlib
 import re
 import shutil
 import signal
-import textwrap
 import time
 from typing import Any, Callable
 
@@ -39,32 +38,19 @@ from grain_elevator.server.data.shards import option_files
 from grain_elevator.server.serving.request_path import RequestPath
 from grain_elevator.tools import text_corpus
 from grain_elevator.tools import tokenizer as tokenizer_lib
+from grain_elevator.server import Server, ServerOptions
 from grain_elevator.tools.testing.launcher import LocalServer
+import datasets
 from helpers import assert_streams_equal, worker_pids
 
 G, STEPS = 8, 6
-TEXT_CONFIG = textwrap.dedent("""\
-    [datasets.lm]
-    paths = ["text/*.array_record"]
-    pipeline = "grain_elevator.pipelines.text:tokenize"
-    iter_pipeline = "grain_elevator.pipelines.text:chunk_and_pack"
-    seed = 5
-    num_epochs = 0
-    [datasets.lm.options]
-    tokenizer = "tokenizer.json"
-    field = "text"                  # a string that names no file (text/ is a folder)
-    [datasets.lm.iter_options]
-    length = 32
-    num_packing_bins = 4
 
-    [datasets.plain]                # names no file
-    paths = ["{shards}/*.array_record"]
-    pipeline = "grain_elevator.pipelines.examples:decode_images"
-    [datasets.plain.options]
-    height = 4
-    width = 4
-    channels = 3
-    """)
+
+def _text_config(path: pathlib.Path, shards: pathlib.Path) -> str:
+  """lm: text packed with the tokenizer beside the config (its field names
+  no file: text/ is a folder); plain: images, no file named."""
+  return datasets.write_config(path, lm=datasets.packed_text(seed=5, num_epochs=0),
+                               plain=datasets.images(shards / "*.array_record"))
 
 
 class Text:
@@ -75,8 +61,7 @@ class Text:
     text_corpus.write_jsonl_shards(str(root / "text"), 60, num_shards=2, seed=3)
     self.tokenizer = str(tokenizer_lib.train(root / "tokenizer.json", vocab_size=512))
     self.other = str(tokenizer_lib.train(root / "other" / "tokenizer.json", vocab_size=700))
-    self.config = str(root / "elevator.toml")
-    pathlib.Path(self.config).write_text(TEXT_CONFIG.format(shards=shards))
+    self.config = _text_config(root / "elevator.toml", shards)
 
   def stream(self, g: int = G) -> list[Any]:
     """The first STEPS global batches as embedded mode computes them now: the oracle."""
@@ -189,9 +174,14 @@ def test_a_worker_restarted_after_the_tokenizer_changed_refuses_it(text):
                      server.stderr()), server.stderr()
 
 
+def _server(config: str) -> Server:
+  """A private in-process server of one worker, started on the files as they are."""
+  return Server(config, ServerOptions(port=0, workers=1))
+
+
 def test_a_server_started_on_another_tokenizer_has_another_fingerprint(text):
   expected = text.stream()
-  with LocalServer(text.config, workers=1) as server:
+  with _server(text.config) as server:
     with RemoteDataset(server.target, "lm", G) as ds:
       it = iter(ds)
       assert_streams_equal([next(it) for _ in range(2)], expected[:2])
@@ -202,7 +192,7 @@ def test_a_server_started_on_another_tokenizer_has_another_fingerprint(text):
   text.replace_tokenizer()
   changed = text.stream()  # embedded mode loads the new file, not a cached one
   assert _differ(changed, expected)
-  with LocalServer(text.config, workers=1) as server:
+  with _server(text.config) as server:
     with RemoteDataset(server.target, "lm", G) as ds:
       it = iter(ds)
       assert it.get_state()["config_fingerprint"] != state["config_fingerprint"]
@@ -241,44 +231,24 @@ def labels_only(ds, *, labels):
   return ds.map(lambda e: {"label": np.asarray(e["label"] + shift[0], np.int64)})
 '''
 
-TABLE_CONFIG = textwrap.dedent("""\
-    [datasets.one]                  # 1:1, a table in its options
-    paths = ["{shards}/*.array_record"]
-    pipeline = "table_pipeline:shifted"
-    [datasets.one.options]
-    table = "tables/shift.npy"
-    height = 4
-    width = 4
-    channels = 3
 
-    [datasets.other]                # 1:1, no file
-    paths = ["{shards}/*.array_record"]
-    pipeline = "grain_elevator.pipelines.examples:decode_images"
-    [datasets.other.options]
-    height = 4
-    width = 4
-    channels = 3
 
-    [datasets.mix]
-    mixture = {{ one = 0.5, other = 0.5 }}
-
-    [datasets.over_mix]             # a stream over the mixture
-    source = "mix"
-    pipeline = "grain_elevator.pipelines.examples:only_labels"
-    [datasets.over_mix.options]
-    labels = [0, 2, 4]
-
-    [datasets.iter]                 # a file only its iter_pipeline reads
-    paths = ["{shards}/*.array_record"]
-    pipeline = "grain_elevator.pipelines.examples:decode_images"
-    iter_pipeline = "table_pipeline:labels_only"
-    [datasets.iter.options]
-    height = 4
-    width = 4
-    channels = 3
-    [datasets.iter.iter_options]
-    labels = "{root}/tables/first.npy"   # absolute
-    """)
+def _table_config(root: pathlib.Path, shards: pathlib.Path) -> str:
+  images = shards / "*.array_record"
+  return datasets.write_config(
+      root / "elevator.toml",
+      # 1:1, a table in its options
+      one=datasets.images(images, pipeline="table_pipeline:shifted",
+                          options={"table": "tables/shift.npy"}),
+      other=datasets.images(images),  # 1:1, no file
+      mix=datasets.mixture(one=0.5, other=0.5),
+      # a stream over the mixture
+      over_mix=datasets.dataset(None, source="mix",
+                                pipeline="grain_elevator.pipelines.examples:only_labels",
+                                options={"labels": [0, 2, 4]}),
+      # a file only its iter_pipeline reads, named by an absolute path
+      iter=datasets.images(images, iter_pipeline="table_pipeline:labels_only",
+                           iter_options={"labels": f"{root}/tables/first.npy"}))
 
 
 @pytest.fixture
@@ -288,9 +258,7 @@ def tables(tmp_path: pathlib.Path, data_dir: pathlib.Path, monkeypatch) -> pathl
   (tmp_path / "tables").mkdir()
   np.save(tmp_path / "tables" / "shift.npy", np.arange(10) * 100)
   np.save(tmp_path / "tables" / "first.npy", np.asarray([1000]))
-  config = tmp_path / "elevator.toml"
-  config.write_text(TABLE_CONFIG.format(shards=data_dir / "shards", root=tmp_path))
-  return config
+  return pathlib.Path(_table_config(tmp_path, data_dir / "shards"))
 
 
 def _rewrite(path: pathlib.Path, values: np.ndarray) -> None:
@@ -346,8 +314,8 @@ def test_a_changed_table_refuses_its_dataset_its_mixture_and_the_stream_over_it(
 
 def test_an_iter_options_file_is_checked_each_time_the_iter_pipeline_is_built(tables):
   config = load_config(tables)
-  datasets = registry.Datasets(config, identities=shard_identity.record_identities(config))
-  ds = datasets.get("iter")
+  opened = registry.Datasets(config, identities=shard_identity.record_identities(config))
+  ds = opened.get("iter")
   (batch, _), = itertools.islice(ds.batches(4, ""), 1)
   assert int(batch[0][0]) >= 1000
   first = tables.parent / "tables" / "first.npy"

@@ -9,15 +9,16 @@ no shuffle, so steps 0-9 read shard 0 only, 10-19 shard 1, 20-29 shard 2.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import logging
 import os
 import pathlib
 import re
 import shutil
 import signal
-import textwrap
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import grpc
 import numpy as np
@@ -34,21 +35,42 @@ from grain_elevator.server.data.config import load_config
 from grain_elevator.server.data.record_source import BatchedArrayRecordSource
 from grain_elevator.server.data.shards import identity as shard_identity
 from grain_elevator.server.data.shards import reader as shard_reader
-from grain_elevator.tools.testing.launcher import LocalServer
-from helpers import assert_trees_equal, worker_pids
+from grain_elevator.server import Server, ServerOptions
+import datasets
+from helpers import assert_trees_equal, wait_for
 
 G, STEPS_PER_SHARD, NUM_SHARDS = 20, 10, 3
-IMAGE = {"height": 4, "width": 4, "channels": 3}
-CONFIG = textwrap.dedent("""\
-    [datasets.plain]
-    paths = ["shards/train-*.array_record"]
-    pipeline = "grain_elevator.pipelines.examples:decode_images"
-    shuffle = false
-    [datasets.plain.options]
-    height = 4
-    width = 4
-    channels = 3
-    """)
+IMAGE = datasets.IMAGE
+PLAIN = datasets.images("shards/train-*.array_record", shuffle=False)
+CONFIG = datasets.config_text(plain=PLAIN)
+
+
+def _server(config: str, workers: int) -> Server:
+  """A private in-process server: each test changes its shards under it."""
+  return Server(config, ServerOptions(port=0, workers=workers))
+
+
+@contextlib.contextmanager
+def _supervisor_log() -> Iterator[list[str]]:
+  """The messages an in-process Server's supervisor logs while in the block
+  (its thread logs to "grain_elevator.server" in this process): which worker
+  died, which serves again. A handler of that logger's own, at INFO, sees
+  them whatever the logger's propagation (logs.setup turns it off)."""
+  messages: list[str] = []
+
+  class _Keep(logging.Handler):
+    def emit(self, record: logging.LogRecord) -> None:
+      messages.append(record.getMessage())
+
+  logger = logging.getLogger("grain_elevator.server")
+  handler, level = _Keep(logging.INFO), logger.level
+  logger.addHandler(handler)
+  logger.setLevel(logging.INFO)
+  try:
+    yield messages
+  finally:
+    logger.removeHandler(handler)
+    logger.setLevel(level)
 
 
 class Data:
@@ -125,7 +147,7 @@ def _refused(answer: Any, shard: str) -> bool:
           and f"shard {shard} changed since the server started" in answer.details())
 
 
-def _ask_every_worker(server: LocalServer, steps: range, structure: Any,
+def _ask_every_worker(server: Server, steps: range, structure: Any,
                       judge: Callable[[int, int, Any], None], workers: int = 2) -> None:
   """Asks for each of `steps` on new connections, and on until each of the
   `workers` has answered (a restarted one may take seconds to listen),
@@ -140,7 +162,7 @@ def _ask_every_worker(server: LocalServer, steps: range, structure: Any,
     if len(seen) == workers and k >= len(steps):
       return
     if time.monotonic() > deadline:
-      pytest.fail(f"in 60 s only workers {sorted(seen)} answered:\n{server.stderr()}")
+      pytest.fail(f"in 60 s only workers {sorted(seen)} answered")
     if k >= 2 * len(steps):
       time.sleep(0.05)
 
@@ -152,7 +174,7 @@ def _shard_steps(shard: int) -> range:
 def test_workers_refuse_shards_replaced_before_they_open_them(data):
   expected = data.stream()
   structure = _structure(data.config)
-  with LocalServer(data.config, workers=2) as server:
+  with _server(data.config, workers=2) as server:
     with RemoteDataset(server.target, "plain", G, prefetch=0) as ds:
       it = iter(ds)
       for step in _shard_steps(0):  # shards 1 and 2 stay unopened in both workers
@@ -176,7 +198,8 @@ def test_workers_refuse_shards_replaced_before_they_open_them(data):
         next(it)
       it.set_state({**it.get_state(), "step": 5})
       assert_trees_equal(next(it), expected[5])
-  assert server.proc.returncode == 0, server.stderr()
+    assert len(server.worker_pids()) == 2  # both workers serve on
+  assert not server.worker_pids()  # a clean stop
 
 
 def test_rewrite_in_place_is_refused_rename_after_open_serves_the_old_bytes(data):
@@ -186,7 +209,7 @@ def test_rewrite_in_place_is_refused_rename_after_open_serves_the_old_bytes(data
   new file and refuses it."""
   expected = data.stream()
   structure = _structure(data.config)
-  with LocalServer(data.config, workers=2) as server:
+  with _supervisor_log() as log, _server(data.config, workers=2) as server:
 
     def same(worker: int, step: int, answer: Any) -> None:
       assert_trees_equal(answer, expected[step], f"worker {worker} step {step}")
@@ -213,16 +236,12 @@ def test_rewrite_in_place_is_refused_rename_after_open_serves_the_old_bytes(data
     # from a worker's batch cache, which holds the bytes read at the time.
     _ask_every_worker(server, range(11, 30, 3), structure, judge)
 
-    victim = worker_pids(server)[0]
+    victim = server.worker_pids()[0]
     os.kill(victim, signal.SIGKILL)
-    deadline = time.monotonic() + 60
-    while not (m := re.search(rf"worker (\d+) \(pid {victim}\)", server.stderr())):
-      assert time.monotonic() < deadline, server.stderr()
-      time.sleep(0.1)
-    restarted = int(m.group(1))
-    while len(worker_pids(server)) < 2:
-      assert time.monotonic() < deadline, server.stderr()
-      time.sleep(0.1)
+    died = lambda: [m for line in log if (m := re.search(rf"worker (\d+) \(pid {victim}\)", line))]
+    wait_for(died, f"the supervisor to log the death of pid {victim}")
+    restarted = int(died()[0].group(1))
+    wait_for(lambda: len(server.worker_pids()) == 2, f"worker {restarted} to be restarted")
 
     def after_restart(worker: int, step: int, answer: Any) -> None:
       if step < 2 * STEPS_PER_SHARD:
@@ -238,7 +257,7 @@ def test_rewrite_in_place_is_refused_rename_after_open_serves_the_old_bytes(data
 
 def test_a_server_restarted_on_changed_files_has_another_fingerprint(data):
   expected = data.stream()
-  with LocalServer(data.config, workers=1) as server:
+  with _server(data.config, workers=1) as server:
     with RemoteDataset(server.target, "plain", G) as ds:
       it = iter(ds)
       assert_trees_equal(next(it), expected[0])
@@ -250,7 +269,7 @@ def test_a_server_restarted_on_changed_files_has_another_fingerprint(data):
   data.replace(0, "rename")
   changed = data.stream()
   assert changed[0]["image"].tobytes() != expected[0]["image"].tobytes()
-  with LocalServer(data.config, workers=1) as server:
+  with _server(data.config, workers=1) as server:
     with RemoteDataset(server.target, "plain", G) as ds:
       it = iter(ds)
       assert it.get_state()["config_fingerprint"] != state["config_fingerprint"]
@@ -297,11 +316,11 @@ def test_a_file_the_globs_match_only_now_is_refused(data):
   config = load_config(data.config)
   recorded = shard_identity.record_identities(config)
   del recorded.shards[data.shards[0]]  # as if it appeared after the server started
-  datasets = registry.Datasets(config, identities=recorded)  # a worker still starts
+  opened = registry.Datasets(config, identities=recorded)  # a worker still starts
   for _ in range(2):  # and refuses the dataset on every request
     with pytest.raises(ShardChangedError,
                        match=re.escape(f"shard {data.shards[0]} was not among")):
-      datasets.get("plain")
+      opened.get("plain")
 
 
 # Rewrites that put the size and mtime back (os.utime, cp -p, rsync -a): the
@@ -346,7 +365,7 @@ def test_a_rewrite_in_place_with_the_old_mtime_put_back_is_refused(tmp_path):
   structure = _structure(config)
   with RemoteDataset.embedded(config, "plain", G) as ds:
     expected = list(ds)
-  with LocalServer(config, workers=1) as server:
+  with _server(config, workers=1) as server:
     _, answer = _ask(server.target, 0, structure)
     assert_trees_equal(answer, expected[0])  # the worker has opened the shard
     time.sleep(0.01)  # the rewrite's ctime must differ from the recorded one
@@ -355,7 +374,8 @@ def test_a_rewrite_in_place_with_the_old_mtime_put_back_is_refused(tmp_path):
       _, answer = _ask(server.target, step, structure)
       assert _refused(answer, shard), f"step {step}: {answer}"
       assert "(ctime differs)" in answer.details()
-  assert server.proc.returncode == 0, server.stderr()
+    assert len(server.worker_pids()) == 1  # the worker serves on
+  assert not server.worker_pids()  # a clean stop
 
 
 def test_a_shard_opened_after_such_a_rewrite_is_refused(tmp_path):
@@ -383,13 +403,13 @@ def test_a_worker_opening_a_dataset_whose_first_shard_changed_refuses_only_it(da
   """Opening a dataset reads its record 0: a worker restarted after shard 0
   changed refuses the dataset on every request and opens the others (it
   used to fail to start, again and again)."""
-  pathlib.Path(data.config).write_text(CONFIG + CONFIG.replace("[datasets.plain", "[datasets.same")
-                                       .replace("shards/train-*", "other/train-*"))
+  datasets.write_config(data.config, plain=PLAIN,
+                        same={**PLAIN, "paths": ["other/train-*.array_record"]})
   config = load_config(data.config)
   recorded = shard_identity.record_identities(config)
   data.replace(0, "rename")
-  datasets = registry.Datasets(config, identities=recorded)
-  assert sorted(datasets.opened()) == ["same"]
+  opened = registry.Datasets(config, identities=recorded)
+  assert sorted(opened.opened()) == ["same"]
   for _ in range(2):
     with pytest.raises(ShardChangedError, match=re.escape(f"shard {data.shards[0]} changed")):
-      datasets.get("plain")
+      opened.get("plain")
