@@ -36,8 +36,10 @@ EVICTING = "closing the longest idle one"
 
 @contextlib.contextmanager
 def _server(config_path: str, *args: str) -> Iterator[tuple[LocalServer, psutil.Process]]:
-  """A one-worker server, and its worker."""
-  with LocalServer(config_path, workers=1, extra_args=args) as server:
+  """A one-worker server, and its worker; stopped without a grace period
+(no test here is about shutdown, and endless streams a test has just
+closed would otherwise hold its stop for up to the default 5 s)."""
+  with LocalServer(config_path, workers=1, extra_args=("--grace-s", "0", *args)) as server:
     (pid,) = worker_pids(server)
     yield server, psutil.Process(pid)
 
