@@ -59,7 +59,7 @@ def test_a_bad_idle_exit_is_refused(config_path, monkeypatch, capsys):
   from grain_elevator import server as server_lib  # pylint: disable=g-import-not-at-top
   from grain_elevator.server.process import logs, supervisor  # pylint: disable=g-import-not-at-top
 
-  def started(*given, **named):
+  def started(*given: object, **named: object) -> None:
     raise AssertionError(f"elevator serve started a server: {given} {named}")
   monkeypatch.setattr(logs, "setup", lambda *given, **named: None)  # this process's logging
   monkeypatch.setattr(supervisor, "serve", started)

@@ -48,7 +48,7 @@ def _request(dataset: str = "plain", g: int = 16, start: int = 0, steps: int = 3
 
 
 @pytest.fixture(scope="module")
-def shared(serve):
+def shared(serve) -> Server:
   """The session's in-process 2-worker server, for the tests that only read."""
   return serve(workers=2)
 
@@ -166,7 +166,8 @@ def test_no_bulk_server_means_grpc(serve, oracle):
                             transport=TransportOptions(kind="bulk"))))
 
 
-def _serve_refuses(monkeypatch, capsys, *args: str) -> str:
+def _serve_refuses(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+                   *args: str) -> str:
   """The stderr of `elevator serve ARGS`, whose flags are refused before a
   server starts, run as the `elevator` command runs it (cli.main) but in
   this process, not a fresh one (~3 s of imports): it must return 2 and
@@ -174,7 +175,7 @@ def _serve_refuses(monkeypatch, capsys, *args: str) -> str:
   from grain_elevator import server as server_lib  # pylint: disable=g-import-not-at-top
   from grain_elevator.server.process import logs, supervisor  # pylint: disable=g-import-not-at-top
 
-  def started(*given, **named):
+  def started(*given: object, **named: object) -> None:
     raise AssertionError(f"elevator serve started a server: {given} {named}")
   monkeypatch.setattr(logs, "setup", lambda *given, **named: None)
   monkeypatch.setattr(supervisor, "serve", started)

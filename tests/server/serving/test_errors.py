@@ -11,6 +11,7 @@ from grain_elevator.client import (InvalidRequestError, RemoteDataset,
 from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.proto import elevator_pb2_grpc as pb_grpc
 from grain_elevator.proto import errors, wire
+from grain_elevator.server import Server
 from helpers import assert_trees_equal, oracle_batch
 
 OK = dict(dataset="plain", global_batch_size=64, shard_index=0, shard_count=1,
@@ -18,7 +19,7 @@ OK = dict(dataset="plain", global_batch_size=64, shard_index=0, shard_count=1,
 
 
 @pytest.fixture(scope="module")
-def server(serve):
+def server(serve) -> Server:
   return serve(workers=2)
 
 

@@ -98,7 +98,7 @@ def _unread_bulk_requests(server, n: int) -> Iterator[list[socket.socket]]:
 
 
 @pytest.fixture
-def fresh_server(config_path):
+def fresh_server(config_path: str) -> Iterator[Server]:
   """A worker of its own with the default limits (16 request slots): no
   slot still held by an earlier test's streams, whose cancellation a loaded
   machine may not have processed yet."""
@@ -107,7 +107,7 @@ def fresh_server(config_path):
 
 
 @pytest.fixture(scope="module")
-def logged(config_path):
+def logged(config_path: str) -> Iterator[LocalServer]:
   """`elevator serve` for the two tests that read its log: 64 bulk
   connections at most and a 2 s write timeout (no other test here reads
   slowly enough, nor batches large enough, for it to matter)."""

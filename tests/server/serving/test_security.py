@@ -13,6 +13,7 @@ import pytest
 
 from grain_elevator.client import (RemoteDataset, RetryPolicy, Security,
                                    ServiceUnavailableError, UnauthenticatedError)
+from grain_elevator.server import Server
 from grain_elevator.tools import cli
 from grain_elevator.tools.testing.launcher import ELEVATOR, LocalServer
 from helpers import assert_trees_equal, oracle_batch
@@ -77,7 +78,8 @@ def test_missing_or_wrong_token_is_unauthenticated(token_server, token, message)
   assert TOKEN not in token_server.stderr()
 
 
-def _elevator(monkeypatch, capsys, *argv: str) -> tuple[int, str, str]:
+def _elevator(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+              *argv: str) -> tuple[int, str, str]:
   """`elevator ARGV` as the command runs it (cli.main), in this process
   rather than a fresh interpreter (~3 s of imports), which must start no
   server and leave this process's logging alone: its exit code, stdout and
@@ -85,7 +87,7 @@ def _elevator(monkeypatch, capsys, *argv: str) -> tuple[int, str, str]:
   from grain_elevator import server as server_lib  # pylint: disable=g-import-not-at-top
   from grain_elevator.server.process import logs, supervisor  # pylint: disable=g-import-not-at-top
 
-  def started(*given, **named):
+  def started(*given: object, **named: object) -> None:
     raise AssertionError(f"elevator serve started a server: {given} {named}")
   monkeypatch.setattr(logs, "setup", lambda *given, **named: None)
   monkeypatch.setattr(supervisor, "serve", started)
@@ -102,12 +104,12 @@ def test_health_needs_no_token(token_server, monkeypatch, capsys):
 
 
 @pytest.fixture(scope="module")
-def tls_server(serve, pki):
+def tls_server(serve, pki: pathlib.Path) -> Server:
   return serve(workers=1, tls_cert=str(pki / "server.pem"), tls_key=str(pki / "server.key"))
 
 
 @pytest.fixture(scope="module")
-def mtls_server(serve, pki):
+def mtls_server(serve, pki: pathlib.Path) -> Server:
   return serve(workers=1, tls_cert=str(pki / "server.pem"), tls_key=str(pki / "server.key"),
                tls_client_ca=str(pki / "ca.pem"))
 
