@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import itertools
 import pathlib
-import subprocess
-import textwrap
 import time
 
 import grpc
 import numpy as np
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from grain_elevator.client import RemoteDataset
 from grain_elevator.client.embedded import EmbeddedBackend
@@ -19,12 +18,20 @@ from grain_elevator.pipelines import examples
 from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.proto import elevator_pb2_grpc as pb_grpc
 from grain_elevator.proto import wire
-from grain_elevator.tools.testing.launcher import ELEVATOR, LocalServer
+from grain_elevator.tools import cli
+from grain_elevator.tools.testing.launcher import LocalServer
+import datasets
 
 
-def _health(target: str) -> int:
-  return subprocess.run([*ELEVATOR, "health", target], capture_output=True,
-                        timeout=30).returncode
+def _health(target: str) -> None:
+  """A probe as `elevator health` makes one (a Check on a connection of its
+  own), without a fresh interpreter per probe; whether it answers is not
+  the point (the server may be stopping)."""
+  with grpc.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)]) as ch:
+    try:
+      health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=30)
+    except grpc.RpcError:
+      pass
 
 
 def test_exits_zero_after_the_last_request_despite_health_checks(config_path):
@@ -46,10 +53,20 @@ def test_exits_zero_after_the_last_request_despite_health_checks(config_path):
   assert "elevator: stopped" in out
 
 
-def test_a_bad_idle_exit_is_refused(config_path):
-  result = subprocess.run([*ELEVATOR, "serve", "--config", config_path, "--idle-exit-s", "0"],
-                          capture_output=True, text=True, timeout=60)
-  assert result.returncode == 2 and "idle_exit_s must be > 0" in result.stderr
+def test_a_bad_idle_exit_is_refused(config_path, monkeypatch, capsys):
+  """As the `elevator` command runs it (cli.main), in this process: the flag
+  is refused before anything starts, so no fresh interpreter is needed."""
+  from grain_elevator import server as server_lib  # pylint: disable=g-import-not-at-top
+  from grain_elevator.server.process import logs, supervisor  # pylint: disable=g-import-not-at-top
+
+  def started(*given: object, **named: object) -> None:
+    raise AssertionError(f"elevator serve started a server: {given} {named}")
+  monkeypatch.setattr(logs, "setup", lambda *given, **named: None)  # this process's logging
+  monkeypatch.setattr(supervisor, "serve", started)
+  monkeypatch.setattr(server_lib, "serve", started, raising=False)
+  capsys.readouterr()
+  assert cli.main(["serve", "--config", config_path, "--idle-exit-s", "0"]) == 2
+  assert "idle_exit_s must be > 0" in capsys.readouterr().err
 
 
 # 3,000 records of 12 KiB, 60 steps of 600 KiB in one request: 37 MB, far
@@ -62,17 +79,9 @@ BIG_G, BIG_STEPS, IDLE_S = 50, 60, 2
 def _big_config(root: pathlib.Path) -> str:
   examples.write_image_shards(str(root / "shards"), num_records=BIG_G * BIG_STEPS,
                               num_shards=2, **BIG)
-  (root / "elevator.toml").write_text(textwrap.dedent(f"""\
-      [datasets.big]
-      paths = ["shards/train-*.array_record"]
-      pipeline = "grain_elevator.pipelines.examples:decode_images"
-      shuffle = false
-      [datasets.big.options]
-      height = {BIG["height"]}
-      width = {BIG["width"]}
-      channels = {BIG["channels"]}
-      """))
-  return str(root / "elevator.toml")
+  return datasets.write_config(root / "elevator.toml",
+                               big=datasets.images("shards/train-*.array_record", image=BIG,
+                                                   shuffle=False))
 
 
 def _describe_on_another_worker(target: str, worker: int) -> None:

@@ -13,6 +13,7 @@ from grain_elevator.client import RemoteDataset, TransportOptions
 from grain_elevator.server import BindError, ConfigError, Server, ServerOptions
 from grain_elevator.server.process import supervisor
 from helpers import assert_streams_equal
+import datasets
 
 
 @pytest.mark.parametrize("kind", ["bulk", pytest.param("grpc", marks=pytest.mark.slow)])
@@ -99,9 +100,9 @@ def test_a_worker_has_the_environment_its_server_started_with(
   with Server(config_path, ServerOptions(port=0, workers=1)):
     pass  # the fork server runs, without the variable
   (tmp_path / "env_probe.py").write_text(_PROBE)
-  config = tmp_path / "elevator.toml"
-  config.write_text(f'[datasets.probe]\npaths = ["{data_dir}/shards/*.array_record"]\n'
-                    f'pipeline = "env_probe:probe"\n')
+  config = datasets.write_config(tmp_path / "elevator.toml",
+                                 probe=datasets.dataset(data_dir / datasets.SHARDS,
+                                                        pipeline="env_probe:probe"))
   monkeypatch.syspath_prepend(str(tmp_path))
   monkeypatch.setenv("ELEVATOR_TEST_PROBE", value)
   with Server(str(config), ServerOptions(port=0, workers=2)) as server:

@@ -25,6 +25,7 @@ from grain_elevator.server.process import restarts
 from grain_elevator.server.serving import grpc_service
 from grain_elevator.tools.testing.launcher import LocalServer
 from helpers import worker_pids
+import datasets
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -92,9 +93,8 @@ def test_workers_see_the_crash_loop_flag_change():
 @pytest.fixture(scope="module")
 def one_dataset(data_dir: pathlib.Path, tmp_path_factory: pytest.TempPathFactory) -> str:
   """A config of one raw dataset: workers start fast, restarts are cheap."""
-  path = tmp_path_factory.mktemp("supervisor") / "elevator.toml"
-  path.write_text(f'[datasets.raw]\npaths = ["{data_dir}/shards/*.array_record"]\n')
-  return str(path)
+  return datasets.write_config(tmp_path_factory.mktemp("supervisor") / "elevator.toml",
+                               raw=datasets.raw(data_dir / datasets.SHARDS))
 
 
 def _wait_for(predicate: Callable[[], bool], timeout: float, every: float = 0.05) -> bool:

@@ -1,14 +1,19 @@
 """The bulk transport: same batches as gRPC and the oracle, same errors,
 held batches never overwritten, and it stays out of the way when it can't
-be used."""
+be used.
+
+Tests that only read from a server share the session's in-process ones
+(`serve`); those that read a server's log (an in-process server's workers
+log where no test can read) or signal its supervisor share one `elevator
+serve` (`process_server`)."""
 
 from __future__ import annotations
 
 import signal
 import socket
-import subprocess
 import threading
 import time
+from typing import Iterator
 
 import grpc
 import numpy as np
@@ -21,8 +26,8 @@ from grain_elevator.client.transport.connection import CancelToken, TransportErr
 from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.proto.limits import MAX_REQUEST_BYTES
 from grain_elevator.server import Server, ServerOptions
-from grain_elevator.tools import top
-from grain_elevator.tools.testing.launcher import ELEVATOR, LocalServer
+from grain_elevator.tools import cli, top
+from grain_elevator.tools.testing.launcher import LocalServer
 from helpers import (assert_streams_equal, assert_trees_equal, busy_cpu_rate, closed_by_peer,
                      cpu_rate_over, oracle_batch, wait_for, wait_for_log)
 
@@ -42,7 +47,14 @@ def _request(dataset: str = "plain", g: int = 16, start: int = 0, steps: int = 3
                          start_step=start, num_steps=steps, **kw)
 
 
-def test_server_offers_it_and_the_client_uses_it(server):
+@pytest.fixture(scope="module")
+def shared(serve) -> Server:
+  """The session's in-process 2-worker server, for the tests that only read."""
+  return serve(workers=2)
+
+
+def test_server_offers_it_and_the_client_uses_it(shared):
+  server = shared
   assert server.bulk_port
   with RemoteDataset(server.target, "plain", 16) as ds:
     it = iter(ds)
@@ -52,8 +64,9 @@ def test_server_offers_it_and_the_client_uses_it(server):
 
 @pytest.mark.parametrize("compression", ["none", "zstd"])
 @pytest.mark.parametrize("transport", ["grpc", "bulk"])
-def test_transports_and_compression_match_the_oracle(server, config_path, transport,
+def test_transports_and_compression_match_the_oracle(shared, config_path, transport,
                                                      compression):
+  server = shared
   # 2,000, 1,000 and 1,000 records: whole global batches only.
   for dataset, g, h, n, steps in (("aug2", 48, 1, 3, 41), ("seed3fast", 64, 0, 2, 15),
                                   ("raw", 32, 0, 1, 31)):
@@ -65,9 +78,10 @@ def test_transports_and_compression_match_the_oracle(server, config_path, transp
         assert assert_streams_equal(remote, local) == steps
 
 
-def test_held_batches_are_never_overwritten(server, oracle):
+def test_held_batches_are_never_overwritten(shared, oracle):
   """Every batch gets its own receive buffer: a trainer may keep batches
   (a replay buffer, a device queue) while the stream goes on."""
+  server = shared
   g = 64
   with RemoteDataset(server.target, "forever", g, transport=TransportOptions(kind="bulk"),
                      prefetch=4) as ds:
@@ -88,7 +102,8 @@ def test_held_batches_are_never_overwritten(server, oracle):
     ({"config_fingerprint": "0000"}, grpc.StatusCode.FAILED_PRECONDITION, "fingerprint"),
 ])
 def test_bad_requests_get_grpc_statuses_and_the_connection_lives_on(
-    server, oracle, request_kw, code, message):
+    shared, oracle, request_kw, code, message):
+  server = shared
   conn = _connect(server.host, server.bulk_port)
   try:
     with pytest.raises(TransportError) as info:
@@ -103,7 +118,8 @@ def test_bad_requests_get_grpc_statuses_and_the_connection_lives_on(
     conn.close()
 
 
-def test_garbage_is_dropped_and_others_are_still_served(server):
+def test_garbage_is_dropped_and_others_are_still_served(shared):
+  server = shared
   with socket.create_connection((server.host, server.bulk_port), timeout=10) as s:
     s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
     s.settimeout(10)
@@ -138,28 +154,45 @@ def test_a_non_elevator_port_is_a_clear_unavailable(tmp_path):
     assert info.value.code == grpc.StatusCode.UNAVAILABLE
 
 
-def test_no_bulk_server_means_grpc(config_path, oracle):
-  with LocalServer(config_path, workers=1, extra_args=("--bulk", "off")) as srv:
-    assert srv.bulk_port is None
-    with RemoteDataset(srv.target, "seed3", 50) as ds:
-      it = iter(ds)
-      assert_trees_equal(next(it), oracle_batch(oracle, "seed3", 0, 50))
-      assert not it._backend.uses_bulk  # pylint: disable=protected-access
-    with pytest.raises(ServiceUnavailableError, match="no replica .* offers a reachable bulk"):
-      next(iter(RemoteDataset(srv.target, "seed3", 50,
-                              transport=TransportOptions(kind="bulk"))))
+def test_no_bulk_server_means_grpc(serve, oracle):
+  srv = serve(workers=1, bulk=False)
+  assert srv.bulk_port is None
+  with RemoteDataset(srv.target, "seed3", 50) as ds:
+    it = iter(ds)
+    assert_trees_equal(next(it), oracle_batch(oracle, "seed3", 0, 50))
+    assert not it._backend.uses_bulk  # pylint: disable=protected-access
+  with pytest.raises(ServiceUnavailableError, match="no replica .* offers a reachable bulk"):
+    next(iter(RemoteDataset(srv.target, "seed3", 50,
+                            transport=TransportOptions(kind="bulk"))))
+
+
+def _serve_refuses(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+                   *args: str) -> str:
+  """The stderr of `elevator serve ARGS`, whose flags are refused before a
+  server starts, run as the `elevator` command runs it (cli.main) but in
+  this process, not a fresh one (~3 s of imports): it must return 2 and
+  start nothing. This process's logging is left alone."""
+  from grain_elevator import server as server_lib  # pylint: disable=g-import-not-at-top
+  from grain_elevator.server.process import logs, supervisor  # pylint: disable=g-import-not-at-top
+
+  def started(*given: object, **named: object) -> None:
+    raise AssertionError(f"elevator serve started a server: {given} {named}")
+  monkeypatch.setattr(logs, "setup", lambda *given, **named: None)
+  monkeypatch.setattr(supervisor, "serve", started)
+  monkeypatch.setattr(server_lib, "serve", started, raising=False)
+  capsys.readouterr()
+  assert cli.main(["serve", *args]) == 2
+  return capsys.readouterr().err
 
 
 @pytest.mark.parametrize("bulk_args", [("--bulk", "on"), ("--bulk-port", "50052")])
-def test_bulk_with_tls_is_refused(config_path, tmp_path, bulk_args):
+def test_bulk_with_tls_is_refused(config_path, tmp_path, bulk_args, monkeypatch, capsys):
   for name in ("cert.pem", "key.pem"):
     (tmp_path / name).write_text("x")
-  result = subprocess.run(
-      [*ELEVATOR, "serve", "--config", str(config_path), "--port", "0", *bulk_args,
-       "--tls-cert", str(tmp_path / "cert.pem"), "--tls-key", str(tmp_path / "key.pem")],
-      capture_output=True, text=True, timeout=60)
-  assert result.returncode == 2
-  assert "the bulk transport (--bulk, --bulk-port) serves plaintext" in result.stderr
+  err = _serve_refuses(monkeypatch, capsys, "--config", str(config_path), "--port", "0",
+                       *bulk_args, "--tls-cert", str(tmp_path / "cert.pem"),
+                       "--tls-key", str(tmp_path / "key.pem"))
+  assert "the bulk transport (--bulk, --bulk-port) serves plaintext" in err
 
 
 @pytest.mark.slow  # measures worker CPU for seconds
@@ -191,57 +224,37 @@ def test_a_cancelled_bulk_stream_stops_the_server_computing(config_path):
   assert idle < busy / 4, f"worker still busy after cancel: {idle:.2f} vs {busy:.2f} CPU-s/s"
 
 
-def test_sigterm_finishes_in_flight_bulk_requests_and_refuses_new_ones(config_path):
-  srv = LocalServer(config_path, workers=1, extra_args=("--grace-s", "20"))
-  try:
-    busy = _connect(srv.host, srv.bulk_port)
-    idle = _connect(srv.host, srv.bulk_port)
-    stream = _stream(busy, _request(steps=60, g=8), 60)
-    first = next(stream)
-    srv.proc.send_signal(signal.SIGTERM)
-    wait_for_log(srv, "stopping: new requests are refused")
-    with pytest.raises(TransportError) as info:  # idle connections are closed
-      list(_stream(idle, _request(steps=1), 10))
-    assert info.value.code == grpc.StatusCode.UNAVAILABLE
-    rest = list(stream)  # the in-flight request still completes
-    assert first[0] == 0 and [s for s, _, _ in rest] == list(range(1, 60))
-    assert srv.proc.wait(60) == 0
-    busy.close()
-    idle.close()
-  finally:
-    srv.stop()
-
-
 @pytest.mark.slow  # stops and restarts a server
 def test_a_restarted_server_on_a_new_bulk_port_is_found_again(config_path, oracle):
   """Failover re-asks a replica for its bulk port: with the default free-port
-  choice, a restarted server listens somewhere else."""
-  first = LocalServer(config_path, workers=1)
-  port = first.port
-  with RemoteDataset(first.target, "forever", 32, prefetch=2,
-                     transport=TransportOptions(kind="bulk"),
-                     retry=RetryPolicy(timeout_s=60)) as ds:
-    it = iter(ds)
-    got = [next(it) for _ in range(5)]
-    old_bulk = first.bulk_port
-    first.stop()
-    new_bulk = old_bulk
-    while new_bulk == old_bulk:
-      with socket.create_server(("127.0.0.1", 0)) as probe:
-        new_bulk = probe.getsockname()[1]
-    second = LocalServer(config_path, workers=1, port=port,
-                         extra_args=("--bulk-port", str(new_bulk)))
-    try:
-      assert second.bulk_port == new_bulk
-      got += [next(it) for _ in range(20)]
-    finally:
-      second.stop()
+  choice, a restarted server listens somewhere else. (Stopped without a
+  grace period: the stream in flight is cut at once, not after 5 s.)"""
+  first = Server(config_path, ServerOptions(port=0, workers=1, grace_s=0)).start()
+  try:
+    with RemoteDataset(first.target, "forever", 32, prefetch=2,
+                       transport=TransportOptions(kind="bulk"),
+                       retry=RetryPolicy(timeout_s=60)) as ds:
+      it = iter(ds)
+      got = [next(it) for _ in range(5)]
+      port, old_bulk = first.port, first.bulk_port
+      first.stop()
+      new_bulk = old_bulk
+      while new_bulk == old_bulk:
+        with socket.create_server(("127.0.0.1", 0)) as probe:
+          new_bulk = probe.getsockname()[1]
+      with Server(config_path, ServerOptions(port=port, workers=1, bulk_port=new_bulk)
+                  ) as second:
+        assert second.bulk_port == new_bulk
+        got += [next(it) for _ in range(20)]
+  finally:
+    first.stop()  # a second stop does nothing; the first, if the test failed before it
   for k, batch in enumerate(got):
     assert_trees_equal(batch, oracle_batch(oracle, "forever", k, 32), f"step {k}")
 
 
-def test_a_dns_target_gets_bulk_connections_to_its_addresses(server, oracle):
+def test_a_dns_target_gets_bulk_connections_to_its_addresses(shared, oracle):
   """dns:///name:port (a headless Service) resolves to each replica's address."""
+  server = shared
   target = f"dns:///localhost:{server.port}"
   with RemoteDataset(target, "seed3", 50, transport=TransportOptions(kind="bulk")) as ds:
     it = iter(ds)
@@ -288,6 +301,14 @@ def test_a_frame_over_the_limit_is_refused_before_it_is_read():
     assert b.recv(1000) == b"x" * 100  # the payload was never read
 
 
+@pytest.fixture(scope="module")
+def process_server(config_path: str) -> Iterator[LocalServer]:
+  """`elevator serve` for the tests that read its log, --grace-s 20: the
+  last of them, at the end of this file, stops it with SIGTERM."""
+  with LocalServer(config_path, workers=1, extra_args=("--grace-s", "20")) as s:
+    yield s
+
+
 def _greeted(server) -> socket.socket:
   """A raw connection to the bulk port, past the magic and the server's hello."""
   from grain_elevator.proto import framing
@@ -304,9 +325,10 @@ def _logged_since(server, start: int, text: str) -> str:
   return server.stderr()[start:]
 
 
-def test_a_frame_promising_2_34_bytes_is_refused_unread(server):
+def test_a_frame_promising_2_34_bytes_is_refused_unread(process_server):
   """Before authentication and before allocating: the server reads the
   header, refuses the length, and hangs up."""
+  server = process_server
   from grain_elevator.proto import framing
   logged = len(server.stderr())
   with _greeted(server) as s:
@@ -326,7 +348,8 @@ def test_a_frame_promising_2_34_bytes_is_refused_unread(server):
     conn.close()
 
 
-def test_a_request_that_is_not_protobuf_is_dropped_without_a_traceback(server):
+def test_a_request_that_is_not_protobuf_is_dropped_without_a_traceback(process_server):
+  server = process_server
   from grain_elevator.proto import framing
   logged = len(server.stderr())
   with _greeted(server) as s:
@@ -336,3 +359,22 @@ def test_a_request_that_is_not_protobuf_is_dropped_without_a_traceback(server):
   log = _logged_since(server, logged, dropped)
   assert dropped in log
   assert "Traceback" not in log
+
+
+def test_sigterm_finishes_in_flight_bulk_requests_and_refuses_new_ones(process_server):
+  """The last test of `process_server`: it stops it."""
+  srv = process_server
+  busy = _connect(srv.host, srv.bulk_port)
+  idle = _connect(srv.host, srv.bulk_port)
+  stream = _stream(busy, _request(steps=60, g=8), 60)
+  first = next(stream)
+  srv.proc.send_signal(signal.SIGTERM)
+  wait_for_log(srv, "stopping: new requests are refused")
+  with pytest.raises(TransportError) as info:  # idle connections are closed
+    list(_stream(idle, _request(steps=1), 10))
+  assert info.value.code == grpc.StatusCode.UNAVAILABLE
+  rest = list(stream)  # the in-flight request still completes
+  assert first[0] == 0 and [s for s, _, _ in rest] == list(range(1, 60))
+  assert srv.proc.wait(60) == 0
+  busy.close()
+  idle.close()

@@ -1,4 +1,5 @@
-"""Bad requests get a precise gRPC status; the server keeps serving."""
+"""Bad requests get a precise gRPC status; the server keeps serving (the
+session's in-process 2-worker server: these tests only read)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,16 @@ from grain_elevator.client import (InvalidRequestError, RemoteDataset,
 from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.proto import elevator_pb2_grpc as pb_grpc
 from grain_elevator.proto import errors, wire
+from grain_elevator.server import Server
 from helpers import assert_trees_equal, oracle_batch
 
 OK = dict(dataset="plain", global_batch_size=64, shard_index=0, shard_count=1,
           start_step=0, num_steps=1)
+
+
+@pytest.fixture(scope="module")
+def server(serve) -> Server:
+  return serve(workers=2)
 
 
 @pytest.fixture(scope="module")

@@ -3,6 +3,8 @@ and a normal client still gets correct batches afterwards."""
 
 from __future__ import annotations
 
+import logging
+
 import grpc
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
@@ -10,7 +12,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from grain_elevator.client import RemoteDataset
 from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.proto import tree, wire
-from grain_elevator.tools.testing.launcher import LocalServer
+from grain_elevator.server import Server, ServerOptions
 from helpers import assert_streams_equal, assert_trees_equal, oracle_batch
 
 SERVICE = "/grain_elevator.v1.Elevator/"
@@ -21,15 +23,38 @@ FUZZ = settings(max_examples=80, deadline=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
+class _Log(logging.Handler):
+  """What the in-process server's supervisor logs (a worker's death among it)."""
+
+  def __init__(self) -> None:
+    super().__init__(logging.INFO)
+    self.lines: list[str] = []
+
+  def emit(self, record: logging.LogRecord) -> None:
+    self.lines.append(record.getMessage())
+
+
 @pytest.fixture(scope="module")
 def fuzz_server(config_path):
-  with LocalServer(config_path, workers=2) as server:
-    yield server
-    with RemoteDataset(server.target, "seed3", 64) as ds:  # still correct after it all
-      with RemoteDataset.embedded(config_path, "seed3", 64) as local:
-        assert assert_streams_equal(ds, local) == 15
-  assert server.proc.returncode == 0
-  assert "restarting it" not in server.stderr(), "a worker died during fuzzing"
+  """A server of its own, in-process: its supervisor's log is this process's,
+  read on the package's logger (which `elevator`'s log set-up stops
+  propagating to the root)."""
+  logger = logging.getLogger("grain_elevator")
+  log, level = _Log(), logger.level
+  logger.addHandler(log)
+  logger.setLevel(logging.INFO)
+  try:
+    with Server(config_path, ServerOptions(port=0, workers=2)) as server:
+      workers = sorted(server.worker_pids())
+      yield server
+      with RemoteDataset(server.target, "seed3", 64) as ds:  # still correct after it all
+        with RemoteDataset.embedded(config_path, "seed3", 64) as local:
+          assert assert_streams_equal(ds, local) == 15
+      assert sorted(server.worker_pids()) == workers, "a worker died during fuzzing"
+  finally:
+    logger.removeHandler(log)
+    logger.setLevel(level)
+  assert not [l for l in log.lines if "restarting it" in l], "a worker died during fuzzing"
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,11 @@
 """The gRPC port under a hostile or very large load: calls whose request
 never arrives, unauthenticated calls, half-sent messages, too many
 connections and streams. Each case failed on 01acd88 (the worker before
-these limits); a well-behaved client still reads the exact stream."""
+these limits); a well-behaved client still reads the exact stream.
+
+The tests that read the worker's log share one `elevator serve` (an
+in-process server's workers log where no test can read); the others run
+in-process servers, their own where they load or measure one."""
 
 from __future__ import annotations
 
@@ -21,11 +25,11 @@ from grain_elevator.client import RemoteDataset, Security, TransportOptions, des
 from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.proto import elevator_pb2_grpc as pb_grpc
 from grain_elevator.proto.limits import MAX_REQUEST_BYTES
-from grain_elevator.server import ServerOptions
+from grain_elevator.server import Server, ServerOptions
 from grain_elevator.server.serving.grpc_service import SERVICE_NAME
 from grain_elevator.tools.testing.h2peer import H2Peer
 from grain_elevator.tools.testing.launcher import LocalServer
-from helpers import assert_streams_equal, wait_for, wait_for_log, worker_pids
+from helpers import assert_streams_equal, wait_for, wait_for_log
 
 DESCRIBE = f"/{SERVICE_NAME}/Describe"
 GET_BATCHES = f"/{SERVICE_NAME}/GetBatches"
@@ -82,11 +86,20 @@ def _wait_for_ends(peers: list[H2Peer], ids: list[list[int]], timeout_s: float =
     each()
 
 
-def test_calls_whose_request_never_comes_are_cut_and_starve_nobody(config_path):
+@pytest.fixture(scope="module")
+def logged(config_path: str) -> Iterator[LocalServer]:
+  """One `elevator serve` worker with the default limits, for the tests
+  that read its log (each leaves it serving, its calls ended)."""
+  with LocalServer(config_path, workers=1) as server:
+    yield server
+
+
+def test_calls_whose_request_never_comes_are_cut_and_starve_nobody(logged, config_path):
   # 64 calls that send headers and no message, on every method, more than
   # the worker's 20 request threads (on 01acd88: Describe timed out for
   # everyone until they left).
-  with LocalServer(config_path, workers=1) as server, _peers(server, 4) as peers:
+  server = logged
+  with _peers(server, 4) as peers:
     ids = [[p.open_call(m) for m in (DESCRIBE, GET_BATCHES, CHECK) * 5] for p in peers]
     # Answered while the peers still hold their calls (they never send the
     # message, nor leave): only the arrival timeout can have freed threads.
@@ -113,12 +126,12 @@ def token_file(tmp_path_factory) -> str:
   return str(path)
 
 
-def test_a_missing_or_wrong_token_is_refused_before_the_message(config_path, token_file):
+def test_a_missing_or_wrong_token_is_refused_before_the_message(serve, config_path,
+                                                                 token_file):
   # On 01acd88 the refusal waited for the request message, so these calls,
   # which never send it, were never answered.
-  with LocalServer(config_path, workers=1,
-                   extra_args=("--auth-token-file", token_file)) as server, \
-       _peers(server, 1) as (peer,):
+  server = serve(workers=1, auth_token_file=token_file)
+  with _peers(server, 1) as (peer,):
     ids = [peer.open_call(DESCRIBE), peer.open_call(GET_BATCHES, token="wrong"),
            peer.open_call(GET_BATCHES, declared_bytes=1 << 20, send_bytes=1000)]
     _wait_for_ends([peer], [ids])
@@ -135,8 +148,9 @@ def test_half_sent_messages_cost_at_most_the_request_limit(config_path, declared
   # 400 calls that declare a request and send all of it that flow control
   # allows but the last bytes. On 01acd88 (1 MiB limit, BDP-sized windows)
   # each held ~0.7 MB, and 2,000 took a worker from 208 MB to 2.26 GB.
-  with LocalServer(config_path, workers=1) as server, _peers(server, 20) as peers:
-    (worker,) = worker_pids(server)
+  with Server(config_path, ServerOptions(port=0, workers=1)) as server, \
+       _peers(server, 20) as peers:
+    (worker,) = server.worker_pids()
     # The server's SETTINGS and windows first; then each call's prefix goes
     # out with its headers, as a client sends them: the length is seen well
     # within the arrival timeout however slowly this test loops.
@@ -170,12 +184,12 @@ def test_half_sent_messages_cost_at_most_the_request_limit(config_path, declared
 
 
 def test_streams_per_connection_and_connections_per_worker_are_capped(config_path):
-  with LocalServer(config_path, workers=1, extra_args=(
-      "--max-grpc-connections", "40", "--max-streams-per-connection", "8")) as server:
+  with Server(config_path, ServerOptions(port=0, workers=1, max_grpc_connections=40,
+                                         max_streams_per_connection=8)) as server:
     with _peers(server, 1) as (peer,):
       wait_for(lambda: _settled(peer), "the server's SETTINGS")
       assert peer.conn.remote_settings.max_concurrent_streams == 8
-    (worker,) = worker_pids(server)
+    (worker,) = server.worker_pids()
 
     def established() -> list:
       return [c for c in psutil.Process(worker).net_connections("tcp")
@@ -203,26 +217,27 @@ def test_streams_per_connection_and_connections_per_worker_are_capped(config_pat
     _exact(server, config_path)
 
 
-def test_calls_one_after_another_on_one_connection_past_its_stream_limit(config_path):
+def test_calls_one_after_another_on_one_connection_past_its_stream_limit(logged):
   # Each call's stream must be retired when it ends, a request that does not
   # parse included: a context kept alive by the arrival watchdog, or gRPC's
-  # own parse failure in a request stream, once kept them open, and the 9th
-  # call on one connection was refused (REFUSED_STREAM).
-  with LocalServer(config_path, workers=1,
-                   extra_args=("--max-streams-per-connection", "8")) as server:
-    with grpc.insecure_channel(server.target) as channel:
-      stub = pb_grpc.ElevatorStub(channel)
-      request = pb.BatchRequest(dataset="plain", global_batch_size=8, shard_count=1,
-                                num_steps=1)
-      garbage = channel.unary_unary(DESCRIBE)  # bytes that parse as no request
-      for _ in range(4 * 8):
-        stub.Describe(pb.DescribeRequest(dataset="plain"), timeout=10)
-        assert len(list(stub.GetBatches(request, timeout=10))) == 1
-        with pytest.raises(grpc.RpcError) as info:
-          garbage(b"\xff\xff\xff", timeout=10)
-        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert "is not a grain_elevator.v1.DescribeRequest" in info.value.details()
-    assert "Traceback" not in server.stderr()
+  # own parse failure in a request stream, once kept them open, and the
+  # (limit + 1)th call on one connection was refused (REFUSED_STREAM).
+  server = logged
+  limit = ServerOptions().max_streams_per_connection  # the shared server's
+  start = len(server.stderr())
+  with grpc.insecure_channel(server.target) as channel:
+    stub = pb_grpc.ElevatorStub(channel)
+    request = pb.BatchRequest(dataset="plain", global_batch_size=8, shard_count=1,
+                              num_steps=1)
+    garbage = channel.unary_unary(DESCRIBE)  # bytes that parse as no request
+    for _ in range(4 * limit):
+      stub.Describe(pb.DescribeRequest(dataset="plain"), timeout=10)
+      assert len(list(stub.GetBatches(request, timeout=10))) == 1
+      with pytest.raises(grpc.RpcError) as info:
+        garbage(b"\xff\xff\xff", timeout=10)
+      assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+      assert "is not a grain_elevator.v1.DescribeRequest" in info.value.details()
+  assert "Traceback" not in server.stderr()[start:]
 
 
 def test_health_says_not_serving_while_no_request_thread_is_free():

@@ -1,6 +1,10 @@
 """Clients that hold slots without reading, idle sockets, silent peers: the
 health check still answers, and a well-behaved client with default settings
-still reads the exact stream."""
+still reads the exact stream.
+
+Each test that holds a server's slots starts an in-process server of its
+own (~0.4 s); the two that read the worker's log share one `elevator serve`
+(an in-process server's workers log where no test can read)."""
 
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ from grain_elevator.client import RemoteDataset, TransportOptions
 from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.proto import elevator_pb2_grpc as pb_grpc
 from grain_elevator.proto import framing
+from grain_elevator.server import Server
 from grain_elevator.server.serving.options import ServerOptions
 from grain_elevator.tools.testing.launcher import LocalServer
 from helpers import assert_streams_equal, wait_for, wait_for_log
@@ -48,9 +53,13 @@ def _exact(server, config_path, kind: str = "auto") -> None:
 
 
 @contextlib.contextmanager
-def _unread_grpc_streams(server, n: int) -> Iterator[list]:
-  """`n` GetBatches calls nobody reads: each holds a request slot."""
-  channel = grpc.insecure_channel(server.target)
+def _unread_grpc_streams(server, n: int, *, small_window: bool = False) -> Iterator[list]:
+  """`n` GetBatches calls nobody reads: each holds a request slot. With
+  `small_window` the channel keeps HTTP/2's initial 64 KiB window (no
+  bandwidth probing grows it): a call stalls after a few batches, not
+  after megabytes."""
+  channel = grpc.insecure_channel(server.target,
+                                  options=[("grpc.http2.bdp_probe", 0)] if small_window else [])
   calls = [pb_grpc.ElevatorStub(channel).GetBatches(ENDLESS, timeout=300) for _ in range(n)]
   try:
     yield calls
@@ -88,18 +97,22 @@ def _unread_bulk_requests(server, n: int) -> Iterator[list[socket.socket]]:
       s.close()
 
 
-@pytest.fixture(scope="module")
-def server(config_path):
-  """One worker with the default limits (16 request slots)."""
-  with LocalServer(config_path, workers=1) as s:
+@pytest.fixture
+def fresh_server(config_path: str) -> Iterator[Server]:
+  """A worker of its own with the default limits (16 request slots): no
+  slot still held by an earlier test's streams, whose cancellation a loaded
+  machine may not have processed yet."""
+  with Server(config_path, ServerOptions(port=0, workers=1)) as s:
     yield s
 
 
-@pytest.fixture
-def fresh_server(config_path):
-  """A worker of its own: no slot still held by an earlier test's streams,
-  whose cancellation a loaded machine may not have processed yet."""
-  with LocalServer(config_path, workers=1) as s:
+@pytest.fixture(scope="module")
+def logged(config_path: str) -> Iterator[LocalServer]:
+  """`elevator serve` for the two tests that read its log: 64 bulk
+  connections at most and a 2 s write timeout (no other test here reads
+  slowly enough, nor batches large enough, for it to matter)."""
+  with LocalServer(config_path, workers=1, extra_args=(
+      "--max-bulk-connections", "64", "--write-timeout-s", "2")) as s:
     yield s
 
 
@@ -133,7 +146,8 @@ def _answer_kind(s: socket.socket) -> int:
   return framing.parse_header(s.recv(framing.HEADER_SIZE, socket.MSG_WAITALL))[0]
 
 
-def test_unread_bulk_requests_on_every_slot(server, config_path):
+def test_unread_bulk_requests_on_every_slot(fresh_server, config_path):
+  server = fresh_server
   with _unread_bulk_requests(server, 32) as socks:
     kinds = [_answer_kind(s) for s in socks]  # every request answered: slots held
     _health(server)
@@ -145,25 +159,24 @@ def test_unread_bulk_requests_on_every_slot(server, config_path):
   assert set(kinds) == {framing.STATUS, framing.BATCH}
 
 
-def test_idle_bulk_connections_past_the_cap(config_path):
+def test_idle_bulk_connections_past_the_cap(logged, config_path):
   soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
   if hard != resource.RLIM_INFINITY and hard < 512:
     pytest.skip(f"the open-files limit ({hard}) is too low for this test")
   resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 1024)), hard))
-  with LocalServer(config_path, workers=1,
-                   extra_args=("--max-bulk-connections", "64")) as server:
-    socks = [_bulk_socket(server) for _ in range(150)]
-    try:
-      _exact(server, config_path)  # bulk: the longest-idle sockets made room
-      _health(server)
-    finally:
-      for s in socks:
-        s.close()
-    wait_for_log(server, "closing the longest idle one")
+  server = logged
+  socks = [_bulk_socket(server) for _ in range(150)]
+  try:
+    _exact(server, config_path)  # bulk: the longest-idle sockets made room
+    _health(server)
+  finally:
+    for s in socks:
+      s.close()
+  wait_for_log(server, "closing the longest idle one")
 
 
 def test_idle_connections_are_closed(config_path):
-  with LocalServer(config_path, workers=1, extra_args=("--idle-timeout-s", "1")) as server:
+  with Server(config_path, ServerOptions(port=0, workers=1, idle_timeout_s=1)) as server:
     # A peer that never greets is closed at the handshake deadline
     # (HANDSHAKE_TIMEOUT_S, 10 s): the idle one must go before it, by the
     # server's own clock, however slow the machine.
@@ -180,12 +193,12 @@ def test_idle_connections_are_closed(config_path):
     _exact(server, config_path)  # a client reconnects without noticing
 
 
-def test_a_stalled_request_is_cancelled_after_the_write_timeout(config_path):
-  with LocalServer(config_path, workers=1, extra_args=("--write-timeout-s", "2")) as server:
-    with _unread_grpc_streams(server, 1) as (call,):
-      # Its window fills first, which takes a while on a loaded machine.
-      wait_for_log(server, "its client has not read for 2s (--write-timeout-s)", 180)
-      with pytest.raises(grpc.RpcError) as info:
-        for _ in call:
-          pass
-      assert info.value.code() == grpc.StatusCode.CANCELLED
+def test_a_stalled_request_is_cancelled_after_the_write_timeout(logged):
+  server = logged
+  with _unread_grpc_streams(server, 1, small_window=True) as (call,):
+    # Its window fills first (64 KiB), however long a loaded machine takes.
+    wait_for_log(server, "its client has not read for 2s (--write-timeout-s)", 180)
+    with pytest.raises(grpc.RpcError) as info:
+      for _ in call:
+        pass
+    assert info.value.code() == grpc.StatusCode.CANCELLED

@@ -1,4 +1,5 @@
-"""Bounded work per worker, and a clean SIGTERM."""
+"""Bounded work per worker, and a clean SIGTERM (the one test that needs an
+`elevator serve` process: it signals the supervisor and reads its log)."""
 
 from __future__ import annotations
 
@@ -48,8 +49,8 @@ def _drain(call) -> None:
 
 def test_over_the_concurrency_limit_is_resource_exhausted_and_clients_back_off(
     config_path):
-  with LocalServer(config_path, workers=1,
-                   extra_args=("--max-concurrent-requests", "1")) as server:
+  with Server(config_path, ServerOptions(port=0, workers=1,
+                                         max_concurrent_requests=1)) as server:
     with grpc.insecure_channel(server.target) as channel:
       stub = pb_grpc.ElevatorStub(channel)
       with _own_channel(server) as other:
@@ -82,15 +83,14 @@ def test_over_the_concurrency_limit_is_resource_exhausted_and_clients_back_off(
           assert assert_streams_equal(ds, local) == 15
 
 
-def test_message_size_limit_is_checked_before_building(config_path):
-  with LocalServer(config_path, workers=1,
-                   extra_args=("--max-message-bytes", "10000")) as server:
-    with pytest.raises(InvalidRequestError,
-                       match=r"256 rows of 68 bytes is 17408 bytes per step, over the "
-                             r"server's --max-message-bytes of 10000"):
-      next(iter(RemoteDataset(server.target, "aug2", 256)))
-    with RemoteDataset(server.target, "aug2", 128) as ds:  # 8704 bytes: fine
-      assert next(iter(ds))["image"].shape == (128, 4, 4, 3)
+def test_message_size_limit_is_checked_before_building(serve):
+  server = serve(workers=1, max_message_bytes=10000)
+  with pytest.raises(InvalidRequestError,
+                     match=r"256 rows of 68 bytes is 17408 bytes per step, over the "
+                           r"server's --max-message-bytes of 10000"):
+    next(iter(RemoteDataset(server.target, "aug2", 256)))
+  with RemoteDataset(server.target, "aug2", 128) as ds:  # 8704 bytes: fine
+    assert next(iter(ds))["image"].shape == (128, 4, 4, 3)
 
 
 def test_sigterm_refuses_new_requests_and_finishes_in_flight_ones(config_path, oracle):

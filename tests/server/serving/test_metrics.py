@@ -95,12 +95,12 @@ def test_counters_match_what_clients_received_across_a_worker_restart(config_pat
     urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=2)
 
 
-def test_no_metrics_port_means_no_endpoint_and_no_recording(config_path):
-  with Server(config_path, ServerOptions(port=0, workers=1)) as server:
-    assert server.metrics_port is None
-    assert "metrics" not in supervisor.ready_line(server)
-    assert not metrics.current().on
-    assert metrics.ENV not in os.environ
+def test_no_metrics_port_means_no_endpoint_and_no_recording(serve):
+  server = serve(workers=1)  # the session's: this test only reads
+  assert server.metrics_port is None
+  assert "metrics" not in supervisor.ready_line(server)
+  assert not metrics.current().on
+  assert metrics.ENV not in os.environ
 
 
 def test_a_bad_metrics_port_is_refused():
@@ -145,31 +145,36 @@ def test_utilization_is_the_workers_cpu_share(busy):
     exporter.stop()
 
 
-def test_elevator_top_shows_rates_of_a_live_server(config_path):
-  with Server(config_path, ServerOptions(port=0, workers=1, metrics_port=0)) as server:
-    address = f"127.0.0.1:{server.metrics_port}"
-    top = subprocess.Popen([*ELEVATOR, "top", address, "--once", "--interval", "3"],
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    # Streaming until top is done, so the stream spans its two scrapes
-    # whenever its start-up lets it take them: new steps all along.
-    with RemoteDataset(server.target, "forever", 100,
-                       transport=TransportOptions(kind="bulk")) as ds:
-      deadline = time.monotonic() + 120
-      for _ in ds:
-        if top.poll() is not None:
-          break
-        assert time.monotonic() < deadline, "elevator top did not finish"
-    out, err = top.communicate(timeout=60)
+def test_elevator_top_shows_rates_of_a_live_server(serve):
+  server = serve(workers=1, metrics_port=0)  # the session's: rates are read, not counts
+  address = f"127.0.0.1:{server.metrics_port}"
+  top = subprocess.Popen([*ELEVATOR, "top", address, "--once", "--interval", "3"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  # Streaming until top is done, so the stream spans its two scrapes
+  # whenever its start-up lets it take them: new steps all along.
+  with RemoteDataset(server.target, "forever", 100,
+                     transport=TransportOptions(kind="bulk")) as ds:
+    deadline = time.monotonic() + 120
+    for _ in ds:
+      if top.poll() is not None:
+        break
+      assert time.monotonic() < deadline, "elevator top did not finish"
+  out, err = top.communicate(timeout=60)
   assert top.returncode == 0, err
   assert "workers 1" in out and "utilization" in out
   assert re.search(r"dataset forever: [\d.]+ batches/s   batch time p50 ≤ [\d.]+ ms", out), out
   assert re.search(r"sent forever/bulk: [\d.]+ MB/s", out), out
 
 
-def test_elevator_top_names_a_server_without_metrics():
-  result = subprocess.run([*ELEVATOR, "top", "127.0.0.1:1", "--once"], capture_output=True,
-                          text=True, timeout=60)
-  assert result.returncode == 2 and "is the server run with --metrics-port" in result.stderr
+def test_elevator_top_names_a_server_without_metrics(monkeypatch, capsys):
+  """As the `elevator` command runs it (cli.main), in this process rather
+  than a fresh one; this process's logging left alone."""
+  from grain_elevator.server.process import logs  # pylint: disable=import-outside-toplevel
+  from grain_elevator.tools import cli  # pylint: disable=import-outside-toplevel
+  monkeypatch.setattr(logs, "setup", lambda *given, **named: None)
+  capsys.readouterr()
+  assert cli.main(["top", "127.0.0.1:1", "--once"]) == 2
+  assert "is the server run with --metrics-port" in capsys.readouterr().err
 
 
 # The endpoint under slow peers: each holds a thread for a bounded time, and

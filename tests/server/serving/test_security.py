@@ -1,4 +1,8 @@
-"""TLS, mutual TLS and bearer tokens: each failure gets its precise status."""
+"""TLS, mutual TLS and bearer tokens: each failure gets its precise status.
+
+The TLS servers are the session's in-process ones (`serve`); the token's
+is an `elevator serve` process, whose log the tests read for the token (an
+in-process server's workers log where no test can read)."""
 
 from __future__ import annotations
 
@@ -9,6 +13,8 @@ import pytest
 
 from grain_elevator.client import (RemoteDataset, RetryPolicy, Security,
                                    ServiceUnavailableError, UnauthenticatedError)
+from grain_elevator.server import Server
+from grain_elevator.tools import cli
 from grain_elevator.tools.testing.launcher import ELEVATOR, LocalServer
 from helpers import assert_trees_equal, oracle_batch
 
@@ -72,25 +78,40 @@ def test_missing_or_wrong_token_is_unauthenticated(token_server, token, message)
   assert TOKEN not in token_server.stderr()
 
 
-def test_health_needs_no_token(token_server):
-  result = subprocess.run([*ELEVATOR, "health", token_server.target],
-                          capture_output=True, text=True, timeout=60)
-  assert result.returncode == 0 and "SERVING" in result.stdout
+def _elevator(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+              *argv: str) -> tuple[int, str, str]:
+  """`elevator ARGV` as the command runs it (cli.main), in this process
+  rather than a fresh interpreter (~3 s of imports), which must start no
+  server and leave this process's logging alone: its exit code, stdout and
+  stderr."""
+  from grain_elevator import server as server_lib  # pylint: disable=g-import-not-at-top
+  from grain_elevator.server.process import logs, supervisor  # pylint: disable=g-import-not-at-top
+
+  def started(*given: object, **named: object) -> None:
+    raise AssertionError(f"elevator serve started a server: {given} {named}")
+  monkeypatch.setattr(logs, "setup", lambda *given, **named: None)
+  monkeypatch.setattr(supervisor, "serve", started)
+  monkeypatch.setattr(server_lib, "serve", started, raising=False)
+  capsys.readouterr()
+  code = cli.main(list(argv))
+  out, err = capsys.readouterr()
+  return code, out, err
+
+
+def test_health_needs_no_token(token_server, monkeypatch, capsys):
+  code, out, _ = _elevator(monkeypatch, capsys, "health", token_server.target)
+  assert code == 0 and "SERVING" in out
 
 
 @pytest.fixture(scope="module")
-def tls_server(config_path, pki):
-  with LocalServer(config_path, workers=1, extra_args=(
-      "--tls-cert", str(pki / "server.pem"), "--tls-key", str(pki / "server.key"))) as s:
-    yield s
+def tls_server(serve, pki: pathlib.Path) -> Server:
+  return serve(workers=1, tls_cert=str(pki / "server.pem"), tls_key=str(pki / "server.key"))
 
 
 @pytest.fixture(scope="module")
-def mtls_server(config_path, pki):
-  with LocalServer(config_path, workers=1, extra_args=(
-      "--tls-cert", str(pki / "server.pem"), "--tls-key", str(pki / "server.key"),
-      "--tls-client-ca", str(pki / "ca.pem"))) as s:
-    yield s
+def mtls_server(serve, pki: pathlib.Path) -> Server:
+  return serve(workers=1, tls_cert=str(pki / "server.pem"), tls_key=str(pki / "server.key"),
+               tls_client_ca=str(pki / "ca.pem"))
 
 
 def test_tls_with_the_right_ca(tls_server, pki, oracle):
@@ -123,13 +144,22 @@ def test_mtls_with_a_client_certificate(mtls_server, pki, oracle):
     assert_trees_equal(next(iter(ds)), oracle_batch(oracle, "plain", 0, 16))
 
 
-@pytest.mark.slow  # three `elevator serve` processes (ServerOptions' own checks are fast tests)
 @pytest.mark.parametrize("args,message", [
     (("--tls-cert", "x.pem"), "--tls-cert and --tls-key go together"),
     (("--tls-client-ca", "ca.pem"), "--tls-client-ca needs --tls-cert"),
-    (("--auth-token-file", "/nonexistent/token"), "--auth-token-file '/nonexistent/token'"),
 ])
-def test_bad_security_flags(config_path, args, message):
-  result = subprocess.run([*ELEVATOR, "serve", "--config", config_path, "--port", "0", *args],
+def test_bad_security_flags(config_path, args, message, monkeypatch, capsys):
+  """Refused with the options, before anything starts."""
+  code, _, err = _elevator(monkeypatch, capsys, "serve", "--config", config_path,
+                           "--port", "0", *args)
+  assert code == 2 and message in err
+
+
+@pytest.mark.slow  # an `elevator serve` process
+def test_a_missing_token_file_is_refused(config_path):
+  """Refused as the server starts (the file is read then): the process's own exit."""
+  result = subprocess.run([*ELEVATOR, "serve", "--config", config_path, "--port", "0",
+                           "--auth-token-file", "/nonexistent/token"],
                           capture_output=True, text=True, timeout=120)
-  assert result.returncode == 2 and message in result.stderr
+  assert result.returncode == 2
+  assert "--auth-token-file '/nonexistent/token'" in result.stderr

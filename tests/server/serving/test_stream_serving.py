@@ -1,6 +1,8 @@
 """How a server serves a stream dataset: each global batch produced once for
 all hosts, the head computed by every worker, and the stream exact across a
-worker's death."""
+worker's death. In-process servers where they can be: `elevator serve`
+processes for a TMPDIR of its own at start-up and for a replica SIGKILLed
+whole."""
 
 from __future__ import annotations
 
@@ -8,7 +10,6 @@ import json
 import os
 import pathlib
 import signal
-import textwrap
 import threading
 
 import pytest
@@ -18,6 +19,7 @@ from grain_elevator.server import Server, ServerOptions
 from grain_elevator.tools import top
 from grain_elevator.tools.testing.launcher import LocalServer
 from helpers import assert_streams_equal, worker_pids
+import datasets
 
 G, H, STEPS = 12, 3, 24
 
@@ -49,18 +51,10 @@ def probe_config(data_dir: pathlib.Path, tmp_path_factory) -> pathlib.Path:
   root = tmp_path_factory.mktemp("probe")
   (root / "probe_pipeline.py").write_text(_PROBE)
   (root / "notes").mkdir()
-  (root / "elevator.toml").write_text(textwrap.dedent(f"""\
-      [datasets.even]
-      paths = ["{data_dir}/shards/*.array_record"]
-      pipeline = "probe_pipeline:even_labels"
-      seed = 31
-      num_epochs = 0
-      [datasets.even.options]
-      out = "{root / 'notes'}"
-      height = 4
-      width = 4
-      channels = 3
-      """))
+  datasets.write_config(root / "elevator.toml",
+                        even=datasets.images(data_dir / datasets.SHARDS,
+                                             pipeline="probe_pipeline:even_labels", seed=31,
+                                             num_epochs=0, options={"out": str(root / "notes")}))
   return root / "elevator.toml"
 
 
@@ -133,13 +127,14 @@ def test_hosts_reading_together_get_each_global_batch_produced_once(probe_config
 @pytest.mark.slow  # kills workers and waits for their restart
 def test_the_stream_stays_exact_when_its_workers_die(probe_config, want):
   """Each worker is SIGKILLed in turn, mid-stream: one of them owns the
-  stream, the other computes part of its head."""
-  with LocalServer(str(probe_config), workers=2, env=_env(probe_config)) as server:
+  stream, the other computes part of its head. (Its workers import the
+  pipeline from this process's path, which `want` extended.)"""
+  with Server(str(probe_config), ServerOptions(port=0, workers=2)) as server:
     with RemoteDataset(server.target, "even", G, retry=RetryPolicy(timeout_s=60),
                        transport=TransportOptions(steps_per_request=3)) as ds:
       it = iter(ds)
       got = [next(it) for _ in range(10)]
-      for pid in worker_pids(server):
+      for pid in server.worker_pids():
         os.kill(pid, signal.SIGKILL)
         got += [next(it) for _ in range(15)]
       saved = json.loads(json.dumps(it.get_state()))

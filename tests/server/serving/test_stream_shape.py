@@ -7,6 +7,7 @@ process: the shape is built as a RequestPath builds it."""
 from __future__ import annotations
 
 import pathlib
+import tomllib
 
 import numpy as np
 import pytest
@@ -23,17 +24,17 @@ from grain_elevator.server.data.registry import Datasets
 from grain_elevator.server.serving.options import DEFAULT_MAX_STREAM_BATCH_BYTES
 from grain_elevator.server.serving.stream_sessions import StreamSessions
 from grain_elevator.server.serving.stream_shape import StreamShape
+import datasets as datasets_lib
 
 
 @pytest.fixture(scope="module")
 def few_once_config(few_config: str, tmp_path_factory: pytest.TempPathFactory) -> str:
-  """"few" read once: a stream that ends."""
-  path = tmp_path_factory.mktemp("few-once") / "elevator.toml"
-  path.write_text(pathlib.Path(few_config).read_text().replace(
-      "[datasets.few]", "[datasets.few_once]").replace(
-      "[datasets.few.options]", "[datasets.few_once.options]").replace(
-      "num_epochs = 0", "num_epochs = 1"))
-  return str(path)
+  """"few" read once: a stream that ends (the conftest's table, its paths
+  made absolute, with one epoch)."""
+  few = tomllib.loads(pathlib.Path(few_config).read_text())["datasets"]["few"]
+  paths = [str(pathlib.Path(few_config).parent / p) for p in few["paths"]]
+  return datasets_lib.write_config(tmp_path_factory.mktemp("few-once") / "elevator.toml",
+                                   few_once={**few, "paths": paths, "num_epochs": 1})
 
 
 @pytest.fixture(scope="module")
