@@ -18,22 +18,12 @@ import pytest
 torch = pytest.importorskip("torch", reason="the torch extra is not installed")
 
 from grain_elevator.client import RemoteDataset, StreamMismatchError, TransportOptions
-from grain_elevator.client.embedded import EmbeddedBackend
 from grain_elevator.client.torch import STATE_KEY, TorchLoader, data_parallel_shard, to_tensors
-from grain_elevator.pipelines import examples
 from grain_elevator.proto.errors import InvalidRequestError
-import datasets
 from helpers import ROOT, oracle_batch
 
 G = 96
 SCRIPT = ROOT / "tests" / "scripts" / "torch_rank.py"
-
-
-@pytest.fixture(scope="module")
-def server(serve):
-  """The session's in-process 2-worker server (these tests only read), not
-  an `elevator serve` process."""
-  return serve(workers=2)
 
 
 def _worlds(server, config_path: str, out: pathlib.Path,
@@ -69,29 +59,15 @@ def test_tensors_are_embedded_modes_rows(server, oracle, kind):
       _tensors_equal(next(it), oracle_batch(oracle, "aug2", step, G, 1, 2))
 
 
-# 32x32x3 images: 32 rows of 3 KiB make a frame of ~97 KiB, large enough to
-# be pooled (client/transport/buffers.py: 64 KiB and up), where the
-# conftest's 4x4x3 images took 2048 rows a step (about 60 times the records
-# to decode, here and on the server).
-BIG = {"height": 32, "width": 32, "channels": 3}
-
-
-@pytest.fixture(scope="module")
-def big_rows(tmp_path_factory) -> str:
-  """A step dataset of 3 KiB rows, shuffled, repeating forever."""
-  root = tmp_path_factory.mktemp("torch-big")
-  examples.write_image_shards(str(root / "shards"), num_records=300, num_shards=2, **BIG)
-  return datasets.write_config(root / "elevator.toml",
-                               forever=datasets.images(seed=11, num_epochs=0, image=BIG))
-
-
-def test_a_tensor_never_changes_under_the_trainer_while_buffers_are_reused(serve, big_rows):
+def test_a_tensor_never_changes_under_the_trainer_while_buffers_are_reused(big_server,
+                                                                          big_oracle):
   """The trainer keeps every third batch's tensors and drops the rest: the
   dropped ones' receive buffers come back for later steps (the same
-  addresses), the kept tensors stay exactly embedded mode's rows."""
+  addresses), the kept tensors stay exactly embedded mode's rows. 32 rows
+  of 3 KiB make each frame large enough to be pooled (conftest's big_rows)."""
   g = 32
   kept, addresses = {}, []
-  with RemoteDataset(serve(big_rows, workers=2).target, "forever", g, prefetch=8,
+  with RemoteDataset(big_server.target, "forever", g, prefetch=8,
                      transport=TransportOptions(kind="bulk")) as ds:
     it = iter(TorchLoader(ds))
     for k in range(45):
@@ -101,9 +77,8 @@ def test_a_tensor_never_changes_under_the_trainer_while_buffers_are_reused(serve
       if k % 3 == 0:
         kept[k] = batch
   assert len(set(addresses)) < len(addresses), "no receive buffer was ever reused"
-  oracle = EmbeddedBackend(big_rows)
   for k, batch in kept.items():
-    _tensors_equal(batch, oracle_batch(oracle, "forever", k, g))
+    _tensors_equal(batch, oracle_batch(big_oracle, "forever", k, g))
 
 
 def test_state_dict_round_trips_through_json_and_refuses_another_stream(server, oracle):

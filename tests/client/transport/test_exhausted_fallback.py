@@ -12,7 +12,6 @@ import time
 from typing import Callable, Iterator
 
 import grpc
-import pytest
 
 from grain_elevator.client import RemoteDataset
 from grain_elevator.proto import elevator_pb2 as pb
@@ -73,12 +72,6 @@ def _full_server(config_path: str) -> Server:
   """A replica of one worker and one request slot: in-process, and each
   test's own (its slot and its batch cache see no other test's reads)."""
   return Server(config_path, ServerOptions(port=0, workers=1, max_concurrent_requests=1))
-
-
-@pytest.fixture(scope="module")
-def server(serve):
-  """The replica with room: the session's in-process 2-worker server."""
-  return serve(workers=2)
 
 
 def _warnings(caplog, text: str) -> list[str]:

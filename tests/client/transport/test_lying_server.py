@@ -49,13 +49,6 @@ PATIENT = RetryPolicy(timeout_s=60)
 IMAGE = 1  # leaf index of "image" in {"id", "image", "label"}
 
 
-@pytest.fixture(scope="module")
-def server(serve):
-  """The honest replica: the session's in-process 2-worker server (these
-  tests only read from it), not an `elevator serve` process."""
-  return serve(workers=2)
-
-
 @dataclasses.dataclass(frozen=True)
 class Oversize:
   """A step message of `size` bytes (over bulk: only the header claiming it)."""

@@ -15,13 +15,6 @@ from grain_elevator.proto import elevator_pb2 as pb
 
 
 @pytest.fixture(scope="module")
-def server(serve):
-  """A 2-worker replica: the session's in-process one (these tests only
-  connect and describe), not an `elevator serve` process."""
-  return serve(workers=2)
-
-
-@pytest.fixture(scope="module")
 def second(serve):
   """Another replica, of 3 workers."""
   return serve(workers=3)

@@ -13,12 +13,6 @@ from helpers import assert_streams_equal
 
 
 @pytest.fixture(scope="module")
-def server(serve):
-  """The first replica: the session's in-process 2-worker server."""
-  return serve(workers=2)
-
-
-@pytest.fixture(scope="module")
 def second(config_path: str) -> Iterator[LocalServer]:
   """The second replica, an `elevator serve` process shared by the module's
   tests: once they have read from it, it must exit 0 when stopped."""
