@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import pathlib
+import signal
 import socket
 import sys
 from typing import Any
@@ -38,6 +39,7 @@ from grain_elevator.client import RemoteDataset
 from grain_elevator.client.embedded import EmbeddedBackend
 from grain_elevator.client.torch import STATE_KEY, TorchLoader, data_parallel_shard
 # What EmbeddedBackend imports when it opens a config.
+from grain_elevator.server.process import lifeline
 from grain_elevator.server.data import config as _config  # pylint: disable=unused-import
 from grain_elevator.server.data import registry as _registry  # pylint: disable=unused-import
 from grain_elevator.server.serving import request_path as _request_path  # pylint: disable=unused-import
@@ -54,8 +56,9 @@ def _free_port() -> int:
 
 def _rank(rank: int, world: int, port: int, log: str, a: argparse.Namespace,
           stage: dict[str, Any]) -> None:
-  """One rank, in a fork of the launcher: its output to `log`, its place in
-  the world from the environment, as torchrun gives it."""
+  """One rank, in a fork of the launcher (killed if it dies): its output to
+  `log`, its place in the world from the environment, as torchrun gives it."""
+  lifeline.tie(os.getppid(), signal.SIGKILL)
   fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
   sys.stdout.flush()
   sys.stderr.flush()
