@@ -173,20 +173,29 @@ def test_the_cli_explains_a_step(explain_server, explain_config, capsys):
   assert "slots 0.." in capsys.readouterr().out
 
 
+_steps: dict[tuple[str, str], tuple[list[tuple[dict, dict]], bool]] = {}
+
+
 def _stream_steps(config: pathlib.Path, name: str, limit: int = 1000
                   ) -> list[tuple[dict, dict]]:
   """Embedded mode's (state where the step starts, batch) for each step, to
-  the stream's end or `limit`."""
-  with RemoteDataset.embedded(str(config), name, G) as ds:
-    it = iter(ds)
-    out = []
-    while len(out) < limit:
-      state = it.get_state()
-      try:
-        out.append((state, next(it)))
-      except StopIteration:
-        break
-    return out
+  the stream's end or `limit`; read once for the module's tests (to the
+  longest limit asked), which only read them."""
+  key = (str(config), name)
+  got, ended = _steps.get(key, ([], False))
+  if len(got) < limit and not ended:
+    with RemoteDataset.embedded(str(config), name, G) as ds:
+      it = iter(ds)
+      got, ended = [], False
+      while len(got) < limit:
+        state = it.get_state()
+        try:
+          got.append((state, next(it)))
+        except StopIteration:
+          ended = True
+          break
+    _steps[key] = got, ended
+  return got[:limit]
 
 
 def _tokens(config: pathlib.Path, shard: str, record: int) -> np.ndarray:
