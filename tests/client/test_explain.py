@@ -7,7 +7,6 @@ embedded, on 1, 2 and 4 hosts."""
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import sys
 import textwrap
@@ -25,99 +24,35 @@ from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.tools import cli
 from grain_elevator.tools import text_corpus
 from grain_elevator.tools import tokenizer as tokenizer_lib
-from grain_elevator.tools.testing.launcher import LocalServer
+from grain_elevator.server import Server, ServerOptions
+import datasets
+from helpers import wait_for
 
-IMAGE = {"height": 4, "width": 4, "channels": 3}
+IMAGE = datasets.IMAGE
 G = 12  # 1000 records: the last evaluation batch has 8 padding rows
-
-CONFIG = textwrap.dedent("""\
-    [datasets.twice]         # 1:1, shuffled, two epochs
-    paths = ["shards/*.array_record"]
-    pipeline = "grain_elevator.pipelines.examples:decode_images"
-    seed = 71
-    num_epochs = 2
-    [datasets.twice.options]
-    height = 4
-    width = 4
-    channels = 3
-
-    [datasets.a]
-    paths = ["shards/train-00000*.array_record"]
-    pipeline = "grain_elevator.pipelines.examples:decode_images"
-    seed = 72
-    [datasets.a.options]
-    height = 4
-    width = 4
-    channels = 3
-    [datasets.b]
-    paths = ["shards/train-00002*.array_record"]
-    pipeline = "grain_elevator.pipelines.examples:decode_images"
-    seed = 73
-    [datasets.b.options]
-    height = 4
-    width = 4
-    channels = 3
-    [datasets.mix]           # a mixture whose weights change at step 5
-    [[datasets.mix.schedule]]
-    step = 0
-    weights = { a = 0.5, b = 0.5 }
-    [[datasets.mix.schedule]]
-    step = 5
-    weights = { a = 0.2, b = 0.8 }
-
-    [datasets.eval]          # evaluation mode: 1000 records, the last batch padded
-    paths = ["shards/*.array_record"]
-    pipeline = "grain_elevator.pipelines.examples:decode_images"
-    seed = 74
-    drop_remainder = false
-    [datasets.eval.options]
-    height = 4
-    width = 4
-    channels = 3
-    """)
 
 EVAL_STEPS = -(-1000 // G)  # the conftest's 1000 records
 LENGTH = 32
 
-STREAMS = textwrap.dedent("""\
-    [datasets.lm]            # packed text: tokenize, chunk, first-fit pack, padded rows
-    paths = ["text/*.array_record"]
-    pipeline = "grain_elevator.pipelines.text:tokenize"
-    iter_pipeline = "grain_elevator.pipelines.text:chunk_and_pack"
-    batch_fn = "grain.experimental:batch_and_pad"
-    seed = 75
-    num_epochs = 0
-    [datasets.lm.options]
-    tokenizer = "tokenizer.json"
-    field = "text"
-    [datasets.lm.iter_options]
-    length = 32
-    num_packing_bins = 4
-
-    [datasets.lm_once]       # packed text, one epoch, evaluation mode: the last batch padded
-    paths = ["text/*.array_record"]
-    pipeline = "grain_elevator.pipelines.text:tokenize"
-    iter_pipeline = "grain_elevator.pipelines.text:chunk_and_pack"
-    seed = 76
-    drop_remainder = false
-    [datasets.lm_once.options]
-    tokenizer = "tokenizer.json"
-    field = "text"
-    [datasets.lm_once.iter_options]
-    length = 32
-    num_packing_bins = 4
-
-    [datasets.fixed_mix]
-    mixture = { a = 0.6, b = 0.4 }
-    [datasets.lm_mix]        # packed "tokens" (pixels) over a mixture's records
-    source = "fixed_mix"
-    pipeline = "pixel_tokens:tokens"
-    iter_pipeline = "grain_elevator.pipelines.text:chunk_and_pack"
-    batch_fn = "grain.experimental:batch_and_pad"
-    [datasets.lm_mix.iter_options]
-    length = 32
-    num_packing_bins = 4
-    """)
+DATASETS = dict(
+    twice=datasets.images(seed=71, num_epochs=2),  # 1:1, shuffled, two epochs
+    a=datasets.images("shards/train-00000*.array_record", seed=72),
+    b=datasets.images("shards/train-00002*.array_record", seed=73),
+    # a mixture whose weights change at step 5
+    mix=datasets.scheduled({0: {"a": 0.5, "b": 0.5}, 5: {"a": 0.2, "b": 0.8}}),
+    # evaluation mode: 1000 records, the last batch padded
+    eval=datasets.images(seed=74, drop_remainder=False),
+    # packed text: tokenize, chunk, first-fit pack, padded rows
+    lm=datasets.packed_text(batch_fn=datasets.BATCH_AND_PAD, seed=75, num_epochs=0,
+                            length=LENGTH),
+    # packed text, one epoch, evaluation mode: the last batch padded
+    lm_once=datasets.packed_text(seed=76, drop_remainder=False, length=LENGTH),
+    fixed_mix=datasets.mixture(a=0.6, b=0.4),
+    # packed "tokens" (pixels) over a mixture's records
+    lm_mix=datasets.dataset(None, source="fixed_mix", pipeline="pixel_tokens:tokens",
+                            iter_pipeline=datasets.PACK, batch_fn=datasets.BATCH_AND_PAD,
+                            iter_options={"length": LENGTH, "num_packing_bins": 4}),
+)
 
 # lm_mix's pipeline: each image's first 1 + label % 40 pixels as "tokens"
 # (documents of many lengths, from a mixture's components).
@@ -139,16 +74,18 @@ def explain_config(data_dir: pathlib.Path, tmp_path_factory) -> pathlib.Path:
   text_corpus.write_jsonl_shards(str(root / "text"), 40, num_shards=2, seed=7)
   tokenizer_lib.train(root / "tokenizer.json", vocab_size=384)
   (root / "pixel_tokens.py").write_text(PIXEL_TOKENS)
-  (root / "elevator.toml").write_text(CONFIG + "\n" + STREAMS)
-  sys.path.insert(0, str(root))  # pixel_tokens, for embedded mode
-  yield root / "elevator.toml"
+  path = pathlib.Path(datasets.write_config(root / "elevator.toml", **DATASETS))
+  # pixel_tokens, for embedded mode and an in-process server's workers (a
+  # process started by the fork server takes this process's sys.path).
+  sys.path.insert(0, str(root))
+  yield path
   sys.path.remove(str(root))
 
 
 @pytest.fixture(scope="module")
 def explain_server(explain_config):
-  path = os.pathsep.join([str(explain_config.parent), os.environ.get("PYTHONPATH", "")])
-  with LocalServer(str(explain_config), workers=2, env={"PYTHONPATH": path}) as s:
+  """One in-process 2-worker server for the module: every test only reads."""
+  with Server(str(explain_config), ServerOptions(port=0, workers=2)) as s:
     yield s
 
 
@@ -236,20 +173,29 @@ def test_the_cli_explains_a_step(explain_server, explain_config, capsys):
   assert "slots 0.." in capsys.readouterr().out
 
 
+_steps: dict[tuple[str, str], tuple[list[tuple[dict, dict]], bool]] = {}
+
+
 def _stream_steps(config: pathlib.Path, name: str, limit: int = 1000
                   ) -> list[tuple[dict, dict]]:
   """Embedded mode's (state where the step starts, batch) for each step, to
-  the stream's end or `limit`."""
-  with RemoteDataset.embedded(str(config), name, G) as ds:
-    it = iter(ds)
-    out = []
-    while len(out) < limit:
-      state = it.get_state()
-      try:
-        out.append((state, next(it)))
-      except StopIteration:
-        break
-    return out
+  the stream's end or `limit`; read once for the module's tests (to the
+  longest limit asked), which only read them."""
+  key = (str(config), name)
+  got, ended = _steps.get(key, ([], False))
+  if len(got) < limit and not ended:
+    with RemoteDataset.embedded(str(config), name, G) as ds:
+      it = iter(ds)
+      got, ended = [], False
+      while len(got) < limit:
+        state = it.get_state()
+        try:
+          got.append((state, next(it)))
+        except StopIteration:
+          ended = True
+          break
+    _steps[key] = got, ended
+  return got[:limit]
 
 
 def _tokens(config: pathlib.Path, shard: str, record: int) -> np.ndarray:
@@ -401,9 +347,7 @@ def test_the_cli_summary(explain_server, capsys):
 def test_metrics_count_records_per_component_and_tokens(explain_config):
   """elevator_records_served{dataset,component} and elevator_tokens_served
   hold what the clients received, by mixture component."""
-  from grain_elevator.server import Server, ServerOptions  # pylint: disable=g-import-not-at-top
   from grain_elevator.tools import top  # pylint: disable=g-import-not-at-top
-  from helpers import wait_for  # pylint: disable=g-import-not-at-top
   with Server(str(explain_config), ServerOptions(port=0, workers=2, metrics_port=0)) as server:
     with RemoteDataset(server.target, "mix", G, prefetch=0) as ds:  # one step a request
       it = iter(ds)

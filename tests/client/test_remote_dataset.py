@@ -11,7 +11,7 @@ import pytest
 
 from grain_elevator.client import (ElevatorError, InvalidRequestError, RemoteDataset,
                                    RetryPolicy, Security, TransportOptions)
-from helpers import assert_trees_equal, oracle_batch, worker_pids
+from helpers import assert_trees_equal, oracle_batch
 
 
 def _our_threads() -> set[threading.Thread]:
@@ -145,12 +145,14 @@ def test_close_from_another_thread_unblocks_a_waiting_next(config_path):
   """A trainer thread blocked in next() on a frozen server is released by close()."""
   import os
   import signal
-  from grain_elevator.tools.testing.launcher import LocalServer
-  with LocalServer(config_path, workers=1) as server:
+  from grain_elevator.server import Server, ServerOptions
+  # Its own server (its workers are frozen), in-process: its workers are
+  # the ones signalled, never this process.
+  with Server(config_path, ServerOptions(port=0, workers=1)) as server:
     ds = RemoteDataset(server.target, "plain", 8, prefetch=0)
     it = iter(ds)
     next(it)
-    workers = worker_pids(server)
+    workers = server.worker_pids()
     for pid in workers:
       os.kill(pid, signal.SIGSTOP)
     try:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import pathlib
-import textwrap
 
 import numpy as np
 import pytest
@@ -19,79 +18,22 @@ from grain_elevator.client import state as state_lib
 from grain_elevator.tools import cli
 from grain_elevator.tools import text_corpus
 from grain_elevator.tools import tokenizer as tokenizer_lib
-from grain_elevator.tools.testing.launcher import LocalServer
+import datasets
 from helpers import assert_streams_equal
 
 G = 4
 AT, SKIP, SAVED = 100, 50, 120  # skip 50 at step 100, save after 120 batches given
 
-CONFIG = textwrap.dedent("""\
-    [datasets.forever]       # 1:1, shuffled, repeating
-    paths = ["shards/*.array_record"]
-    pipeline = "grain_elevator.pipelines.examples:decode_images"
-    seed = 61
-    num_epochs = 0
-    [datasets.forever.options]
-    height = 4
-    width = 4
-    channels = 3
-
-    [datasets.once]          # 1:1, one epoch of 1000 records: 250 steps of 4
-    paths = ["shards/*.array_record"]
-    pipeline = "grain_elevator.pipelines.examples:decode_images"
-    seed = 62
-    [datasets.once.options]
-    height = 4
-    width = 4
-    channels = 3
-
-    [datasets.a]
-    paths = ["shards/train-00000*.array_record"]
-    pipeline = "grain_elevator.pipelines.examples:decode_images"
-    seed = 63
-    num_epochs = 0
-    [datasets.a.options]
-    height = 4
-    width = 4
-    channels = 3
-    [datasets.b]
-    paths = ["shards/train-00001*.array_record"]
-    pipeline = "grain_elevator.pipelines.examples:decode_images"
-    seed = 64
-    num_epochs = 0
-    [datasets.b.options]
-    height = 4
-    width = 4
-    channels = 3
-    [datasets.mix]           # a mixture of two 1:1 datasets
-    mixture = { a = 0.7, b = 0.3 }
-
-    [datasets.lm]            # packed text: tokenize, chunk, first-fit pack
-    paths = ["text/*.array_record"]
-    pipeline = "grain_elevator.pipelines.text:tokenize"
-    iter_pipeline = "grain_elevator.pipelines.text:chunk_and_pack"
-    batch_fn = "grain.experimental:batch_and_pad"
-    seed = 65
-    num_epochs = 0
-    [datasets.lm.options]
-    tokenizer = "tokenizer.json"
-    field = "text"
-    [datasets.lm.iter_options]
-    length = 32
-    num_packing_bins = 4
-
-    [datasets.lm_once]       # packed text, one epoch: a finite stream
-    paths = ["text/*.array_record"]
-    pipeline = "grain_elevator.pipelines.text:tokenize"
-    iter_pipeline = "grain_elevator.pipelines.text:chunk_and_pack"
-    seed = 66
-    [datasets.lm_once.options]
-    tokenizer = "tokenizer.json"
-    field = "text"
-    [datasets.lm_once.iter_options]
-    length = 32
-    num_packing_bins = 4
-    """)
+DATASETS = dict(
+    forever=datasets.images(seed=61, num_epochs=0),  # 1:1, shuffled, repeating
+    once=datasets.images(seed=62),  # 1:1, one epoch of 1000 records: 250 steps of 4
+    a=datasets.images("shards/train-00000*.array_record", seed=63, num_epochs=0),
+    b=datasets.images("shards/train-00001*.array_record", seed=64, num_epochs=0),
+    mix=datasets.mixture(a=0.7, b=0.3),  # a mixture of two 1:1 datasets
+    # packed text: tokenize, chunk, first-fit pack
+    lm=datasets.packed_text(batch_fn=datasets.BATCH_AND_PAD, seed=65, num_epochs=0),
+    lm_once=datasets.packed_text(seed=66),  # packed text, one epoch: a finite stream
+)
 
 SHAPES = ("forever", "mix", "lm")
 
@@ -102,14 +44,14 @@ def skip_config(data_dir: pathlib.Path, tmp_path_factory) -> pathlib.Path:
   (root / "shards").symlink_to(data_dir / "shards")
   text_corpus.write_jsonl_shards(str(root / "text"), 60, num_shards=2, seed=5)
   tokenizer_lib.train(root / "tokenizer.json", vocab_size=384)
-  (root / "elevator.toml").write_text(CONFIG)
-  return root / "elevator.toml"
+  return pathlib.Path(datasets.write_config(root / "elevator.toml", **DATASETS))
 
 
 @pytest.fixture(scope="module")
-def skip_server(skip_config):
-  with LocalServer(str(skip_config), workers=2) as s:
-    yield s
+def skip_server(serve, skip_config):
+  """The session's in-process 2-worker server of the module's config (these
+  tests only read from it)."""
+  return serve(skip_config, workers=2)
 
 
 _oracles: dict[tuple[str, str], list] = {}

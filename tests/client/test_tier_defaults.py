@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import collections
 import pathlib
-import textwrap
 import time
 
 import pytest
@@ -18,28 +17,28 @@ from grain_elevator.client import RemoteDataset, TransportOptions
 from grain_elevator.client.window import REQUESTS_PER_WORKER, STREAM_REQUESTS
 from grain_elevator.server import Server, ServerOptions
 from grain_elevator.tools import top
-from grain_elevator.tools.testing.launcher import LocalServer
+import datasets
 from helpers import assert_streams_equal
 
 G = 8  # rows of 4x4x3 images: tiny steps
+SLEEPING = "grain_elevator.tools.bench.sleeping"
 
 
 def _sleeping_config(root: pathlib.Path, data_dir: pathlib.Path, sleep_us: int) -> str:
-  path = root / "sleeping.toml"
-  path.write_text(textwrap.dedent(f"""\
-      [datasets.slow]
-      paths = ["{data_dir}/shards/*.array_record"]
-      pipeline = "grain_elevator.tools.bench.sleeping:pixels"
-      batch_transform = "grain_elevator.tools.bench.sleeping:pixels_batch"
-      seed = 3
-      num_epochs = 0
-      [datasets.slow.options]
-      sleep_us_per_record = {sleep_us}
-      height = 4
-      width = 4
-      channels = 3
-      """))
-  return str(path)
+  """"slow": the conftest's shards through tools/bench/sleeping.py's pixels,
+  each record waiting `sleep_us`, repeating forever."""
+  return datasets.write_config(
+      root / "sleeping.toml",
+      slow=datasets.images(data_dir / datasets.SHARDS, pipeline=f"{SLEEPING}:pixels",
+                           batch_transform=f"{SLEEPING}:pixels_batch", seed=3, num_epochs=0,
+                           options={"sleep_us_per_record": sleep_us}))
+
+
+@pytest.fixture(scope="module")
+def sleeping_1ms(tmp_path_factory: pytest.TempPathFactory, data_dir: pathlib.Path) -> str:
+  """Steps of 8 ms of waiting, for the tests that read from a server only
+  (the session's in-process servers of it, one per worker count)."""
+  return _sleeping_config(tmp_path_factory.mktemp("sleeping"), data_dir, sleep_us=1_000)
 
 
 def _wait_for(predicate, what: str, timeout_s: float = 60.0) -> None:
@@ -76,15 +75,14 @@ def test_a_default_client_keeps_two_requests_in_flight_on_every_worker(tmp_path,
 
 
 def test_the_window_grows_while_the_trainer_waits_and_shrinks_while_it_does_not(
-    tmp_path, data_dir, oracle_of):
+    serve, sleeping_1ms, oracle_of):
   """A trainer that takes each step at once waits on a server whose steps
   take 8 ms: the window grows to its most. The same trainer, waiting until
   every step asked for has arrived before taking the next, never waits:
   the window shrinks, one request at a time, to one request. What it
   delivers stays the embedded stream, step for step."""
-  config = _sleeping_config(tmp_path, data_dir, sleep_us=1_000)
-  with LocalServer(config, workers=2) as server, \
-       RemoteDataset(server.target, "slow", G, stats_log_s=0,
+  config = sleeping_1ms
+  with RemoteDataset(serve(config, workers=2).target, "slow", G, stats_log_s=0,
                      transport=TransportOptions(steps_per_request=1)) as ds:
     it = iter(ds)
     start = it.stats().window
@@ -116,28 +114,26 @@ def oracle_of():
   return steps
 
 
-def test_explicit_connections_and_prefetch_are_kept_as_given(tmp_path, data_dir):
+def test_explicit_connections_and_prefetch_are_kept_as_given(serve, sleeping_1ms):
   """connections_per_target=2 on 4 workers: one each, not two; prefetch=3:
   three steps in flight, while the trainer waits on every one."""
-  config = _sleeping_config(tmp_path, data_dir, sleep_us=1_000)
-  with LocalServer(config, workers=4) as server:
-    with RemoteDataset(server.target, "slow", G, prefetch=3, stats_log_s=0,
-                       transport=TransportOptions(connections_per_target=2,
-                                                  steps_per_request=1)) as ds:
-      it = iter(ds)
-      assert sum(_workers_of(it).values()) == 4
-      for _ in range(60):  # the trainer waits on each: a default window would grow
-        next(it)
-        assert it.stats().window == 3
-    with RemoteDataset(server.target, "slow", G, stats_log_s=0) as ds:
-      assert _workers_of(iter(ds)) == {w: REQUESTS_PER_WORKER for w in range(4)}
+  server = serve(sleeping_1ms, workers=4)
+  with RemoteDataset(server.target, "slow", G, prefetch=3, stats_log_s=0,
+                     transport=TransportOptions(connections_per_target=2,
+                                                steps_per_request=1)) as ds:
+    it = iter(ds)
+    assert sum(_workers_of(it).values()) == 4
+    for _ in range(60):  # the trainer waits on each: a default window would grow
+      next(it)
+      assert it.stats().window == 3
+  with RemoteDataset(server.target, "slow", G, stats_log_s=0) as ds:
+    assert _workers_of(iter(ds)) == {w: REQUESTS_PER_WORKER for w in range(4)}
 
 
-def test_a_stream_opens_one_connection_per_worker_and_a_fixed_window(few_config):
+def test_a_stream_opens_one_connection_per_worker_and_a_fixed_window(serve, few_config):
   """A stream's requests go one at a time to the worker owning it: more
   connections would idle, and its window does not adapt."""
-  with LocalServer(few_config, workers=3) as server, \
-       RemoteDataset(server.target, "few", G, stats_log_s=0) as ds:
+  with RemoteDataset(serve(few_config, workers=3).target, "few", G, stats_log_s=0) as ds:
     it = iter(ds)
     assert _workers_of(it) == {0: 1, 1: 1, 2: 1}
     window = it.stats().window

@@ -8,8 +8,7 @@ buffers are reused."""
 from __future__ import annotations
 
 import json
-import os
-import socket
+import pathlib
 import subprocess
 import sys
 
@@ -21,36 +20,26 @@ torch = pytest.importorskip("torch", reason="the torch extra is not installed")
 from grain_elevator.client import RemoteDataset, StreamMismatchError, TransportOptions
 from grain_elevator.client.torch import STATE_KEY, TorchLoader, data_parallel_shard, to_tensors
 from grain_elevator.proto.errors import InvalidRequestError
-from grain_elevator.tools.testing.launcher import LocalServer
 from helpers import ROOT, oracle_batch
 
 G = 96
 SCRIPT = ROOT / "tests" / "scripts" / "torch_rank.py"
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
-def _ranks(world: int, server, config_path: str, *args: str) -> list[str]:
-  """Runs `world` gloo ranks of tests/scripts/torch_rank.py; their outputs."""
-  port = _free_port()
-  procs = []
-  for rank in range(world):
-    env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world),
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-    procs.append(subprocess.Popen(
-        [sys.executable, str(SCRIPT), "--target", server.target, "--config", config_path,
-         "--global-batch-size", str(G), *args],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-  outs = []
-  for rank, proc in enumerate(procs):
-    out, _ = proc.communicate(timeout=240)
-    assert proc.returncode == 0, f"rank {rank} of {world}:\n{out}"
-    outs.append(out)
-  return outs
+def _worlds(server, config_path: str, out: pathlib.Path,
+            stages: list[dict]) -> list[list[str]]:
+  """Runs each stage's world of gloo ranks of tests/scripts/torch_rank.py
+  (one launcher, its ranks forked after its imports), one after another;
+  each rank's output, by stage."""
+  run = subprocess.run(
+      [sys.executable, str(SCRIPT), "--target", server.target, "--config", config_path,
+       "--global-batch-size", str(G), "--out", str(out),
+       *[arg for stage in stages for arg in ("--stage", json.dumps(stage))]],
+      capture_output=True, text=True, timeout=600)
+  logs = {p.name: p.read_text() for p in sorted(out.glob("stage*-rank*.log"))}
+  assert run.returncode == 0, f"{run.stdout}{run.stderr}\n{logs}"
+  return [[logs[f"stage{i}-rank{r}.log"] for r in range(stage["world"])]
+          for i, stage in enumerate(stages)]
 
 
 def _tensors_equal(batch, want) -> None:
@@ -70,24 +59,26 @@ def test_tensors_are_embedded_modes_rows(server, oracle, kind):
       _tensors_equal(next(it), oracle_batch(oracle, "aug2", step, G, 1, 2))
 
 
-def test_a_tensor_never_changes_under_the_trainer_while_buffers_are_reused(server, oracle):
+def test_a_tensor_never_changes_under_the_trainer_while_buffers_are_reused(big_server,
+                                                                          big_oracle):
   """The trainer keeps every third batch's tensors and drops the rest: the
   dropped ones' receive buffers come back for later steps (the same
-  addresses), the kept tensors stay exactly embedded mode's rows. G=2048
-  makes each frame large enough to be pooled (client/transport/buffers.py)."""
-  g = 2048
+  addresses), the kept tensors stay exactly embedded mode's rows. 32 rows
+  of 3 KiB make each frame large enough to be pooled (conftest's big_rows)."""
+  g = 32
   kept, addresses = {}, []
-  with RemoteDataset(server.target, "forever", g, prefetch=8,
+  with RemoteDataset(big_server.target, "forever", g, prefetch=8,
                      transport=TransportOptions(kind="bulk")) as ds:
     it = iter(TorchLoader(ds))
     for k in range(45):
       batch = next(it)
+      assert batch["image"].numel() * batch["image"].element_size() >= 96 << 10
       addresses.append(batch["image"].data_ptr())
       if k % 3 == 0:
         kept[k] = batch
   assert len(set(addresses)) < len(addresses), "no receive buffer was ever reused"
   for k, batch in kept.items():
-    _tensors_equal(batch, oracle_batch(oracle, "forever", k, g))
+    _tensors_equal(batch, oracle_batch(big_oracle, "forever", k, g))
 
 
 def test_state_dict_round_trips_through_json_and_refuses_another_stream(server, oracle):
@@ -112,23 +103,23 @@ def test_state_dict_round_trips_through_json_and_refuses_another_stream(server, 
       TorchLoader(other).load_state_dict({"step": 3})
 
 
-def test_stream_datasets_arrive_as_tensors_too(few_config):
+def test_stream_datasets_arrive_as_tensors_too(serve, few_config):
   with RemoteDataset.embedded(few_config, "few", 24, prefetch=0) as oracle:
     it = iter(oracle)
     want = [next(it) for _ in range(5)]
-  with LocalServer(few_config, workers=1) as server:
-    with RemoteDataset(server.target, "few", 24) as ds:
-      loader = TorchLoader(ds)
-      it = iter(loader)
-      for k in range(3):
-        _tensors_equal(next(it), want[k])
-      saved = json.loads(json.dumps(loader.state_dict()))
-    with RemoteDataset(server.target, "few", 24, shard_index=1, shard_count=2) as ds:
-      fresh = TorchLoader(ds)
-      fresh.load_state_dict(saved)
-      it = iter(fresh)
-      for k in (3, 4):
-        _tensors_equal(next(it), {key: v[12:] for key, v in want[k].items()})
+  server = serve(few_config)
+  with RemoteDataset(server.target, "few", 24) as ds:
+    loader = TorchLoader(ds)
+    it = iter(loader)
+    for k in range(3):
+      _tensors_equal(next(it), want[k])
+    saved = json.loads(json.dumps(loader.state_dict()))
+  with RemoteDataset(server.target, "few", 24, shard_index=1, shard_count=2) as ds:
+    fresh = TorchLoader(ds)
+    fresh.load_state_dict(saved)
+    it = iter(fresh)
+    for k in (3, 4):
+      _tensors_equal(next(it), {key: v[12:] for key, v in want[k].items()})
 
 
 def test_torchdatas_stateful_dataloader_saves_and_resumes_the_loader(server, oracle):
@@ -194,10 +185,12 @@ def test_dcp_saved_on_two_ranks_resumes_on_one_then_four(server, config_path, tm
   checks its rows of the step its restored cursor says, against embedded
   mode."""
   two, one = str(tmp_path / "on2"), str(tmp_path / "on1")
-  outs = _ranks(2, server, config_path, "--steps", "4", "--dtensor", "--save", two)
-  assert all("steps 0..3 exact" in o for o in outs), outs
-  (out,) = _ranks(1, server, config_path, "--steps", "3", "--load", two, "--save", one)
+  on2, on1, on4 = _worlds(server, config_path, tmp_path, [
+      {"world": 2, "steps": 4, "dtensor": True, "save": two},
+      {"world": 1, "steps": 3, "load": two, "save": one},
+      {"world": 4, "steps": 2, "load": one}])
+  assert all("steps 0..3 exact" in o for o in on2), on2
+  (out,) = on1
   assert "rank 0/1: steps 4..6 exact" in out, out
-  outs = _ranks(4, server, config_path, "--steps", "2", "--load", one)
-  assert [o.strip().splitlines()[-1] for o in outs] == [
-      f"rank {h}/4: steps 7..8 exact" for h in range(4)], outs
+  assert [o.strip().splitlines()[-1] for o in on4] == [
+      f"rank {h}/4: steps 7..8 exact" for h in range(4)], on4

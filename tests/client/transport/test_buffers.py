@@ -40,22 +40,25 @@ def test_the_pool_holds_no_more_than_its_byte_cap():
   assert pool.pooled_bytes <= 8 * MB
 
 
-def test_held_batches_are_intact_while_dropped_ones_buffers_are_reused(server, oracle):
+def test_held_batches_are_intact_while_dropped_ones_buffers_are_reused(big_server,
+                                                                       big_oracle):
   """A trainer keeps every third batch (a replay buffer) and drops the rest;
   the dropped ones' buffers come back for later steps, the kept ones are
-  never written over. G=2048 makes each frame large enough to be pooled."""
-  g = 2048
+  never written over. 32 rows of 3 KiB make each frame large enough to be
+  pooled (conftest's big_rows)."""
+  g = 32
   kept, addresses = {}, []
-  with RemoteDataset(server.target, "forever", g, prefetch=8,
+  with RemoteDataset(big_server.target, "forever", g, prefetch=8,
                      transport=TransportOptions(kind="bulk")) as ds:
     it = iter(ds)
     for k in range(45):
       batch = next(it)
+      assert batch["image"].nbytes >= 96 << 10  # a pooled frame
       addresses.append(_address(batch["image"]))
       if k % 3 == 0:
         kept[k] = batch
   for k, batch in kept.items():
-    assert_trees_equal(batch, oracle_batch(oracle, "forever", k, g), f"kept step {k}")
+    assert_trees_equal(batch, oracle_batch(big_oracle, "forever", k, g), f"kept step {k}")
   # The scenario did hand memory of dropped batches to later ones.
   assert len(set(addresses)) < len(addresses), "no receive buffer was ever reused"
   kept_addresses = [addresses[k] for k in kept]

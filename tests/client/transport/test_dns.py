@@ -83,10 +83,13 @@ def hosts():
 
 
 def _train_through(cli: str, config_path: str, port: int,
-                   change: Callable[[Callable[[], None]], None], *extra: str) -> tuple[str, str]:
-  """Runs the trainer against dns:///NAME:port and, at step 60 (the trainer
-  waits there), calls `change(go)`; `go()` lets the trainer go on. Returns
-  its stdout and stderr once it has read the whole stream, within BUDGET_S."""
+                   change: Callable[[Callable[[], None]], None], *extra: str,
+                   meanwhile: Callable[[], None] = lambda: None) -> tuple[str, str]:
+  """Runs the trainer against dns:///NAME:port, calls `meanwhile()` while it
+  starts (a pod the name does not point at yet starts beside it, not after
+  it) and, at step 60 (the trainer waits there), `change(go)`; `go()` lets
+  the trainer go on. Returns its stdout and stderr once it has read the
+  whole stream, within BUDGET_S."""
   started = time.monotonic()
   log = tempfile.TemporaryFile(mode="w+")  # a pipe nobody reads could fill and block it
   trainer = subprocess.Popen(
@@ -105,6 +108,7 @@ def _train_through(cli: str, config_path: str, port: int,
 
   with log:
     try:
+      meanwhile()
       line = trainer.stdout.readline()
       if line.strip() != "AT 60":
         trainer.wait(30)
@@ -140,18 +144,22 @@ def test_bulk_trainer_follows_the_name_when_its_pod_is_replaced(hosts, config_pa
   replacement: list[LocalServer] = []
   with LocalServer(config_path, workers=1, host=OLD_IP, prefix=in_srv) as old:
 
-    def rolling_update(go: Callable[[], None]) -> None:
-      # The new pod: same config, same ports, a new address.
+    def new_pod() -> None:
+      """Same config, same ports, a new address, which the name does not
+      point at until the update."""
       replacement.append(LocalServer(config_path, workers=1, host=NEW_IP, port=old.port,
                                      prefix=in_srv,
                                      extra_args=("--bulk-port", str(old.bulk_port))))
+
+    def rolling_update(go: Callable[[], None]) -> None:
+      assert replacement, "the new pod did not start"
       _point_name_at(hosts_file, NEW_IP)
       go()
       time.sleep(0.1)  # the trainer is streaming again when the old pod goes
       old.stop()
 
     try:
-      out, err = _train_through(cli, config_path, old.port, rolling_update)
+      out, err = _train_through(cli, config_path, old.port, rolling_update, meanwhile=new_pod)
     finally:
       for server in replacement:
         server.stop()
@@ -164,14 +172,24 @@ def test_a_pod_added_behind_the_name_gets_connections(hosts, config_path):
   """No failure prompts a reconnect here: the periodic refresh finds it."""
   srv, cli, hosts_file = hosts
   in_srv = ("ip", "netns", "exec", srv)
-  with LocalServer(config_path, workers=1, host=OLD_IP, prefix=in_srv) as first, \
-       LocalServer(config_path, workers=1, host=NEW_IP, port=first.port, prefix=in_srv,
-                   extra_args=("--bulk-port", str(first.bulk_port))):
+  added: list[LocalServer] = []
+  with LocalServer(config_path, workers=1, host=OLD_IP, prefix=in_srv) as first:
+
+    def second_pod() -> None:
+      """Same ports, another address, which the name does not hold yet."""
+      added.append(LocalServer(config_path, workers=1, host=NEW_IP, port=first.port,
+                               prefix=in_srv, extra_args=("--bulk-port", str(first.bulk_port))))
 
     def scale_out(go: Callable[[], None]) -> None:
+      assert added, "the second pod did not start"
       _point_name_at(hosts_file, OLD_IP, NEW_IP)
       go()
 
-    out, _ = _train_through(cli, config_path, first.port, scale_out, "--dns-refresh-s", "0.5")
+    try:
+      out, _ = _train_through(cli, config_path, first.port, scale_out, "--dns-refresh-s", "0.5",
+                              meanwhile=second_pod)
+    finally:
+      for server in added:
+        server.stop()
   served = _served(out)
   assert served.get(NEW_IP, 0) > 0 and served.get(OLD_IP, 0) > 0, out

@@ -16,7 +16,7 @@ import grpc
 from grain_elevator.client import RemoteDataset
 from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.proto import elevator_pb2_grpc as pb_grpc
-from grain_elevator.tools.testing.launcher import LocalServer
+from grain_elevator.server import Server, ServerOptions
 from helpers import assert_streams_equal
 
 ENDLESS = pb.BatchRequest(dataset="forever", global_batch_size=256, shard_count=1,
@@ -28,10 +28,10 @@ FULL = "is full (RESOURCE_EXHAUSTED"
 
 
 @contextlib.contextmanager
-def _every_slot_held(server: LocalServer,
+def _every_slot_held(server: Server,
                      count: Callable[[], int] | None = None) -> Iterator[None]:
   """A hostile client keeps the one request slot of `server` (started with
-  --max-concurrent-requests 1) taken until the block ends, or with `count`,
+  max_concurrent_requests=1) taken until the block ends, or with `count`,
   until count() has grown past what it was when the hold began: an endless
   stream it does not read, renewed before admission would hand the slot to
   a newcomer."""
@@ -68,8 +68,10 @@ def _every_slot_held(server: LocalServer,
     thread.join(30)
 
 
-def _full_server(config_path: str) -> LocalServer:
-  return LocalServer(config_path, workers=1, extra_args=("--max-concurrent-requests", "1"))
+def _full_server(config_path: str) -> Server:
+  """A replica of one worker and one request slot: in-process, and each
+  test's own (its slot and its batch cache see no other test's reads)."""
+  return Server(config_path, ServerOptions(port=0, workers=1, max_concurrent_requests=1))
 
 
 def _warnings(caplog, text: str) -> list[str]:
@@ -78,8 +80,8 @@ def _warnings(caplog, text: str) -> list[str]:
           and FULL in r.getMessage() and text in r.getMessage()]
 
 
-def test_a_full_replica_is_left_for_another(server, config_path, caplog):
-  caplog.set_level(logging.WARNING, logger="grain_elevator.client")
+def test_a_full_replica_is_left_for_another(server, config_path, grain_elevator_logs):
+  caplog = grain_elevator_logs
   with _full_server(config_path) as full:
     with RemoteDataset([full.target, server.target], "aug2", 8) as remote, \
          RemoteDataset.embedded(config_path, "aug2", 8) as local:
@@ -95,8 +97,8 @@ def test_a_full_replica_is_left_for_another(server, config_path, caplog):
   assert len(moved) <= 1 + took // 10, moved
 
 
-def test_the_only_replica_full_over_bulk_is_retried_over_grpc(config_path, caplog):
-  caplog.set_level(logging.WARNING, logger="grain_elevator.client")
+def test_the_only_replica_full_over_bulk_is_retried_over_grpc(config_path, grain_elevator_logs):
+  caplog = grain_elevator_logs
   with _full_server(config_path) as full:
     with RemoteDataset(full.target, "aug2", 8) as remote, \
          RemoteDataset.embedded(config_path, "aug2", 8) as local:

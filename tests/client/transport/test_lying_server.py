@@ -40,7 +40,6 @@ from grain_elevator.proto import dtypes
 from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.proto import elevator_pb2_grpc as pb_grpc
 from grain_elevator.proto import framing
-from grain_elevator.tools.testing.launcher import LocalServer
 from helpers import assert_streams_equal
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Elevator"].full_name
@@ -389,13 +388,12 @@ def _odd_steps(lie: Lie) -> Lie:
 @pytest.mark.parametrize("kind, case", [("grpc", "dtype"), ("bulk", "short data"),
                                         ("grpc", "wrong step"), ("bulk", "shape"),
                                         ("bulk", "odd steps"), ("grpc", "odd steps")])
-def test_a_liar_is_shunned_and_the_stream_stays_exact(server, oracle, config_path, caplog,
-                                                      kind, case):
+def test_a_liar_is_shunned_and_the_stream_stays_exact(server, oracle, config_path,
+                                                      grain_elevator_logs, kind, case):
   """Half the requests are routed to the liar first; what it sends right is
   kept, and the remaining steps are asked of the honest replica. A
   checkpoint taken midway, through JSON, resumes in a fresh iterator
   exactly."""
-  caplog.set_level(logging.WARNING, logger="grain_elevator.client")
   g, cut = 40, 17  # aug2: 2000 records, 50 steps
   lie = _odd_steps(LIES["dtype"][0]) if case == "odd steps" else LIES[case][0]
   with _liar(server, oracle, lie) as liar:
@@ -420,7 +418,8 @@ def test_a_liar_is_shunned_and_the_stream_stays_exact(server, oracle, config_pat
     assert liar.requests >= 1
   with RemoteDataset.embedded(config_path, "aug2", g) as local:
     assert assert_streams_equal(got, local) == 50
-  warned = [r.getMessage() for r in caplog.records if "shunning" in r.getMessage()]
+  warned = [r.getMessage() for r in grain_elevator_logs.records
+            if r.levelno >= logging.WARNING and "shunning" in r.getMessage()]
   assert warned and all(_names(liar, kind) in m for m in warned), warned
 
 
@@ -439,9 +438,8 @@ POSITION_LIES = {  # the lie told of the true position, and what the error names
 
 
 @pytest.fixture(scope="module")
-def few_server(few_config):
-  with LocalServer(few_config, workers=1) as s:
-    yield s
+def few_server(serve, few_config):
+  return serve(few_config)
 
 
 @pytest.mark.parametrize("kind", ["grpc", "bulk"])
@@ -484,11 +482,10 @@ TOKEN = "right-token"
 
 
 @pytest.fixture(scope="module")
-def token_server(config_path, tmp_path_factory):
+def token_server(serve, tmp_path_factory):
   path = tmp_path_factory.mktemp("token") / "token"
   path.write_text(TOKEN + "\n")
-  with LocalServer(config_path, workers=1, extra_args=("--auth-token-file", str(path))) as s:
-    yield s
+  return serve(auth_token_file=str(path))
 
 
 def test_a_wrong_token_is_unauthenticated_on_every_transport(token_server):

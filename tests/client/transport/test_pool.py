@@ -12,7 +12,12 @@ from grain_elevator.client.transport.pool import ConnectionPool
 from grain_elevator.client.transport.slots import Slot, owner_of
 from grain_elevator.client.window import REQUESTS_PER_WORKER
 from grain_elevator.proto import elevator_pb2 as pb
-from grain_elevator.tools.testing.launcher import LocalServer
+
+
+@pytest.fixture(scope="module")
+def second(serve):
+  """Another replica, of 3 workers."""
+  return serve(workers=3)
 
 
 def _pool(targets, per_target: int, kind: str = "auto") -> ConnectionPool:
@@ -58,23 +63,21 @@ def test_bulk_connections_cover_every_worker_evenly(server, per_target):
     pool.close()
 
 
-@pytest.mark.slow  # a second, 3-worker server
 @pytest.mark.parametrize("transport", ["grpc", "auto"])
-def test_every_replica_gets_its_share(server, config_path, transport):
-  with LocalServer(config_path, workers=3) as second:
-    pool = _pool([server.target, second.target], 3, transport)
-    try:
-      pool.describe("plain", 16)  # G: the batch connections open
-      # 2 workers x 2 (ceil(3/2)) + 3 workers x 1
-      if transport == "grpc":
-        assert pool.num_connections == 7 + 2  # and one per target, for Describe
-      else:
-        assert pool.num_connections == 2  # one channel per target, for Describe
-        counts = _bulk_workers(pool)
-        assert counts == {**{(server.target, w): 2 for w in range(2)},
-                          **{(second.target, w): 1 for w in range(3)}}, counts
-    finally:
-      pool.close()
+def test_every_replica_gets_its_share(server, second, transport):
+  pool = _pool([server.target, second.target], 3, transport)
+  try:
+    pool.describe("plain", 16)  # G: the batch connections open
+    # 2 workers x 2 (ceil(3/2)) + 3 workers x 1
+    if transport == "grpc":
+      assert pool.num_connections == 7 + 2  # and one per target, for Describe
+    else:
+      assert pool.num_connections == 2  # one channel per target, for Describe
+      counts = _bulk_workers(pool)
+      assert counts == {**{(server.target, w): 2 for w in range(2)},
+                        **{(second.target, w): 1 for w in range(3)}}, counts
+  finally:
+    pool.close()
 
 
 def test_a_default_pool_opens_two_connections_per_worker(server):
@@ -90,22 +93,20 @@ def test_a_default_pool_opens_two_connections_per_worker(server):
     pool.close()
 
 
-@pytest.mark.slow  # a second, 3-worker server
 @pytest.mark.parametrize("transport", ["grpc", "auto"])
-def test_replicas_of_different_sizes_get_connections_for_their_workers(server, config_path,
+def test_replicas_of_different_sizes_get_connections_for_their_workers(server, second,
                                                                         transport):
-  with LocalServer(config_path, workers=3) as second:
-    pool = ConnectionPool([server.target, second.target],
-                          transport=TransportOptions(kind=transport))
-    try:
-      pool.describe("plain", 16)
-      assert pool.parallelism == REQUESTS_PER_WORKER * (2 + 3)
-      if transport == "auto":
-        assert _bulk_workers(pool) == {
-            **{(server.target, w): REQUESTS_PER_WORKER for w in range(2)},
-            **{(second.target, w): REQUESTS_PER_WORKER for w in range(3)}}
-    finally:
-      pool.close()
+  pool = ConnectionPool([server.target, second.target],
+                        transport=TransportOptions(kind=transport))
+  try:
+    pool.describe("plain", 16)
+    assert pool.parallelism == REQUESTS_PER_WORKER * (2 + 3)
+    if transport == "auto":
+      assert _bulk_workers(pool) == {
+          **{(server.target, w): REQUESTS_PER_WORKER for w in range(2)},
+          **{(second.target, w): REQUESTS_PER_WORKER for w in range(3)}}
+  finally:
+    pool.close()
 
 
 class _Conn:
