@@ -9,6 +9,7 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import dataclasses
+import logging
 import pathlib
 from typing import Any, Callable, Iterator
 
@@ -200,3 +201,53 @@ def _no_fork_of_the_test_process() -> Iterator[None]:
   if len(_forks) != before:
     pytest.fail("the test forked the pytest process (os.fork, a fork-start "
                 "multiprocessing pool, a DataLoader's workers): run that part in a subprocess")
+
+
+@pytest.fixture(autouse=True)
+def _logging_as_found() -> Iterator[None]:
+  """Puts grain_elevator's logger back as the test found it: a test that runs
+  the CLI in this process (cli.main) has logs.setup replace its handlers and
+  stop its propagation, which would hide every later test's logs from caplog
+  in the same pytest worker."""
+  logger = logging.getLogger("grain_elevator")
+  handlers, level, propagate = list(logger.handlers), logger.level, logger.propagate
+  yield
+  logger.handlers[:] = handlers
+  logger.setLevel(level)
+  logger.propagate = propagate
+
+
+@pytest.fixture
+def grain_elevator_logs(caplog: pytest.LogCaptureFixture) -> pytest.LogCaptureFixture:
+  """caplog at INFO for grain_elevator's loggers: the client's, and an
+  in-process server's supervisor thread (which worker died, which serves
+  again)."""
+  logging.getLogger("grain_elevator").propagate = True  # put back after (above)
+  caplog.set_level(logging.INFO, logger="grain_elevator")
+  return caplog
+
+
+@pytest.fixture
+def elevator(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+             ) -> Callable[..., tuple[int, str, str]]:
+  """`elevator ARGV` as the command runs it (cli.main), in this process rather
+  than a fresh interpreter (~3 s of imports), for commands that must start no
+  server (a refused flag, a client command): its exit code, stdout and
+  stderr. This process's logging is left alone; a server start fails the
+  test."""
+  from grain_elevator import server as server_lib  # pylint: disable=g-import-not-at-top
+  from grain_elevator.server.process import logs, supervisor  # pylint: disable=g-import-not-at-top
+  from grain_elevator.tools import cli  # pylint: disable=g-import-not-at-top
+
+  def started(*given: object, **named: object) -> None:
+    raise AssertionError(f"elevator serve started a server: {given} {named}")
+  monkeypatch.setattr(logs, "setup", lambda *given, **named: None)
+  monkeypatch.setattr(supervisor, "serve", started)
+  monkeypatch.setattr(server_lib, "serve", started, raising=False)
+
+  def run(*argv: str) -> tuple[int, str, str]:
+    capsys.readouterr()
+    code = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+  return run

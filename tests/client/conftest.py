@@ -1,33 +1,16 @@
 """Fixtures of the client's tests: the in-process servers they read from
-(a start of ~0.4 s, where an `elevator serve` process takes ~5 s), a
-dataset whose frames are pooled in few rows, and log capture that survives
-the CLI's logging set-up."""
+(a start of ~0.4 s, where an `elevator serve` process takes ~5 s) and a
+dataset whose frames are pooled in few rows."""
 
 from __future__ import annotations
 
-import logging
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import pytest
 
 from grain_elevator.client.embedded import EmbeddedBackend
 from grain_elevator.pipelines import examples
 import datasets
-
-
-@pytest.fixture
-def grain_elevator_logs(caplog: pytest.LogCaptureFixture
-                        ) -> Iterator[pytest.LogCaptureFixture]:
-  """caplog at INFO for grain_elevator's loggers (the client's, and an
-  in-process server's supervisor thread), reaching it even after a test of
-  this process ran the CLI: cli.main's logs.setup stops their propagation
-  to the root logger, where caplog listens."""
-  logger = logging.getLogger("grain_elevator")
-  propagate = logger.propagate
-  logger.propagate = True
-  caplog.set_level(logging.INFO, logger="grain_elevator")
-  yield caplog
-  logger.propagate = propagate
 
 
 @pytest.fixture(scope="session")

@@ -10,15 +10,12 @@ middle of the clients' streams, however fast or slow the machine is.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
-import logging
 import os
 import random
 import signal
 import threading
 import time
-from typing import Iterator
 
 import numpy as np
 import psutil
@@ -26,7 +23,7 @@ import pytest
 
 from grain_elevator.client import RemoteDataset, RetryPolicy
 from grain_elevator.server import Server, ServerOptions
-from helpers import oracle_batch
+from helpers import oracle_batch, supervisor_log
 
 pytestmark = pytest.mark.slow
 
@@ -86,29 +83,6 @@ def _wait_for(condition, what: str) -> None:
     time.sleep(0.05)
 
 
-@contextlib.contextmanager
-def _supervisor_log() -> Iterator[list[str]]:
-  """The messages an in-process Server's supervisor logs while in the block
-  (its thread logs to "grain_elevator.server" in this process): each death
-  and restart. A handler of that logger's own, at INFO, sees them whatever
-  the logger's propagation (logs.setup turns it off)."""
-  messages: list[str] = []
-
-  class _Keep(logging.Handler):
-    def emit(self, record: logging.LogRecord) -> None:
-      messages.append(record.getMessage())
-
-  logger = logging.getLogger("grain_elevator.server")
-  handler, level = _Keep(logging.INFO), logger.level
-  logger.addHandler(handler)
-  logger.setLevel(logging.INFO)
-  try:
-    yield messages
-  finally:
-    logger.removeHandler(handler)
-    logger.setLevel(level)
-
-
 def _count(log: list[str], text: str) -> int:
   return sum(text in line for line in list(log))
 
@@ -119,7 +93,7 @@ def test_four_clients_while_workers_die(config_path, oracle):
   results: dict[str, list[np.ndarray]] = {}
   errors: list[BaseException] = []
   # In-process (it kills its own workers): its supervisor's log is read here.
-  with _supervisor_log() as log, Server(config_path, ServerOptions(port=0, workers=2)) as server:
+  with supervisor_log() as log, Server(config_path, ServerOptions(port=0, workers=2)) as server:
     def consume(dataset, g, h, n, steps):
       try:
         milestones = sorted(gates.milestones(steps))

@@ -9,7 +9,6 @@ of the stream's owner."""
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import pathlib
 import signal
@@ -28,7 +27,7 @@ from grain_elevator.server.data.streams import parallel_head
 from grain_elevator.server.process import head_sockets
 from grain_elevator.tools import top
 from grain_elevator.tools.testing.launcher import LocalServer
-from helpers import assert_streams_equal, worker_pids
+from helpers import assert_streams_equal, supervisor_log, worker_pids
 
 G = 12
 STEPS = 400  # of the oracle; each test reads fewer
@@ -78,29 +77,6 @@ def _continue(server: AnyServer) -> None:
   for pid in _pids(server):
     with contextlib.suppress(ProcessLookupError):
       os.kill(pid, signal.SIGCONT)
-
-
-@contextlib.contextmanager
-def _supervisor_log() -> Iterator[list[str]]:
-  """The messages an in-process Server's supervisor logs while in the block
-  (its thread logs to "grain_elevator.server" in this process): which worker
-  serves again. A handler of that logger's own, at INFO, sees them whatever
-  the logger's propagation (logs.setup turns it off)."""
-  messages: list[str] = []
-
-  class _Keep(logging.Handler):
-    def emit(self, record: logging.LogRecord) -> None:
-      messages.append(record.getMessage())
-
-  logger = logging.getLogger("grain_elevator.server")
-  handler, level = _Keep(logging.INFO), logger.level
-  logger.addHandler(handler)
-  logger.setLevel(logging.INFO)
-  try:
-    yield messages
-  finally:
-    logger.removeHandler(handler)
-    logger.setLevel(level)
 
 
 def _dataset(server: AnyServer) -> RemoteDataset:
@@ -268,7 +244,7 @@ def test_a_worker_killed_mid_dial_is_dialled_again_once_restarted(few_config, wa
   SIGKILLed mid-dial, its connection still queued at the peer, which
   accepts it when continued. Then the peer (restarted before) and the owner
   (restarted after) compute the stream's head together again."""
-  with _supervisor_log() as log, _in_process_server(few_config, workers=2) as server:
+  with supervisor_log() as log, _in_process_server(few_config, workers=2) as server:
     sockets = _sockets(server)
     with _dataset(server) as ds:
       it = iter(ds)

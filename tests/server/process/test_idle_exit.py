@@ -18,7 +18,6 @@ from grain_elevator.pipelines import examples
 from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.proto import elevator_pb2_grpc as pb_grpc
 from grain_elevator.proto import wire
-from grain_elevator.tools import cli
 from grain_elevator.tools.testing.launcher import LocalServer
 import datasets
 
@@ -53,20 +52,10 @@ def test_exits_zero_after_the_last_request_despite_health_checks(config_path):
   assert "elevator: stopped" in out
 
 
-def test_a_bad_idle_exit_is_refused(config_path, monkeypatch, capsys):
-  """As the `elevator` command runs it (cli.main), in this process: the flag
-  is refused before anything starts, so no fresh interpreter is needed."""
-  from grain_elevator import server as server_lib  # pylint: disable=g-import-not-at-top
-  from grain_elevator.server.process import logs, supervisor  # pylint: disable=g-import-not-at-top
-
-  def started(*given: object, **named: object) -> None:
-    raise AssertionError(f"elevator serve started a server: {given} {named}")
-  monkeypatch.setattr(logs, "setup", lambda *given, **named: None)  # this process's logging
-  monkeypatch.setattr(supervisor, "serve", started)
-  monkeypatch.setattr(server_lib, "serve", started, raising=False)
-  capsys.readouterr()
-  assert cli.main(["serve", "--config", config_path, "--idle-exit-s", "0"]) == 2
-  assert "idle_exit_s must be > 0" in capsys.readouterr().err
+def test_a_bad_idle_exit_is_refused(config_path, elevator):
+  """Refused before anything starts, so no fresh interpreter is needed."""
+  code, _, err = elevator("serve", "--config", config_path, "--idle-exit-s", "0")
+  assert code == 2 and "idle_exit_s must be > 0" in err
 
 
 # 3,000 records of 12 KiB, 60 steps of 600 KiB in one request: 37 MB, far

@@ -26,7 +26,7 @@ from grain_elevator.client.transport.connection import CancelToken, TransportErr
 from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.proto.limits import MAX_REQUEST_BYTES
 from grain_elevator.server import Server, ServerOptions
-from grain_elevator.tools import cli, top
+from grain_elevator.tools import top
 from grain_elevator.tools.testing.launcher import LocalServer
 from helpers import (assert_streams_equal, assert_trees_equal, busy_cpu_rate, closed_by_peer,
                      cpu_rate_over, oracle_batch, wait_for, wait_for_log)
@@ -166,32 +166,14 @@ def test_no_bulk_server_means_grpc(serve, oracle):
                             transport=TransportOptions(kind="bulk"))))
 
 
-def _serve_refuses(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
-                   *args: str) -> str:
-  """The stderr of `elevator serve ARGS`, whose flags are refused before a
-  server starts, run as the `elevator` command runs it (cli.main) but in
-  this process, not a fresh one (~3 s of imports): it must return 2 and
-  start nothing. This process's logging is left alone."""
-  from grain_elevator import server as server_lib  # pylint: disable=g-import-not-at-top
-  from grain_elevator.server.process import logs, supervisor  # pylint: disable=g-import-not-at-top
-
-  def started(*given: object, **named: object) -> None:
-    raise AssertionError(f"elevator serve started a server: {given} {named}")
-  monkeypatch.setattr(logs, "setup", lambda *given, **named: None)
-  monkeypatch.setattr(supervisor, "serve", started)
-  monkeypatch.setattr(server_lib, "serve", started, raising=False)
-  capsys.readouterr()
-  assert cli.main(["serve", *args]) == 2
-  return capsys.readouterr().err
-
-
 @pytest.mark.parametrize("bulk_args", [("--bulk", "on"), ("--bulk-port", "50052")])
-def test_bulk_with_tls_is_refused(config_path, tmp_path, bulk_args, monkeypatch, capsys):
+def test_bulk_with_tls_is_refused(config_path, tmp_path, bulk_args, elevator):
   for name in ("cert.pem", "key.pem"):
     (tmp_path / name).write_text("x")
-  err = _serve_refuses(monkeypatch, capsys, "--config", str(config_path), "--port", "0",
-                       *bulk_args, "--tls-cert", str(tmp_path / "cert.pem"),
-                       "--tls-key", str(tmp_path / "key.pem"))
+  code, _, err = elevator("serve", "--config", str(config_path), "--port", "0", *bulk_args,
+                          "--tls-cert", str(tmp_path / "cert.pem"),
+                          "--tls-key", str(tmp_path / "key.pem"))
+  assert code == 2
   assert "the bulk transport (--bulk, --bulk-port) serves plaintext" in err
 
 

@@ -166,15 +166,9 @@ def test_elevator_top_shows_rates_of_a_live_server(serve):
   assert re.search(r"sent forever/bulk: [\d.]+ MB/s", out), out
 
 
-def test_elevator_top_names_a_server_without_metrics(monkeypatch, capsys):
-  """As the `elevator` command runs it (cli.main), in this process rather
-  than a fresh one; this process's logging left alone."""
-  from grain_elevator.server.process import logs  # pylint: disable=import-outside-toplevel
-  from grain_elevator.tools import cli  # pylint: disable=import-outside-toplevel
-  monkeypatch.setattr(logs, "setup", lambda *given, **named: None)
-  capsys.readouterr()
-  assert cli.main(["top", "127.0.0.1:1", "--once"]) == 2
-  assert "is the server run with --metrics-port" in capsys.readouterr().err
+def test_elevator_top_names_a_server_without_metrics(elevator):
+  code, _, err = elevator("top", "127.0.0.1:1", "--once")
+  assert code == 2 and "is the server run with --metrics-port" in err
 
 
 # The endpoint under slow peers: each holds a thread for a bounded time, and

@@ -14,7 +14,6 @@ import pytest
 from grain_elevator.client import (RemoteDataset, RetryPolicy, Security,
                                    ServiceUnavailableError, UnauthenticatedError)
 from grain_elevator.server import Server
-from grain_elevator.tools import cli
 from grain_elevator.tools.testing.launcher import ELEVATOR, LocalServer
 from helpers import assert_trees_equal, oracle_batch
 
@@ -78,28 +77,8 @@ def test_missing_or_wrong_token_is_unauthenticated(token_server, token, message)
   assert TOKEN not in token_server.stderr()
 
 
-def _elevator(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
-              *argv: str) -> tuple[int, str, str]:
-  """`elevator ARGV` as the command runs it (cli.main), in this process
-  rather than a fresh interpreter (~3 s of imports), which must start no
-  server and leave this process's logging alone: its exit code, stdout and
-  stderr."""
-  from grain_elevator import server as server_lib  # pylint: disable=g-import-not-at-top
-  from grain_elevator.server.process import logs, supervisor  # pylint: disable=g-import-not-at-top
-
-  def started(*given: object, **named: object) -> None:
-    raise AssertionError(f"elevator serve started a server: {given} {named}")
-  monkeypatch.setattr(logs, "setup", lambda *given, **named: None)
-  monkeypatch.setattr(supervisor, "serve", started)
-  monkeypatch.setattr(server_lib, "serve", started, raising=False)
-  capsys.readouterr()
-  code = cli.main(list(argv))
-  out, err = capsys.readouterr()
-  return code, out, err
-
-
-def test_health_needs_no_token(token_server, monkeypatch, capsys):
-  code, out, _ = _elevator(monkeypatch, capsys, "health", token_server.target)
+def test_health_needs_no_token(token_server, elevator):
+  code, out, _ = elevator("health", token_server.target)
   assert code == 0 and "SERVING" in out
 
 
@@ -148,10 +127,9 @@ def test_mtls_with_a_client_certificate(mtls_server, pki, oracle):
     (("--tls-cert", "x.pem"), "--tls-cert and --tls-key go together"),
     (("--tls-client-ca", "ca.pem"), "--tls-client-ca needs --tls-cert"),
 ])
-def test_bad_security_flags(config_path, args, message, monkeypatch, capsys):
+def test_bad_security_flags(config_path, args, message, elevator):
   """Refused with the options, before anything starts."""
-  code, _, err = _elevator(monkeypatch, capsys, "serve", "--config", config_path,
-                           "--port", "0", *args)
+  code, _, err = elevator("serve", "--config", config_path, "--port", "0", *args)
   assert code == 2 and message in err
 
 

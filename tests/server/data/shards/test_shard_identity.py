@@ -9,16 +9,14 @@ no shuffle, so steps 0-9 read shard 0 only, 10-19 shard 1, 20-29 shard 2.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
-import logging
 import os
 import pathlib
 import re
 import shutil
 import signal
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import grpc
 import numpy as np
@@ -37,7 +35,7 @@ from grain_elevator.server.data.shards import identity as shard_identity
 from grain_elevator.server.data.shards import reader as shard_reader
 from grain_elevator.server import Server, ServerOptions
 import datasets
-from helpers import assert_trees_equal, wait_for
+from helpers import assert_trees_equal, supervisor_log, wait_for
 
 G, STEPS_PER_SHARD, NUM_SHARDS = 20, 10, 3
 IMAGE = datasets.IMAGE
@@ -48,29 +46,6 @@ CONFIG = datasets.config_text(plain=PLAIN)
 def _server(config: str, workers: int) -> Server:
   """A private in-process server: each test changes its shards under it."""
   return Server(config, ServerOptions(port=0, workers=workers))
-
-
-@contextlib.contextmanager
-def _supervisor_log() -> Iterator[list[str]]:
-  """The messages an in-process Server's supervisor logs while in the block
-  (its thread logs to "grain_elevator.server" in this process): which worker
-  died, which serves again. A handler of that logger's own, at INFO, sees
-  them whatever the logger's propagation (logs.setup turns it off)."""
-  messages: list[str] = []
-
-  class _Keep(logging.Handler):
-    def emit(self, record: logging.LogRecord) -> None:
-      messages.append(record.getMessage())
-
-  logger = logging.getLogger("grain_elevator.server")
-  handler, level = _Keep(logging.INFO), logger.level
-  logger.addHandler(handler)
-  logger.setLevel(logging.INFO)
-  try:
-    yield messages
-  finally:
-    logger.removeHandler(handler)
-    logger.setLevel(level)
 
 
 class Data:
@@ -209,7 +184,7 @@ def test_rewrite_in_place_is_refused_rename_after_open_serves_the_old_bytes(data
   new file and refuses it."""
   expected = data.stream()
   structure = _structure(data.config)
-  with _supervisor_log() as log, _server(data.config, workers=2) as server:
+  with supervisor_log() as log, _server(data.config, workers=2) as server:
 
     def same(worker: int, step: int, answer: Any) -> None:
       assert_trees_equal(answer, expected[step], f"worker {worker} step {step}")
