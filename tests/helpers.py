@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import os
 import pathlib
 import socket
 import subprocess
 import time
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable
 
 import numpy as np
 
@@ -203,25 +201,3 @@ def run_beam(*args: str, env: dict[str, str] | None = None) -> subprocess.Comple
       capture_output=True, text=True, check=False, cwd=ROOT, timeout=300,
       env=None if env is None else {**os.environ, **env})
 
-
-@contextlib.contextmanager
-def supervisor_log() -> Iterator[list[str]]:
-  """The messages an in-process Server's supervisor logs while in the block
-  (its thread logs to "grain_elevator.server" in this process): which worker
-  died, which serves again. A handler of that logger's own, at INFO, sees
-  them whatever the logger's propagation (logs.setup turns it off)."""
-  messages: list[str] = []
-
-  class _Keep(logging.Handler):
-    def emit(self, record: logging.LogRecord) -> None:
-      messages.append(record.getMessage())
-
-  logger = logging.getLogger("grain_elevator.server")
-  handler, level = _Keep(logging.INFO), logger.level
-  logger.addHandler(handler)
-  logger.setLevel(logging.INFO)
-  try:
-    yield messages
-  finally:
-    logger.removeHandler(handler)
-    logger.setLevel(level)

@@ -23,7 +23,7 @@ import pytest
 
 from grain_elevator.client import RemoteDataset, RetryPolicy
 from grain_elevator.server import Server, ServerOptions
-from helpers import oracle_batch, supervisor_log
+from helpers import oracle_batch
 
 pytestmark = pytest.mark.slow
 
@@ -87,13 +87,13 @@ def _count(log: list[str], text: str) -> int:
   return sum(text in line for line in list(log))
 
 
-def test_four_clients_while_workers_die(config_path, oracle):
+def test_four_clients_while_workers_die(config_path, oracle, grain_elevator_logs):
   rng = random.Random(7)
   gates = KillGates()
   results: dict[str, list[np.ndarray]] = {}
   errors: list[BaseException] = []
   # In-process (it kills its own workers): its supervisor's log is read here.
-  with supervisor_log() as log, Server(config_path, ServerOptions(port=0, workers=2)) as server:
+  with Server(config_path, ServerOptions(port=0, workers=2)) as server:
     def consume(dataset, g, h, n, steps):
       try:
         milestones = sorted(gates.milestones(steps))
@@ -118,7 +118,7 @@ def test_four_clients_while_workers_die(config_path, oracle):
       if not gates.wait_reached(i):
         break
       # The worker killed last is back (not merely spawned) before the next kill.
-      _wait_for(lambda: _count(log, "is serving again") == i
+      _wait_for(lambda: _count(grain_elevator_logs.messages, "is serving again") == i
                 and len(server.worker_pids()) == 2, f"worker restart {i}")
       workers = server.worker_pids()
       peak_rss = max(peak_rss, sum(psutil.Process(p).memory_info().rss for p in workers
@@ -129,7 +129,7 @@ def test_four_clients_while_workers_die(config_path, oracle):
       t.join(_WAIT_S)
     assert not errors, errors
     assert gates.made == MAX_KILLS
-    _wait_for(lambda: _count(log, "restarting it") == MAX_KILLS,
+    _wait_for(lambda: _count(grain_elevator_logs.messages, "restarting it") == MAX_KILLS,
               "the last restart's log line")
   for dataset, g, h, n, steps in CLIENTS:
     got = results[dataset]

@@ -27,7 +27,7 @@ from grain_elevator.server.data.streams import parallel_head
 from grain_elevator.server.process import head_sockets
 from grain_elevator.tools import top
 from grain_elevator.tools.testing.launcher import LocalServer
-from helpers import assert_streams_equal, supervisor_log, worker_pids
+from helpers import assert_streams_equal, worker_pids
 
 G = 12
 STEPS = 400  # of the oracle; each test reads fewer
@@ -239,12 +239,13 @@ def _serving_again(log: list[str], worker: int) -> bool:
 
 
 @pytest.mark.slow  # kills workers and waits for their restart
-def test_a_worker_killed_mid_dial_is_dialled_again_once_restarted(few_config, want):
+def test_a_worker_killed_mid_dial_is_dialled_again_once_restarted(few_config, want,
+                                                                 grain_elevator_logs):
   """The stream's owner dials its peer while the peer is stopped, and is
   SIGKILLed mid-dial, its connection still queued at the peer, which
   accepts it when continued. Then the peer (restarted before) and the owner
   (restarted after) compute the stream's head together again."""
-  with supervisor_log() as log, _in_process_server(few_config, workers=2) as server:
+  with _in_process_server(few_config, workers=2) as server:
     sockets = _sockets(server)
     with _dataset(server) as ds:
       it = iter(ds)
@@ -256,14 +257,14 @@ def test_a_worker_killed_mid_dial_is_dialled_again_once_restarted(few_config, wa
       # Restarted, the peer has no connection from the owner, which dials
       # it at its next task: while it is stopped.
       os.kill(_pid_of(server, sockets[peer]), signal.SIGKILL)
-      _wait_for(lambda: _serving_again(log, peer), f"worker {peer} to restart", 120)
+      _wait_for(lambda: _serving_again(grain_elevator_logs.messages, peer), f"worker {peer} to restart", 120)
       stopped = _pid_of(server, sockets[peer])
       os.kill(stopped, signal.SIGSTOP)
       got += _read(it, 2 * PER_REQUEST, 60)[0]
     assert assert_streams_equal(got, want[:len(got)]) == len(got)
     os.kill(_pid_of(server, sockets[owner]), signal.SIGKILL)  # mid-dial
     os.kill(stopped, signal.SIGCONT)
-    _wait_for(lambda: _serving_again(log, owner), f"worker {owner} to restart", 120)
+    _wait_for(lambda: _serving_again(grain_elevator_logs.messages, owner), f"worker {owner} to restart", 120)
     before = _tasks(server).get((owner, peer), 0)
     with _dataset(server) as ds:
       it = iter(ds)

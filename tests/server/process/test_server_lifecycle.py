@@ -4,14 +4,12 @@ and its log, in this process.)"""
 
 from __future__ import annotations
 
-import logging
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
-from typing import Iterator
 
 import pytest
 
@@ -41,42 +39,12 @@ def test_signal_stops_every_worker_and_exits_zero(config_path, sig):
   assert _wait_for(lambda: not any(os.path.exists(f"/proc/{w}") for w in workers), 10)
 
 
-class _Log(logging.Handler):
-  """What an in-process server's supervisor logs."""
-
-  def __init__(self) -> None:
-    super().__init__(logging.INFO)
-    self.lines: list[str] = []
-
-  def emit(self, record: logging.LogRecord) -> None:
-    self.lines.append(self.format(record))
-
-  def text(self) -> str:
-    return "\n".join(self.lines)
-
-
-@pytest.fixture
-def supervisor_log() -> Iterator[_Log]:
-  """The supervisor's log of the in-process servers a test starts, on the
-  package's logger itself (`elevator`'s log set-up, server/process/logs.py,
-  stops it propagating to the root)."""
-  logger = logging.getLogger("grain_elevator")
-  log, level = _Log(), logger.level
-  logger.addHandler(log)
-  logger.setLevel(logging.INFO)
-  try:
-    yield log
-  finally:
-    logger.removeHandler(log)
-    logger.setLevel(level)
-
-
-def test_a_killed_worker_is_restarted_and_logged(config_path, oracle, supervisor_log):
+def test_a_killed_worker_is_restarted_and_logged(config_path, oracle, grain_elevator_logs):
   with Server(config_path, ServerOptions(port=0, workers=2)) as server:
     victim = server.worker_pids()[0]
     os.kill(victim, signal.SIGKILL)
-    assert _wait_for(lambda: "restarting it" in supervisor_log.text())
-    assert "killed by signal SIGKILL" in supervisor_log.text()
+    assert _wait_for(lambda: "restarting it" in grain_elevator_logs.text)
+    assert "killed by signal SIGKILL" in grain_elevator_logs.text
     assert _wait_for(lambda: len(server.worker_pids()) == 2 and victim not in server.worker_pids())
     with RemoteDataset(server.target, "seed3", 64) as ds:
       assert_trees_equal(next(iter(ds)), oracle_batch(oracle, "seed3", 0, 64))

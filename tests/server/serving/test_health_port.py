@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import os
 import socket
 import subprocess
@@ -106,39 +105,6 @@ def _established(pid: int, port: int, peer: str | None = None, host: str | None 
 
 def _health_target(server: Server | LocalServer) -> str:
   return f"{server.host}:{server.health_port}"
-
-
-class _Log(logging.Handler):
-  """The lines an in-process server's supervisor writes (its health port's
-  among them), traceback included."""
-
-  def __init__(self) -> None:
-    super().__init__(logging.INFO)
-    self.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
-    self.lines: list[str] = []
-
-  def emit(self, record: logging.LogRecord) -> None:
-    self.lines.append(self.format(record))
-
-  def text(self) -> str:
-    return "\n".join(self.lines)
-
-
-@pytest.fixture
-def supervisor_log() -> Iterator[_Log]:
-  """The log of the in-process servers a test starts (their workers log to
-  this process's stderr, which a test cannot read; the health port is the
-  supervisor's). On the package's logger itself: `elevator`'s own log
-  set-up (server/process/logs.py) stops it propagating to the root."""
-  logger = logging.getLogger("grain_elevator")
-  log, level = _Log(), logger.level
-  logger.addHandler(log)
-  logger.setLevel(logging.INFO)
-  try:
-    yield log
-  finally:
-    logger.removeHandler(log)
-    logger.setLevel(level)
 
 
 def _wait_for(condition, timeout_s: float, why: str) -> None:
@@ -273,7 +239,7 @@ def test_a_watch_with_the_token_outlasts_the_idle_timeout(config_path, tmp_path)
     assert anonymous.statuses()[plain] == "0"
 
 
-def test_one_address_cannot_take_the_health_ports_connections(config_path, supervisor_log):
+def test_one_address_cannot_take_the_health_ports_connections(config_path, grain_elevator_logs):
   with Server(config_path, ServerOptions(port=0, workers=1)) as server:
     def held(peer: str | None = None) -> int:  # the health port's ends, in this process
       return _established(os.getpid(), server.health_port, peer, host=server.host)
@@ -291,11 +257,11 @@ def test_one_address_cannot_take_the_health_ports_connections(config_path, super
     with _kept(many):
       _wait_for(lambda: held() <= hp.HEALTH_MAX_CONNECTIONS + 1, 10, "the total was passed")
       assert _check(_health_target(server)) == SERVING
-    _wait_for(lambda: "closing its oldest for its newcomer" in supervisor_log.text(), 10,
+    _wait_for(lambda: "closing its oldest for its newcomer" in grain_elevator_logs.text, 10,
               "no log line")
 
 
-def test_the_health_port_bounds_what_a_connection_holds(config_path, supervisor_log):
+def test_the_health_port_bounds_what_a_connection_holds(config_path, grain_elevator_logs):
   with Server(config_path, ServerOptions(port=0, workers=1)) as server:
     port = server.health_port
     (peer,) = _open_from(server, ATTACKER, 1, port=port)
@@ -318,9 +284,9 @@ def test_the_health_port_bounds_what_a_connection_holds(config_path, supervisor_
         for _ in range(hp.HEALTH_RECEIVE_BUDGET_BYTES // len(ping) * 4):
           flood.sendall(ping * 16)
           flood.recv(1 << 16)  # pongs until the server closes it
-    _wait_for(lambda: "sent more than" in supervisor_log.text(), 10, "no log line")
+    _wait_for(lambda: "sent more than" in grain_elevator_logs.text, 10, "no log line")
     assert _check(_health_target(server)) == SERVING
-    assert "Traceback" not in supervisor_log.text()
+    assert "Traceback" not in grain_elevator_logs.text
 
 
 def test_the_health_port_says_what_the_workers_say(config_path):

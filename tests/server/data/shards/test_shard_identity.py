@@ -35,7 +35,7 @@ from grain_elevator.server.data.shards import identity as shard_identity
 from grain_elevator.server.data.shards import reader as shard_reader
 from grain_elevator.server import Server, ServerOptions
 import datasets
-from helpers import assert_trees_equal, supervisor_log, wait_for
+from helpers import assert_trees_equal, wait_for
 
 G, STEPS_PER_SHARD, NUM_SHARDS = 20, 10, 3
 IMAGE = datasets.IMAGE
@@ -177,14 +177,15 @@ def test_workers_refuse_shards_replaced_before_they_open_them(data):
   assert not server.worker_pids()  # a clean stop
 
 
-def test_rewrite_in_place_is_refused_rename_after_open_serves_the_old_bytes(data):
+def test_rewrite_in_place_is_refused_rename_after_open_serves_the_old_bytes(data,
+                                                                           grain_elevator_logs):
   """Both workers have shards 1 and 2 open. Shard 1 rewritten in place: refused
   at once (the fstat after each read). Shard 2 renamed over: the open files
   still hold the old bytes, which both serve; a restarted worker opens the
   new file and refuses it."""
   expected = data.stream()
   structure = _structure(data.config)
-  with supervisor_log() as log, _server(data.config, workers=2) as server:
+  with _server(data.config, workers=2) as server:
 
     def same(worker: int, step: int, answer: Any) -> None:
       assert_trees_equal(answer, expected[step], f"worker {worker} step {step}")
@@ -213,7 +214,7 @@ def test_rewrite_in_place_is_refused_rename_after_open_serves_the_old_bytes(data
 
     victim = server.worker_pids()[0]
     os.kill(victim, signal.SIGKILL)
-    died = lambda: [m for line in log if (m := re.search(rf"worker (\d+) \(pid {victim}\)", line))]
+    died = lambda: [m for line in grain_elevator_logs.messages if (m := re.search(rf"worker (\d+) \(pid {victim}\)", line))]
     wait_for(died, f"the supervisor to log the death of pid {victim}")
     restarted = int(died()[0].group(1))
     wait_for(lambda: len(server.worker_pids()) == 2, f"worker {restarted} to be restarted")
