@@ -32,6 +32,15 @@ def assert_trees_equal(a: Any, b: Any, where: str = "") -> None:
     assert x.tobytes() == y.tobytes(), f"{where} {path}: values differ"
 
 
+def assert_leaves_equal(got: list[Any], want: list[Any], where: str) -> None:
+  """Two flat lists of leaves (a batch as the wire carries it), bit for bit."""
+  assert len(got) == len(want), where
+  for i, (a, b) in enumerate(zip(got, want)):
+    a, b = np.asarray(a), np.asarray(b)
+    assert (a.dtype, a.shape) == (b.dtype, b.shape), f"{where} leaf {i}"
+    assert a.tobytes() == b.tobytes(), f"{where} leaf {i}"
+
+
 def assert_streams_equal(a: Iterable[Any], b: Iterable[Any]) -> int:
   a, b = list(a), list(b)
   assert len(a) == len(b), f"stream lengths differ: {len(a)} vs {len(b)}"

@@ -20,6 +20,7 @@ from grain_elevator.server.data.registry import Datasets
 from grain_elevator.server.serving.batch_cache import BatchCache
 from grain_elevator.server.serving.read_plan import ReadPlanner
 from grain_elevator.server.serving.step_shape import StepShape
+from helpers import assert_leaves_equal
 
 
 @pytest.fixture(scope="module")
@@ -42,14 +43,6 @@ def _always() -> bool:
   return True
 
 
-def _assert_leaves_equal(got, want, where: str) -> None:
-  assert len(got) == len(want), where
-  for i, (a, b) in enumerate(zip(got, want)):
-    a, b = np.asarray(a), np.asarray(b)
-    assert (a.dtype, a.shape) == (b.dtype, b.shape), f"{where} leaf {i}"
-    assert a.tobytes() == b.tobytes(), f"{where} leaf {i}"
-
-
 # (dataset, G, h, H, first step): 1:1 with and without a shuffle, across
 # an epoch's end (aug2 step 83: positions 996..1007), a whole-batch decode,
 # a dataset repeating forever, raw bytes, evaluation mode's padded last step.
@@ -67,7 +60,7 @@ def test_steps_are_embedded_modes_bit_for_bit(datasets, shape, oracle, name, g, 
   assert [s for s, _, _ in got] == [start, start + 1]
   assert [state for _, _, state in got] == ["", ""]  # a step dataset has no position
   for (step, leaves, _), expected in zip(got, want):
-    _assert_leaves_equal(leaves, expected.leaves, f"{name} step {step}")
+    assert_leaves_equal(leaves, expected.leaves, f"{name} step {step}")
 
 
 @pytest.mark.parametrize("name,g,h,n,start", [c for c in CASES if c[0] != "eval"])
@@ -80,7 +73,7 @@ def test_steps_are_grains_own_records(datasets, shape, name, g, h, n, start):
   for step, leaves, _ in shape.steps(ds, r, _always):
     rows = [records[p] for p in contract.host_positions(step, g, h, n)]
     want = [np.stack(column) for column in zip(*(tree.flatten(row)[0] for row in rows))]
-    _assert_leaves_equal(leaves, want, f"{name} step {step}")
+    assert_leaves_equal(leaves, want, f"{name} step {step}")
 
 
 @pytest.mark.parametrize("compression", sorted(wire.COMPRESSIONS))
@@ -93,7 +86,7 @@ def test_encoded_steps_decode_to_the_made_steps_and_are_cached(datasets, shape, 
   for (step, leaves, _), parts in zip(made, first):
     got_step, got_leaves, state = wire.decode_batch_message(b"".join(bytes(p) for p in parts))
     assert (got_step, state) == (step, "")
-    _assert_leaves_equal(got_leaves, leaves, f"step {step}")
+    assert_leaves_equal(got_leaves, leaves, f"step {step}")
   again = list(shape.encoded_steps(ds, r, _always))
   assert all(a is b for a, b in zip(again, first))  # the cache's own parts
   other = _request("seed3", 16, 0, 2, 7, num=3, compression=wire.COMPRESSIONS[compression])

@@ -25,6 +25,7 @@ from grain_elevator.server.serving.options import DEFAULT_MAX_STREAM_BATCH_BYTES
 from grain_elevator.server.serving.stream_sessions import StreamSessions
 from grain_elevator.server.serving.stream_shape import StreamShape
 import datasets as datasets_lib
+from helpers import assert_leaves_equal
 
 
 @pytest.fixture(scope="module")
@@ -78,14 +79,6 @@ def _grains_own(ds, g: int, steps: int) -> list[tuple[list[np.ndarray], str]]:
   return out
 
 
-def _assert_leaves_equal(got, want, where: str) -> None:
-  assert len(got) == len(want), where
-  for i, (a, b) in enumerate(zip(got, want)):
-    a, b = np.asarray(a), np.asarray(b)
-    assert (a.dtype, a.shape) == (b.dtype, b.shape), f"{where} leaf {i}"
-    assert a.tobytes() == b.tobytes(), f"{where} leaf {i}"
-
-
 @pytest.mark.parametrize("g,hosts", [(8, 1), (12, 3), (16, 4)])
 def test_each_host_gets_its_rows_of_grains_own_batches(datasets, shape, few_oracle, g, hosts):
   ds = datasets["few"]
@@ -99,8 +92,8 @@ def test_each_host_gets_its_rows_of_grains_own_batches(datasets, shape, few_orac
     assert [s for s, _, _ in got] == [0, 1, 2, 3]
     for (step, leaves, state), (batch, after), e in zip(got, want, embedded):
       where = f"G={g} host {h}/{hosts} step {step}"
-      _assert_leaves_equal(leaves, [a[rows.start:rows.stop] for a in batch], where)
-      _assert_leaves_equal(leaves, e.leaves, where)
+      assert_leaves_equal(leaves, [a[rows.start:rows.stop] for a in batch], where)
+      assert_leaves_equal(leaves, e.leaves, where)
       assert state == after == e.next_stream_state, where
 
 
@@ -111,7 +104,7 @@ def test_a_request_goes_on_from_the_position_it_names(datasets, shape):
   rest = list(shape.steps(ds, _request(12, 1, 2, 3, 3, first[-1][2]), _always))
   assert [s for s, _, _ in first + rest] == list(range(6))
   for (step, leaves, state), (_, want, want_state) in zip(first + rest, whole):
-    _assert_leaves_equal(leaves, want, f"step {step}")
+    assert_leaves_equal(leaves, want, f"step {step}")
     assert state == want_state
 
 
@@ -122,7 +115,7 @@ def test_encoded_steps_carry_the_rows_and_the_position_after_each(datasets, shap
                                           shape.encoded_steps(ds, r, _always)):
     got_step, got, got_state = wire.decode_batch_message(b"".join(bytes(p) for p in parts))
     assert (got_step, got_state) == (step, state)
-    _assert_leaves_equal(got, leaves, f"step {step}")
+    assert_leaves_equal(got, leaves, f"step {step}")
 
 
 def test_a_skip_ends_where_the_steps_end(datasets, shape):
