@@ -47,7 +47,6 @@ import math
 import multiprocessing as mp
 import multiprocessing.connection
 import os
-import queue
 import re
 import signal
 import threading
@@ -147,7 +146,12 @@ class Server:
     self.config: config_lib.ServerConfig | None = None
     self._ctx = mp.get_context("forkserver")
     self._ctx.set_forkserver_preload(_PRELOAD)
-    self._ready = self._ctx.Queue()
+    # Each worker reports its start on a pipe of its own (index -> the read
+    # end): a queue shared by every worker sends under one lock across
+    # processes, which a worker SIGKILLed while sending keeps forever; every
+    # later worker's report then never arrives, and it hangs at exit joining
+    # the thread that waits for the lock.
+    self._ready: dict[int, mp.connection.Connection] = {}
     self._procs: dict[int, mp.process.BaseProcess] = {}
     self._history: collections.defaultdict[int, restarts.SlotHistory] = (
         collections.defaultdict(restarts.SlotHistory))
@@ -282,11 +286,13 @@ class Server:
   def _spawn(self, index: int) -> None:
     """Starts worker `index`; call only from a thread that lasts as long as
     the server (module docstring)."""
+    reader, writer = self._ctx.Pipe(duplex=False)
+
     def process(ctx: Any) -> mp.process.BaseProcess:
       return ctx.Process(
           target=lifeline.start_worker,
           args=(os.getpid(), self.config_path, self.options, index, self.num_workers,
-                self._ready, self._identities),
+                writer, self._identities),
           kwargs={"crash_loop": self._crash_loop, "last_request": self._activity[index],
                   "head_peers": self._head_peers,
                   "health_slot": self._health_board.slot(index),
@@ -295,13 +301,23 @@ class Server:
           name=f"elevator-worker-{index}", daemon=True)
     self._health_board.reset(index)
     try:
-      _fork_server_running()
-      p = process(self._ctx)
-      p.start()
-    except OSError as e:  # a fork server that cannot start, or died starting
-      _fork_server_failed_once(e)
-      p = process(mp.get_context("spawn"))
-      p.start()
+      try:
+        _fork_server_running()
+        p = process(self._ctx)
+        p.start()
+      except OSError as e:  # a fork server that cannot start, or died starting
+        _fork_server_failed_once(e)
+        p = process(mp.get_context("spawn"))
+        p.start()
+    except BaseException:
+      reader.close()
+      raise
+    finally:
+      writer.close()  # the worker's now: its death ends the pipe
+    old = self._ready.pop(index, None)
+    if old is not None:
+      old.close()
+    self._ready[index] = reader
     self._procs[index] = p
     self._history[index].started(time.monotonic())
 
@@ -309,20 +325,37 @@ class Server:
     deadline = time.monotonic() + _START_TIMEOUT_S
     pending = set(indices)
     while pending:
-      try:
-        index, error = self._ready.get(timeout=0.2)
-      except queue.Empty:
-        for i in pending:
+      mp.connection.wait([r for i in pending if (r := self._ready.get(i)) is not None]
+                         + [self._procs[i].sentinel for i in pending], timeout=0.2)
+      for i in sorted(pending):
+        report = self._report(i)
+        if report is None:
           if not self._procs[i].is_alive():
             raise StartError(
                 f"worker {i} exited with code {self._procs[i].exitcode} while starting")
-        if time.monotonic() > deadline:
-          raise StartError(f"workers {sorted(pending)} did not start within "
-                           f"{_START_TIMEOUT_S:.0f}s")
-        continue
-      if error is not None:
-        raise StartError(error)
-      pending.discard(index)
+          continue
+        if report[1] is not None:
+          raise StartError(report[1])
+        pending.discard(i)
+      if pending and time.monotonic() > deadline:
+        raise StartError(f"workers {sorted(pending)} did not start within "
+                         f"{_START_TIMEOUT_S:.0f}s")
+
+  def _report(self, index: int) -> tuple[int, str | None] | None:
+    """What worker `index` reported of its start, once it has: (index,
+    None) serving, (index, error) failed; None before, or if it died
+    without a word. A start is reported once: its pipe is closed after."""
+    reader = self._ready.get(index)
+    if reader is None:
+      return None
+    try:
+      if not reader.poll():
+        return None
+      report = reader.recv()
+    except (EOFError, OSError):  # it died before reporting
+      report = None
+    self._ready.pop(index).close()
+    return report
 
   def _supervise(self) -> None:
     """Restarts each dead worker once its slot's backoff has passed, until
@@ -390,15 +423,14 @@ class Server:
   def _log_restarts(self) -> None:
     """Logs what restarted workers reported at start-up: serving again, or
     the failure (they then exit, and are restarted after their backoff)."""
-    while True:
-      try:
-        index, error = self._ready.get_nowait()
-      except queue.Empty:
-        return
-      if error is not None:
-        log.error("worker %d failed to restart: %s", index, error)
+    for i in sorted(self._ready):
+      report = self._report(i)
+      if report is None:
+        continue
+      if report[1] is not None:
+        log.error("worker %d failed to restart: %s", i, report[1])
       else:
-        log.info("worker %d (pid %s) is serving again", index, self._procs[index].pid)
+        log.info("worker %d (pid %s) is serving again", i, self._procs[i].pid)
 
   def stop(self) -> None:
     """Health NOT_SERVING; SIGTERM every worker, wait out their grace period,
@@ -417,6 +449,9 @@ class Server:
       if p.is_alive():
         p.kill()
         p.join()
+    for reader in self._ready.values():
+      reader.close()
+    self._ready.clear()
     if self._metrics:
       self._metrics.stop()
     if self._health_port is not None:

@@ -153,12 +153,23 @@ def build_servers(datasets: registry.Datasets, opts: ServerOptions, index: int =
   return Servers(path, server, health, port, bulk_server, threads)
 
 
+def _report(ready: Any, report: tuple[int, str | None]) -> None:
+  """Tells the supervisor how the start went; a supervisor gone meanwhile
+  (the pipe broken) hears nothing, and the lifeline stops this worker."""
+  try:
+    ready.send(report)
+    ready.close()
+  except OSError:
+    pass
+
+
 def run(config_path: str, opts: ServerOptions, index: int, num_workers: int,
         ready: Any, identities: shard_identity.Recorded | None = None,
         *, supervisor_pid: int | None = None, crash_loop: Any = None,
         last_request: Any = None, head_peers: Any = None,
         health_slot: health_lib.WorkerReport | None = None) -> None:
-  """Worker process entry point; reports (index, error or None) on `ready`.
+  """Worker process entry point; reports (index, error or None) on `ready`,
+  the write end of a pipe of its own (supervisor.py).
   `identities`: the shards and option files as the supervisor recorded them
   at start-up.
   `supervisor_pid`: the parent it must not outlive (lifeline.py).
@@ -193,7 +204,7 @@ def run(config_path: str, opts: ServerOptions, index: int, num_workers: int,
           ds.use_head(heads.factory(name, ds.info.config_fingerprint),
                       elements_held=heads.elements_held)
   except (ElevatorError, OSError) as e:
-    ready.put((index, str(e)))
+    _report(ready, (index, str(e)))
     return
   if last_request is not None:
     def note_in_flight(requests: int) -> None:  # busy (inf) until the last one ends
@@ -202,7 +213,7 @@ def run(config_path: str, opts: ServerOptions, index: int, num_workers: int,
   servers.start()
   if crash_loop is not None:
     crash_loop.watch(lambda looping: servers.health.set_reason("crash loop", looping), stop)
-  ready.put((index, None))
+  _report(ready, (index, None))
   stop.wait()
   servers.stop(opts.grace_s)
   if heads is not None:
