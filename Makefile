@@ -95,8 +95,9 @@ test-grain-lowest: $(STAMP) $(GRAIN_LOWEST_DIR)/.installed
 	  PYTHONPATH=$(CURDIR)/$(GRAIN_LOWEST_DIR) \
 	  $(PY) -m pytest -m grain_contract -p no:cacheprovider $(PYTEST_ARGS)
 
-# The edit loop: what `make test` runs but the tests marked slow (bench,
-# demo, soak, failover, crash-resume, multi-host, a fresh install) or netns.
+# The edit loop, ~3 minutes: what `make test` runs but the tests marked slow
+# (pyproject.toml: end-to-end runs, servers killed, signalled or waiting out
+# a limit, floods, the bucket emulators) or netns.
 test-fast: $(STAMP)
 	$(PY) -m pytest $(XDIST) -m "not slow and not netns" $(PYTEST_ARGS)
 

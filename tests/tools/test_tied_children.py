@@ -16,6 +16,8 @@ import pytest
 
 from grain_elevator.server.process import lifeline
 
+pytestmark = pytest.mark.slow  # launchers killed
+
 _GONE_WITHIN_S = 60.0
 
 _START = {

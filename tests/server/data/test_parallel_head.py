@@ -192,6 +192,7 @@ def _connect(address: str) -> socket.socket:
   return s
 
 
+@pytest.mark.slow  # floods of half-open connections
 def test_connections_that_never_finish_their_handshake_leave_every_worker_in_the_head(
     few_config, want, tmp_path):
   """Before the stream's owner ever dials its peers, every worker's head

@@ -11,6 +11,7 @@ import time
 import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+import pytest
 
 from grain_elevator.client import RemoteDataset
 from grain_elevator.client.embedded import EmbeddedBackend
@@ -20,6 +21,8 @@ from grain_elevator.proto import elevator_pb2_grpc as pb_grpc
 from grain_elevator.proto import wire
 from grain_elevator.tools.testing.launcher import LocalServer
 import datasets
+
+pytestmark = pytest.mark.slow  # servers waiting out idle limits
 
 
 def _health(target: str) -> None:

@@ -18,6 +18,8 @@ from grain_elevator.client import RemoteDataset
 from grain_elevator.server import Server, ServerOptions
 from helpers import assert_trees_equal, oracle_batch, worker_pids
 
+pytestmark = pytest.mark.slow  # servers signalled, killed, restarted
+
 
 def _wait_for(predicate, timeout: float = 60.0) -> bool:
   deadline = time.monotonic() + timeout
@@ -28,8 +30,7 @@ def _wait_for(predicate, timeout: float = 60.0) -> bool:
   return False
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM,
-                                 pytest.param(signal.SIGINT, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_stops_every_worker_and_exits_zero(config_path, sig):
   server = LocalServer(config_path, workers=2)
   workers = worker_pids(server)

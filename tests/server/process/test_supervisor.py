@@ -27,6 +27,8 @@ from grain_elevator.tools.testing.launcher import LocalServer
 from helpers import worker_pids
 import datasets
 
+pytestmark = pytest.mark.slow  # workers, fork servers, supervisors killed
+
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 MIN, MAX = restarts.RESTART_DELAY_MIN_S, restarts.RESTART_DELAY_MAX_S

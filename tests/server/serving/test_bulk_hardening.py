@@ -24,6 +24,8 @@ from grain_elevator.server.serving import bulk
 from grain_elevator.tools.testing.launcher import LocalServer
 from helpers import closed_by_peer, worker_pids
 
+pytestmark = pytest.mark.slow  # floods of connections, slow peers
+
 ONE_STEP = pb.BatchRequest(dataset="plain", global_batch_size=16, shard_count=1,
                            start_step=0, num_steps=1)
 ENDLESS = pb.BatchRequest(dataset="forever", global_batch_size=256, shard_count=1,

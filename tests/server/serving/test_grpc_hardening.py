@@ -31,6 +31,8 @@ from grain_elevator.tools.testing.h2peer import H2Peer
 from grain_elevator.tools.testing.launcher import LocalServer
 from helpers import assert_streams_equal, wait_for, wait_for_log
 
+pytestmark = pytest.mark.slow  # floods of calls, slow peers
+
 DESCRIBE = f"/{SERVICE_NAME}/Describe"
 GET_BATCHES = f"/{SERVICE_NAME}/GetBatches"
 CHECK = "/grpc.health.v1.Health/Check"

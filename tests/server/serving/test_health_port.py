@@ -43,6 +43,8 @@ from grain_elevator.tools.testing.h2peer import H2Peer
 from grain_elevator.tools.testing.launcher import LocalServer
 from helpers import SCRIPTS, worker_pids
 
+pytestmark = pytest.mark.slow  # floods of probes and watches
+
 CHECK = "/grpc.health.v1.Health/Check"
 WATCH = "/grpc.health.v1.Health/Watch"
 ATTACKER = "127.0.0.2"

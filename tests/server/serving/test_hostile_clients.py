@@ -28,6 +28,8 @@ from grain_elevator.server.serving.options import ServerOptions
 from grain_elevator.tools.testing.launcher import LocalServer
 from helpers import assert_streams_equal, wait_for, wait_for_log
 
+pytestmark = pytest.mark.slow  # floods of connections, slow peers
+
 LONG_SLOTS = ServerOptions().max_concurrent_requests // 2
 ENDLESS = pb.BatchRequest(dataset="forever", global_batch_size=256, shard_count=1,
                           start_step=0, num_steps=1_000_000)

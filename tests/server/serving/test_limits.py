@@ -21,6 +21,8 @@ from grain_elevator.tools.testing.launcher import LocalServer
 from helpers import (assert_streams_equal, assert_trees_equal, busy_cpu_rate, cpu_rate_over,
                      oracle_batch, wait_for, wait_for_log)
 
+pytestmark = pytest.mark.slow  # limits filled, servers drained
+
 
 def _own_channel(server) -> grpc.Channel:
   """A channel with a TCP connection of its own."""
@@ -120,7 +122,6 @@ def test_sigterm_refuses_new_requests_and_finishes_in_flight_ones(config_path, o
     server.stop()
 
 
-@pytest.mark.slow  # measures worker CPU for seconds
 def test_a_cancelled_stream_stops_the_server_computing(config_path):
   import psutil
   with Server(config_path, ServerOptions(port=0, workers=1, metrics_port=0)) as server:

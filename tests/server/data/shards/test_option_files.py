@@ -134,6 +134,7 @@ def _refused(answer: Any, path: str) -> bool:
           in answer.details())
 
 
+@pytest.mark.slow  # a worker killed and restarted
 def test_a_worker_restarted_after_the_tokenizer_changed_refuses_it(text):
   expected = {g: text.stream(g) for g in (G, 2 * G)}
   structure = _structure(text.config, "lm")

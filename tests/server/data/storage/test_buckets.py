@@ -32,6 +32,8 @@ from grain_elevator.tools.testing.launcher import ELEVATOR
 import datasets
 from helpers import assert_trees_equal
 
+pytestmark = pytest.mark.slow  # S3 and GCS emulators
+
 G = 8
 STEPS = 4
 BIG = {"height": 32, "width": 32, "channels": 3}

@@ -18,6 +18,8 @@ from grain_elevator.server.data.record_source import BatchedArrayRecordSource
 from grain_elevator.tools.testing.launcher import ELEVATOR
 from helpers import run_beam, shard_bytes
 
+pytestmark = pytest.mark.slow  # S3 and GCS emulators
+
 
 @pytest.fixture
 def bucket_env(bucket, monkeypatch) -> dict[str, str]:
@@ -118,7 +120,6 @@ def test_an_upload_retry_budget_out_of_range_is_refused_before_any_work(jsonl, t
   assert not list(tmp_path.iterdir())  # no staging folder was made
 
 
-@pytest.mark.slow
 def test_the_beam_pipeline_writes_to_a_bucket_what_it_writes_locally(bucket, bucket_env,
                                                                      tmp_path):
   """Each Beam worker uploads its own shard (no shared file system); the

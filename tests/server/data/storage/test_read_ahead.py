@@ -30,6 +30,8 @@ from grain_elevator.tools import top
 import datasets
 from helpers import proto_leaves, wait_for
 
+pytestmark = pytest.mark.slow  # S3 and GCS emulators
+
 G = 8
 N = 2  # steps per request
 BIG = {"height": 32, "width": 32, "channels": 3}
