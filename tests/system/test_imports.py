@@ -11,11 +11,11 @@ import json
 import pathlib
 import subprocess
 import sys
-import textwrap
 
 import pytest
 
 from grain_elevator.tools.testing.launcher import LocalServer
+import datasets
 from helpers import ROOT, worker_pids
 
 # What importing each package may load of the others.
@@ -103,18 +103,11 @@ def test_a_worker_runs_nothing_from_tools(data_dir, tmp_path):
   loads no module of tools/ but the `elevator` entry module itself, which
   multiprocessing's spawn re-imports in every child."""
   (tmp_path / "probe_pipeline.py").write_text(_PROBE)
-  config = tmp_path / "elevator.toml"
-  config.write_text(textwrap.dedent(f"""\
-      [datasets.probe]
-      paths = ["{data_dir}/shards/*.array_record"]
-      pipeline = "probe_pipeline:decode"
-      [datasets.probe.options]
-      out = "{tmp_path}"
-      height = 4
-      width = 4
-      channels = 3
-      """))
-  with LocalServer(str(config), workers=2, env={"PYTHONPATH": str(tmp_path)}) as server:
+  config = datasets.write_config(
+      tmp_path / "elevator.toml",
+      probe=datasets.images(data_dir / datasets.SHARDS, pipeline="probe_pipeline:decode",
+                            options={"out": str(tmp_path)}))
+  with LocalServer(config, workers=2, env={"PYTHONPATH": str(tmp_path)}) as server:
     workers = worker_pids(server)
   assert len(workers) == 2
   for pid in workers:
