@@ -68,11 +68,13 @@ demo: $(STAMP)
 # was, instead of a CI runner's limit killing it with nothing said.
 #
 # Times on this 2-core machine, `CI=true bash .ci/run` in a clean clone, the
-# venvs built from nothing (pip's cache warm), at 441e036:
-#   idle:              12 min 6 s in all; the main run 1,271 passed,
+# venvs built from nothing (pip's cache warm):
+#   idle (178bf98):    12 min 6 s in all; the main run 1,271 passed,
 #                      3 skipped in 626.5 s; lowest Grain 86 passed in 24.9 s
+#   idle (8a4de96):    12 min 21 s; 1,271 passed, 3 skipped in 618.4 s
 #   one core busy      16 min 45 s in all; the main run 1,271 passed,
-#   (a shell loop):    3 skipped in 859.5 s; lowest Grain 86 passed in 41.9 s
+#   (441e036, a shell  3 skipped in 859.5 s; lowest Grain 86 passed in 41.9 s
+#   loop):
 # The longest tests (--durations, idle): test_bench_text 65 s,
 # test_bench_tfds 49 s, test_bench's image and every-system runs 45 s each,
 # test_bench_storage 42 s, test_bench_shared 34 s, test_bench_clients 32 s,
