@@ -21,11 +21,11 @@ from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.proto.errors import ElevatorError
 from grain_elevator.proto.limits import MAX_REQUEST_BYTES
 from grain_elevator.server.data import config as config_lib
-from grain_elevator.server.data.streams import parallel_head
 from grain_elevator.server.data import registry
 from grain_elevator.server.data.shards import identity as shard_identity
 from grain_elevator.server.data.storage import objects as storage_objects
 from grain_elevator.server.data.storage import read_ahead
+from grain_elevator.server.data.streams import parallel_head
 from grain_elevator.server.data.streams.stream import StreamDataset
 from grain_elevator.server.process import descriptors
 from grain_elevator.server.process import lifeline

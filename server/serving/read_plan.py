@@ -89,10 +89,16 @@ class ReadPlanner:
     return steps
 
   @staticmethod
-  def _tag(info: DatasetInfo, r: pb.BatchRequest, step: int) -> Hashable:
-    """A step's group in the read-ahead: the same for every request of it."""
+  def _reader(info: DatasetInfo, r: pb.BatchRequest) -> tuple[Hashable, ...]:
+    """Whose steps `r` asks for: the same for every request of one host's
+    reading."""
     return (info.name, info.config_fingerprint, r.global_batch_size, r.shard_index,
-            r.shard_count, r.record_offset, step)
+            r.shard_count, r.record_offset)
+
+  @classmethod
+  def _tag(cls, info: DatasetInfo, r: pb.BatchRequest, step: int) -> Hashable:
+    """A step's group in the read-ahead: the same for every request of it."""
+    return (*cls._reader(info, r), step)
 
   def plan(self, ds: StepDataset, r: pb.BatchRequest) -> int:
     """Plans the reads of `r`'s steps and the next chunks' (a dataset with
@@ -103,11 +109,10 @@ class ReadPlanner:
     if ahead.budget_bytes <= 0 or needs_of(r.start_step, r.global_batch_size, r.shard_index,
                                            r.shard_count, r.record_offset) is None:
       return 0  # off, or nothing of this dataset is in a bucket
-    reader = (info.name, info.config_fingerprint, r.global_batch_size, r.shard_index,
-              r.shard_count, r.record_offset)
+    reader = self._reader(info, r)
     groups = []
     for step in self.steps_to_plan(r, info.stream_length, info.drop_remainder, reader):
-      tag = self._tag(info, r, step)
+      tag = (*reader, step)
       if not ahead.planned(tag):
         groups.append((tag, needs_of(step, r.global_batch_size, r.shard_index, r.shard_count,
                                      r.record_offset)))

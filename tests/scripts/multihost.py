@@ -33,8 +33,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from grain_elevator.client import RemoteDataset, checkpoint, to_device
 from grain_elevator.client.embedded import EmbeddedBackend
-# What EmbeddedBackend imports when it opens a config.
 from grain_elevator.server.process import lifeline
+# What EmbeddedBackend imports when it opens a config.
 from grain_elevator.server.data import config as _config  # pylint: disable=unused-import
 from grain_elevator.server.data import registry as _registry  # pylint: disable=unused-import
 from grain_elevator.server.serving import request_path as _request_path  # pylint: disable=unused-import

@@ -38,8 +38,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from grain_elevator.client import RemoteDataset
 from grain_elevator.client.embedded import EmbeddedBackend
 from grain_elevator.client.torch import STATE_KEY, TorchLoader, data_parallel_shard
-# What EmbeddedBackend imports when it opens a config.
 from grain_elevator.server.process import lifeline
+# What EmbeddedBackend imports when it opens a config.
 from grain_elevator.server.data import config as _config  # pylint: disable=unused-import
 from grain_elevator.server.data import registry as _registry  # pylint: disable=unused-import
 from grain_elevator.server.serving import request_path as _request_path  # pylint: disable=unused-import

@@ -8,9 +8,10 @@ keeps (about 40 bytes a chunk, as for a file; the tail's bytes are let
 go); for a batch, `plan` names the extents of the chunks its records need,
 neighbours coalesced (storage/ranges.py: chunks that touch or lie within
 COALESCE_GAP_BYTES are one read), the caller fetches them, with every other
-shard's, concurrently (storage/objects.py), and `read` decodes the records from them. The same
-riegeli hash checks run on those bytes (riegeli.c's parse_chunk); a corrupt
-chunk is CorruptShard naming the URL and its byte offset.
+shard's, concurrently (storage/objects.py), and `read` decodes the records
+from them. The same riegeli hash checks run on those bytes (riegeli.c's
+parse_chunk); a corrupt chunk is CorruptShard naming the URL and its byte
+offset.
 
 `read(positions, fetched)` takes any mapping of (begin -> bytes) that
 covers the plan, so a planner that fetches the next steps' ranges ahead can
