@@ -68,6 +68,15 @@ def _check(target: str, timeout_s: float = 5.0, service: str = "") -> int:
         health_pb2.HealthCheckRequest(service=service), timeout=timeout_s).status
 
 
+
+def _admitted(target: str) -> bool:
+  """A probe on a fresh connection answered SERVING (False: refused)."""
+  try:
+    return _check(target) == SERVING
+  except grpc.RpcError:
+    return False
+
+
 def _p99_of_probes(target: str, n: int = PROBES) -> float:
   """The p99 latency of `n` probes made by another process (tests/scripts/probe.py),
   each of which must answer SERVING; printed with p50 and max
@@ -221,7 +230,11 @@ def test_probes_answer_under_a_watch_flood_and_watches_end(config_path):
       assert ended.count("0") <= health_lib.MAX_WATCHES_PER_PEER
       _wait_for(lambda: _established(worker, server.port, ATTACKER) == 0,
                 4 * idle_timeout_s + 10, "the flood's connections were not closed")
-    assert _check(server.target) == SERVING  # a newcomer gets in
+    # A newcomer gets in. gRPC counts a connection against the cap until its
+    # transport is torn down, which can lag the socket's close: wait for the
+    # first probe it admits rather than take the first one made.
+    _wait_for(lambda: _admitted(server.target), 10,
+              "a newcomer was refused after the flood's connections were closed")
   assert p99 < bound, f"p99 {p99 * 1e3:.0f} ms, bound {bound * 1e3:.0f} ms"
 
 
