@@ -106,6 +106,12 @@ class ReadAhead:
       return self._bytes
 
   @property
+  def in_flight(self) -> int:
+    """The planned ranges still on their way from storage."""
+    with self._lock:
+      return sum(not e.future.done() for held in self._entries.values() for e in held.values())
+
+  @property
   def holds_groups(self) -> bool:
     """Whether any group is planned (read without the lock: a hint that
     lets steps of local datasets skip `release`)."""

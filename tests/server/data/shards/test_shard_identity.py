@@ -111,6 +111,8 @@ def _ask(target: str, step: int, structure: Any) -> tuple[int, Any]:
       try:
         (batch,) = stub.GetBatches(request, timeout=30)
       except grpc.RpcError as e:
+        if e.code() == grpc.StatusCode.UNAVAILABLE and attempt < 4:  # reset later: the same
+          continue
         return worker, e
       return worker, wire.decode_batch(batch.SerializeToString(), structure)[1]
   raise AssertionError("not reached")
@@ -214,7 +216,8 @@ def test_rewrite_in_place_is_refused_rename_after_open_serves_the_old_bytes(data
 
     victim = server.worker_pids()[0]
     os.kill(victim, signal.SIGKILL)
-    died = lambda: [m for line in grain_elevator_logs.messages if (m := re.search(rf"worker (\d+) \(pid {victim}\)", line))]
+    died = lambda: [m for line in grain_elevator_logs.messages
+                    if (m := re.search(rf"worker (\d+) \(pid {victim}\)", line))]
     wait_for(died, f"the supervisor to log the death of pid {victim}")
     restarted = int(died()[0].group(1))
     wait_for(lambda: len(server.worker_pids()) == 2, f"worker {restarted} to be restarted")
