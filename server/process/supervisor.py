@@ -48,7 +48,9 @@ import multiprocessing as mp
 import multiprocessing.connection
 import os
 import re
+import select
 import signal
+import socket
 import threading
 import time
 from typing import Any, NamedTuple
@@ -513,19 +515,45 @@ def serve(config: str | os.PathLike[str], options: ServerOptions = ServerOptions
   except OSError:
     pass  # the first worker's start says why, and spawns instead
   server = Server(config, options)
-  stop = threading.Event()
-  signal.signal(signal.SIGTERM, lambda *_: stop.set())
-  signal.signal(signal.SIGINT, lambda *_: stop.set())
-  server.start()
-  print(ready_line(server), flush=True)
+  # SIGTERM and SIGINT are heard through the signal module's wakeup fd; their
+  # handlers do nothing. A handler that takes a lock (an Event's set) hangs
+  # the process for good when a second signal lands while the first handler
+  # holds it: a supervisor sent SIGTERM twice was seen never to stop.
+  wake, wake_in = socket.socketpair()
+  wake.setblocking(False)
+  wake_in.setblocking(False)
+  previous = signal.set_wakeup_fd(wake_in.fileno(), warn_on_full_buffer=False)
+  for sig in _STOP_SIGNALS:
+    signal.signal(sig, lambda *_: None)
   idle_exit_s = options.idle_exit_s
   try:
-    while not stop.wait(min(1.0, idle_exit_s or 1.0)):
-      if idle_exit_s is not None and server.idle_s() >= idle_exit_s:
-        print(f"elevator: no request for {idle_exit_s:g}s (--idle-exit-s): stopping",
-              flush=True)
-        break
+    server.start()
+    print(ready_line(server), flush=True)
+    try:
+      while not _stop_signalled(wake, min(1.0, idle_exit_s or 1.0)):
+        if idle_exit_s is not None and server.idle_s() >= idle_exit_s:
+          print(f"elevator: no request for {idle_exit_s:g}s (--idle-exit-s): stopping",
+                flush=True)
+          break
+    finally:
+      server.stop()
   finally:
-    server.stop()
+    signal.set_wakeup_fd(previous)
+    wake.close()
+    wake_in.close()
   print("elevator: stopped", flush=True)
   return 0
+
+
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+def _stop_signalled(wake: socket.socket, timeout_s: float) -> bool:
+  """Whether SIGTERM or SIGINT arrived within `timeout_s` (or before): the
+  wakeup fd carries the number of every signal Python handles."""
+  if not select.select([wake], [], [], timeout_s)[0]:
+    return False
+  try:
+    return any(sig in _STOP_SIGNALS for sig in wake.recv(4096))
+  except BlockingIOError:
+    return False
