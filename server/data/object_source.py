@@ -66,7 +66,7 @@ class ObjectRecordSource:
     recorded = self.identities.get(url)
     if not isinstance(recorded, identity_lib.ObjectIdentity):
       raise _not_recorded(url)
-    obj = recorded.ref(url, self._storage)
+    obj = recorded.ref(url, self._storage, self.dataset)
     try:
       return open_object_shard(obj, recorded.tail_hash, identity_lib.IDENTITY_TAIL_BYTES)
     except UnsupportedShard as e:

@@ -96,8 +96,8 @@ class ObjectIdentity:
   etag: str | None
   version: str | None
 
-  def ref(self, url: str, settings: StorageSettings) -> objects_lib.ObjectRef:
-    return objects_lib.ObjectRef(url, settings, self.size, self.etag, self.version)
+  def ref(self, url: str, settings: StorageSettings, dataset: str = "") -> objects_lib.ObjectRef:
+    return objects_lib.ObjectRef(url, settings, self.size, self.etag, self.version, dataset)
 
 
 def tail_hash(tail: bytes) -> str:

@@ -3,17 +3,23 @@ fetched concurrently and pinned to the object's recorded version.
 
 Every read of a served object is conditional: `If-Match` on its recorded
 ETag, or on GCS its recorded generation (`generation=`), so a replaced
-object answers 412 or 404, never other bytes. obstore retries transient
-errors (5xx, 429, connection resets, timeouts) with backoff and jitter for
-the dataset's retry budget (settings.py); past it a read fails
-ServiceUnavailableError (UNAVAILABLE) naming the object, which a client
-retries. Messages name the URL and the HTTP status, never a response body
-or a credential.
+object answers 412 or 404, never other bytes. Listing and HEADs go
+through obstore's own retries; the serving reads retry here, so that each
+transient error is seen: a read that fails with a 5xx, 429, reset or stall
+is asked again with backoff and jitter for the dataset's retry budget
+(settings.py), a 503 SlowDown or 429 also halving its prefix's window
+(throttle.py); past the budget it fails ServiceUnavailableError
+(UNAVAILABLE) naming the object, which a client retries. A read still
+missing past the p95 of recent reads is asked again and the first answer
+wins (HEDGE_SHARE). Messages name the URL and the HTTP status, never a
+response body or a credential.
 
-Fetches run on one event loop per process (a daemon thread), at most
-MAX_IN_FLIGHT at once: a batch's ranges over all its shards go out together,
-and the read-ahead's (read_ahead.py) beside them. Each request's time is
-reported to `counts` (the server's metrics; nothing by default).
+Fetches run on one event loop per process (a daemon thread): a batch's
+ranges over all its shards go out together, and the read-ahead's
+(read_ahead.py) beside them, as many at once as Little's law asks for the
+rate they are asked at and their measured latency (latency.py). Each
+request's time and outcome are reported to `counts` (the server's metrics;
+nothing by default).
 """
 
 from __future__ import annotations
@@ -21,25 +27,44 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import functools
 import os
+import random
 import re
+import resource
 import threading
 import time
 from typing import Any, Sequence
 
 from grain_elevator.proto.errors import (ConfigError, DataLossError, ServiceUnavailableError,
                                          ShardChangedError)
+from grain_elevator.server.data.storage import latency as latency_lib
 from grain_elevator.server.data.storage import settings as settings_lib
+from grain_elevator.server.data.storage import throttle
 from grain_elevator.server.data.storage import urls
 from grain_elevator.server.data.storage.settings import StorageSettings
 
-# Range reads in flight at once in one process (a worker): a bucket answers
-# in ~20-50 ms whatever the size up to a few MB, so hundreds in flight keep
-# a worker's reads going at its bandwidth rather than at one batch per round trip.
-MAX_IN_FLIGHT = 128
-# Of those, reads made ahead of need (read_ahead.py) hold at most this many:
+# Range reads in flight at once in one process (a worker) follow Little's
+# law (latency.py: the rate reads are asked for x their p99, twice over),
+# within these bounds: a bucket answers in ~20-50 ms whatever the size up to
+# a few MB, so at least MIN_IN_FLIGHT keep a worker's reads going at its
+# bandwidth; at most MAX_IN_FLIGHT connections (and half the process's file
+# descriptors) are open. The read-ahead's budget bounds their bytes.
+MIN_IN_FLIGHT = 128
+MAX_IN_FLIGHT = 2048
+# Of those, reads made ahead of need (read_ahead.py) hold at most this share:
 # the rest are kept for the reads of the step being made now.
-AHEAD_IN_FLIGHT = MAX_IN_FLIGHT * 3 // 4
+AHEAD_SHARE = 0.75
+# A read that fails transiently (5xx, 429, a reset, a stall past
+# request_timeout_s) is asked again after a random wait of up to a backoff
+# that doubles from the first to the last, for the dataset's retry budget.
+BACKOFF_FIRST_S = 0.1
+BACKOFF_LAST_S = 2.0
+# Stragglers: a read still missing past the p95 of recent reads is asked
+# for again, for at most this share of all reads (AWS advises retrying the
+# slowest 1-5%); HEDGE_BURST hedges may go at once after a quiet spell.
+HEDGE_SHARE = 0.05
+HEDGE_BURST = 16.0
 # Objects listed for one glob at most: a prefix that names a whole bucket
 # by mistake is refused rather than listed for minutes.
 MAX_LISTED = 1_000_000
@@ -54,13 +79,20 @@ class ObjectRef:
   size: int
   etag: str | None
   version: str | None  # GCS generation; an S3 version id where versioning is on
+  # Whose reads these are, for the metrics (not part of the identity).
+  dataset: str = dataclasses.field(default="", compare=False)
 
 
 class Counts:
   """What storage reads report (the server's metrics implement it): the
-  seconds of each ranged request. Here: nothing."""
+  seconds of each ranged request, and each GET's outcome per dataset
+  ("answered", "failed", "refused": a 503 or 429; "retried"; "hedged": a
+  straggler asked again). Here: nothing."""
 
   def storage_request(self, seconds: float) -> None:
+    pass
+
+  def storage_get(self, dataset: str, outcome: str) -> None:
     pass
 
 
@@ -73,14 +105,31 @@ def set_counts(counts: Counts) -> None:
   _counts = counts
 
 
+def _max_in_flight() -> int:
+  """MAX_IN_FLIGHT, or half the file descriptors this process may open
+  (each read in flight holds a connection)."""
+  soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+  if soft != resource.RLIM_INFINITY and soft < MAX_IN_FLIGHT * 2:
+    try:  # the soft limit is 1024 on most distributions; servers raise it
+      wanted = MAX_IN_FLIGHT * 2 if hard == resource.RLIM_INFINITY else min(hard, MAX_IN_FLIGHT * 2)
+      resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+      soft = wanted
+    except (ValueError, OSError):
+      pass
+  if soft == resource.RLIM_INFINITY:
+    return MAX_IN_FLIGHT
+  return max(MIN_IN_FLIGHT, min(MAX_IN_FLIGHT, soft // 2))
+
+
 class _Failure(Exception):
   """An obstore error, classified: `kind` is one of "missing", "denied",
   "changed", "unavailable", "other"; `reason` is safe to show."""
 
-  def __init__(self, kind: str, reason: str):
+  def __init__(self, kind: str, reason: str, refused: bool = False):
     super().__init__(reason)
     self.kind = kind
     self.reason = reason
+    self.refused = refused  # the store said it is asked too fast (503, 429)
 
 
 _STATUS = re.compile(r"status code: (\d{3})(?: ([A-Za-z][A-Za-z -]*))?")
@@ -117,7 +166,7 @@ def _classify(e: BaseException) -> _Failure:
     return _Failure("missing", reason)
   if status is not None and status < 500 and status != 429:
     return _Failure("other", reason)
-  return _Failure("unavailable", reason)
+  return _Failure("unavailable", reason, refused=status in (429, 503))
 
 
 class Objects:
@@ -129,13 +178,19 @@ class Objects:
     self._lock = threading.Lock()
     self._loop: asyncio.AbstractEventLoop | None = None
     self._loop_pid = -1
-    self._semaphore: asyncio.Semaphore | None = None
-    self._ahead: asyncio.Semaphore | None = None
+    self.latency = latency_lib.Latency()
+    self._max_in_flight = _max_in_flight()
+    # The loop thread's alone (made again in a forked child's loop):
+    self._all: throttle.Gate | None = None
+    self._ahead: throttle.Gate | None = None
+    self._prefixes: dict[str, throttle.Prefix] = {}
+    self._hedge_tokens = HEDGE_BURST
 
-  def _store(self, url: str, settings: StorageSettings) -> tuple[Any, str]:
+  def _store(self, url: str, settings: StorageSettings,
+             retries: bool = True) -> tuple[Any, str]:
     scheme, bucket, key = urls.split(url)
     try:
-      return self._stores.get(scheme, bucket, settings), key
+      return self._stores.get(scheme, bucket, settings, retries), key
     except ImportError as e:
       raise ConfigError(f"{url}: reading objects needs obstore (pip install obstore): {e}") from e
     except Exception as e:  # a bad endpoint or region
@@ -147,7 +202,8 @@ class Objects:
         loop = asyncio.new_event_loop()
         threading.Thread(target=loop.run_forever, daemon=True, name="elevator-storage").start()
         self._loop, self._loop_pid = loop, os.getpid()
-        self._semaphore = self._ahead = None
+        self._all = self._ahead = None
+        self._prefixes = {}
       return self._loop
 
   def _run(self, coro: Any) -> Any:
@@ -193,11 +249,12 @@ class Objects:
 
   # -- while serving -------------------------------------------------------------
 
-  def fetch(self, ranges: Sequence[tuple[ObjectRef, int, int]]) -> list[bytes]:
-    """The bytes [begin, end) of each object, fetched concurrently, each
-    read pinned to the object's recorded version. Raises ShardChangedError
-    (replaced or deleted), ServiceUnavailableError (past the retry budget,
-    or access lost) or DataLossError (a short read), naming the object."""
+  def fetch(self, ranges: Sequence[tuple[ObjectRef, int, int]]) -> list[Any]:
+    """The bytes [begin, end) of each object (a buffer: bytes or obstore's
+    Bytes), fetched concurrently, each read pinned to the object's recorded
+    version. Raises ShardChangedError (replaced or deleted),
+    ServiceUnavailableError (past the retry budget, or access lost) or
+    DataLossError (a short read), naming the object."""
     if not ranges:
       return []
     return self._run(self._fetch_all(ranges))
@@ -205,29 +262,110 @@ class Objects:
   def fetch_later(self, ranges: Sequence[tuple[ObjectRef, int, int]]
                   ) -> list[concurrent.futures.Future]:
     """`fetch` without waiting: a future of each range's bytes (or of the
-    error `fetch` would raise), all requested concurrently from now."""
-    loop = self._event_loop()
-    return [asyncio.run_coroutine_threadsafe(self._fetch_ahead(*r), loop) for r in ranges]
+    error `fetch` would raise), all requested concurrently from now, behind
+    the step's own reads (at most AHEAD_SHARE of the depth)."""
+    futures = [concurrent.futures.Future() for _ in ranges]
+    if ranges:
+      self._event_loop().call_soon_threadsafe(self._start_ahead, list(ranges), futures)
+    return futures
 
-  async def _fetch_ahead(self, obj: ObjectRef, begin: int, end: int) -> bytes:
-    """A read made ahead of need: at most AHEAD_IN_FLIGHT of them hold a
-    slot, so a step's own reads always find one free."""
-    if self._ahead is None:  # made in the loop's thread, which alone uses it
-      self._ahead = asyncio.Semaphore(AHEAD_IN_FLIGHT)
-    async with self._ahead:
-      return await self._fetch_one(obj, begin, end)
+  def _start_ahead(self, ranges: list[tuple[ObjectRef, int, int]],
+                   futures: list[concurrent.futures.Future]) -> None:
+    """In the loop: one task per range, each settling its future."""
+    for (obj, begin, end), future in zip(ranges, futures):
+      if future.set_running_or_notify_cancel():
+        task = asyncio.ensure_future(self._read(obj, begin, end, ahead=True))
+        task.add_done_callback(functools.partial(_settle, future))
 
-  async def _fetch_all(self, ranges: Sequence[tuple[ObjectRef, int, int]]) -> list[bytes]:
-    tasks = [asyncio.ensure_future(self._fetch_one(*r)) for r in ranges]
+  async def _fetch_all(self, ranges: Sequence[tuple[ObjectRef, int, int]]) -> list[Any]:
+    tasks = [asyncio.ensure_future(self._read(*r)) for r in ranges]
     try:
       return list(await asyncio.gather(*tasks))
     finally:
       for t in tasks:
         t.cancel()
 
-  async def _fetch_one(self, obj: ObjectRef, begin: int, end: int) -> bytes:
+  def _gates(self) -> tuple[throttle.Gate, throttle.Gate]:
+    """(all reads, reads ahead of need), their limits following Little's law."""
+    if self._all is None:  # made in the loop's thread, which alone uses them
+      self._all, self._ahead = throttle.Gate(MIN_IN_FLIGHT), throttle.Gate(MIN_IN_FLIGHT)
+    depth = self.latency.depth(MIN_IN_FLIGHT, self._max_in_flight)
+    if depth != self._all.limit:
+      self._all.set_limit(depth)
+      self._ahead.set_limit(max(1, int(depth * AHEAD_SHARE)))
+    return self._all, self._ahead
+
+  def _prefix(self, obj: ObjectRef) -> throttle.Prefix:
+    name = obj.url[:obj.url.rfind("/") + 1]
+    prefix = self._prefixes.get(name)
+    if prefix is None:
+      prefix = self._prefixes[name] = throttle.Prefix()
+    return prefix
+
+  async def _read(self, obj: ObjectRef, begin: int, end: int, ahead: bool = False) -> Any:
+    """One range: retried with backoff and jitter while the retry budget
+    lasts (a 503 or 429 also narrows its prefix's window), its straggler
+    asked again (`_hedged`)."""
+    self.latency.asked()
+    all_reads, ahead_reads = self._gates()
+    prefix = self._prefix(obj)
+    deadline = time.monotonic() + obj.settings.retry_s
+    backoff = BACKOFF_FIRST_S
+    if ahead:
+      await ahead_reads.acquire()
+    try:
+      while True:
+        try:
+          data = await self._hedged(obj, begin, end, all_reads, prefix)
+          break
+        except _Failure as failure:
+          wait = random.uniform(0, backoff)
+          if failure.kind != "unavailable" or time.monotonic() + wait > deadline:
+            raise serving_error(obj, begin, failure) from None
+          if failure.refused:
+            prefix.refused()
+          _counts.storage_get(obj.dataset, "retried")
+          await asyncio.sleep(wait)
+          backoff = min(BACKOFF_LAST_S, backoff * 2)
+    finally:
+      if ahead:
+        ahead_reads.release()
+    if len(data) != end - begin:
+      raise DataLossError(f"object {obj.url}: a read of bytes [{begin}, {end}) returned "
+                          f"{len(data)} bytes")
+    return data
+
+  async def _hedged(self, obj: ObjectRef, begin: int, end: int, gate: throttle.Gate,
+                    prefix: throttle.Prefix) -> Any:
+    """One GET; if it is not back past the p95 of recent reads, the same GET
+    again (within HEDGE_SHARE of all GETs), and the first answer wins."""
+    first = asyncio.ensure_future(self._get(obj, begin, end, gate, prefix))
+    if end - begin > latency_lib.SAMPLED_BYTES:
+      return await first
+    self._hedge_tokens = min(HEDGE_BURST, self._hedge_tokens + HEDGE_SHARE)
+    done, _ = await asyncio.wait((first,), timeout=self.latency.quantile(95))
+    if done or self._hedge_tokens < 1:
+      return await first
+    self._hedge_tokens -= 1
+    _counts.storage_get(obj.dataset, "hedged")
+    second = asyncio.ensure_future(self._get(obj, begin, end, gate, prefix))
+    try:
+      pending = {first, second}
+      while True:
+        done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+        for task in done:
+          if task.exception() is None or not pending:
+            return task.result()
+    finally:
+      first.cancel()
+      second.cancel()
+
+  async def _get(self, obj: ObjectRef, begin: int, end: int, gate: throttle.Gate,
+                 prefix: throttle.Prefix) -> Any:
+    """One ranged GET, no retries (raises _Failure), holding a slot of the
+    depth and of its prefix's window."""
     import obstore  # pylint: disable=g-import-not-at-top
-    store, key = self._store(obj.url, obj.settings)
+    store, key = self._store(obj.url, obj.settings, retries=False)
     options: dict[str, Any] = {"range": (begin, end)}
     if obj.version is not None and obj.url.startswith("gs://"):
       options["version"] = obj.version  # GCS: the generation, pinned
@@ -235,21 +373,37 @@ class Objects:
       options["if_match"] = obj.etag
     elif obj.version is not None:
       options["version"] = obj.version
-    if self._semaphore is None:  # made in the loop's thread, which alone uses it
-      self._semaphore = asyncio.Semaphore(MAX_IN_FLIGHT)
-    async with self._semaphore:
-      began = time.perf_counter()
+    await gate.acquire()
+    try:
+      await prefix.gate.acquire()
       try:
-        result = await obstore.get_async(store, key, options=options)
-        data = await result.bytes_async()
-      except Exception as e:  # pylint: disable=broad-except
-        raise serving_error(obj, begin, _classify(e)) from e
+        began = time.perf_counter()
+        try:
+          result = await obstore.get_async(store, key, options=options)
+          data = await result.bytes_async()
+        except Exception as e:  # pylint: disable=broad-except
+          failure = _classify(e)
+          _counts.storage_get(obj.dataset, "refused" if failure.refused else "failed")
+          raise failure from e
+        seconds = time.perf_counter() - began
       finally:
-        _counts.storage_request(time.perf_counter() - began)
-    if len(data) != end - begin:
-      raise DataLossError(f"object {obj.url}: a read of bytes [{begin}, {end}) returned "
-                          f"{len(data)} bytes")
-    return bytes(data)
+        prefix.gate.release()
+    finally:
+      gate.release()
+    prefix.answered(gate.limit)
+    self.latency.record(seconds, end - begin)
+    _counts.storage_request(seconds)
+    _counts.storage_get(obj.dataset, "answered")
+    return data
+
+
+def _settle(future: concurrent.futures.Future, task: asyncio.Task) -> None:
+  if task.cancelled():
+    future.set_exception(concurrent.futures.CancelledError())
+  elif task.exception() is not None:
+    future.set_exception(task.exception())
+  else:
+    future.set_result(task.result())
 
 
 def serving_error(obj: ObjectRef, begin: int, failure: _Failure) -> Exception:

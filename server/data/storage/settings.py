@@ -102,15 +102,18 @@ def _client_options(endpoint: str | None, settings: StorageSettings) -> dict[str
           "allow_http": bool(endpoint and endpoint.startswith("http://"))}
 
 
-def _retry(settings: StorageSettings) -> dict[str, Any]:
-  return {"max_retries": 1000, "backoff": _BACKOFF,
+def _retry(settings: StorageSettings, retries: bool) -> dict[str, Any]:
+  return {"max_retries": 1000 if retries else 0, "backoff": _BACKOFF,
           "retry_timeout": datetime.timedelta(seconds=settings.retry_s)}
 
 
-def build_store(scheme: str, bucket: str, settings: StorageSettings) -> Any:
-  """An obstore store for one bucket (raises what obstore raises)."""
+def build_store(scheme: str, bucket: str, settings: StorageSettings, retries: bool = True) -> Any:
+  """An obstore store for one bucket (raises what obstore raises).
+  `retries=False`: one that gives up at the first error, for the serving
+  reads, which retry themselves (objects.py: to see each 503 and 429, and
+  to ask a straggler again)."""
   from obstore import store as obstore_store  # pylint: disable=g-import-not-at-top
-  retry = _retry(settings)
+  retry = _retry(settings, retries)
   if scheme == "s3":
     endpoint = settings.endpoint or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get(
         "AWS_ENDPOINT_URL")
@@ -161,12 +164,13 @@ class Stores:
     self._stores: dict[tuple[Any, ...], Any] = {}
     self._lock = threading.Lock()
 
-  def get(self, scheme: str, bucket: str, settings: StorageSettings) -> Any:
-    key = (scheme, bucket, settings, hash(tuple(os.environ.get(n) for n in _ENV)))
+  def get(self, scheme: str, bucket: str, settings: StorageSettings,
+          retries: bool = True) -> Any:
+    key = (scheme, bucket, settings, retries, hash(tuple(os.environ.get(n) for n in _ENV)))
     with self._lock:
       store = self._stores.get(key)
       if store is None:
-        store = self._stores[key] = build_store(scheme, bucket, settings)
+        store = self._stores[key] = build_store(scheme, bucket, settings, retries)
       return store
 
 

@@ -119,6 +119,13 @@ STORAGE_NEEDED_BYTES = Metric(
     "elevator_storage_needed_bytes", "counter",
     "Bytes of the chunks steps needed from buckets.", ("dataset",),
     notes="Fetched ÷ needed is the read amplification.")
+STORAGE_GETS = Metric(
+    "elevator_storage_gets", "counter",
+    "Ranged GETs sent to buckets, by outcome.", ("dataset", "outcome"),
+    notes="`answered`, `failed`, `refused` (503 SlowDown or 429: the prefix's window is "
+          "halved), and besides those `retried` (asked again after a wait) and `hedged` (a "
+          "straggler asked again past the p95). A GET costs $0.0004 per 1,000 on S3 and GCS "
+          "([what a GET costs](buckets.md#what-a-get-costs)).")
 STORAGE_REQUEST_SECONDS = Metric(
     "elevator_storage_request_seconds", "histogram",
     "One ranged read from a bucket, retries included.", buckets=_STORAGE_BUCKETS)
@@ -143,5 +150,5 @@ METRICS: tuple[Metric, ...] = (
     BATCHES, BATCH_CACHE_HITS, BATCH_CACHE_BYTES, STREAM_SESSIONS, STREAM_SESSION_BYTES,
     STREAM_SESSION_EVICTIONS, BYTES_SENT, RECORDS_SERVED, TOKENS_SERVED, REQUEST_ERRORS,
     BATCH_SECONDS, INFLIGHT_REQUESTS, HEAD_TASKS, HEAD_FALLBACKS, STORAGE_FETCHED_BYTES,
-    STORAGE_NEEDED_BYTES, STORAGE_REQUEST_SECONDS, READ_AHEAD_BYTES, WORKERS,
+    STORAGE_NEEDED_BYTES, STORAGE_GETS, STORAGE_REQUEST_SECONDS, READ_AHEAD_BYTES, WORKERS,
     WORKER_RESTARTS, UTILIZATION)

@@ -65,6 +65,9 @@ class _Off:
   def storage_request(self, seconds: float) -> None:
     pass
 
+  def storage_get(self, dataset: str, outcome: str) -> None:
+    pass
+
   def read_ahead_bytes(self, nbytes: int) -> None:
     pass
 
@@ -103,6 +106,7 @@ class _Recording(_Off):
     self._storage_fetched = _made(catalog.STORAGE_FETCHED_BYTES)
     self._storage_needed = _made(catalog.STORAGE_NEEDED_BYTES)
     self._storage_seconds = _made(catalog.STORAGE_REQUEST_SECONDS)
+    self._storage_gets = _made(catalog.STORAGE_GETS)
     self._read_ahead = _made(catalog.READ_AHEAD_BYTES)
 
   def produced(self, dataset: str, seconds: float) -> None:
@@ -153,6 +157,9 @@ class _Recording(_Off):
 
   def storage_request(self, seconds: float) -> None:
     self._storage_seconds.observe(seconds)
+
+  def storage_get(self, dataset: str, outcome: str) -> None:
+    self._storage_gets.labels(dataset, outcome).inc()
 
   def read_ahead_bytes(self, nbytes: int) -> None:
     self._read_ahead.set(nbytes)
