@@ -16,6 +16,15 @@ its byte budget (`--read-ahead-mb`), and the reads of those steps take it
 when the requests come. Step datasets plan here (step_shape.py); a stream
 dataset's head plans its own reads (server/data/streams/head_reads.py).
 
+How far ahead: at least AHEAD_CHUNKS chunks, and as many more as a read
+asked for now needs to be back before its step is asked for. A reader's
+requests reach this worker every `interval` seconds (measured), and a read
+takes up to the horizon (storage/latency.py: the p99 of recent reads plus
+the p95 after which a straggler is asked again), so the plan reaches
+ceil(horizon / interval) + 1 chunks ahead (at most MAX_AHEAD_CHUNKS and
+MAX_STEPS steps, within the byte budget): Little's law, requests in flight
+= rate x latency, kept by planning, not by a fixed depth.
+
 The stride is learned per reader (a dataset, G, host and offset) from the
 chunks a worker is asked for (the difference between the last two), and
 starts at the number of workers of this server (one replica). A guess that
@@ -28,22 +37,27 @@ from __future__ import annotations
 
 import collections
 import itertools
+import math
 import threading
+import time
 from typing import Hashable, Iterable
 
 from grain_elevator.proto import contract
 from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.proto.spec import DatasetInfo
 from grain_elevator.server.data.step_dataset import StepDataset
+from grain_elevator.server.data.storage import objects
 from grain_elevator.server.data.storage import read_ahead
 
 # Chunks planned beyond the request's own: the next chunk this worker owns
 # comes when the client's window moves past the chunks of every other
 # worker, so two cover the wait with one to spare.
 AHEAD_CHUNKS = 2
+# Chunks planned ahead at most, however slow the bucket.
+MAX_AHEAD_CHUNKS = 64
 # Steps one request plans at most (a request may ask for
 # thousands): planning costs a moment per step, and the budget bounds the bytes.
-MAX_STEPS = 192
+MAX_STEPS = 512
 # Readers (dataset, fingerprint, G, host, offset, request size) whose
 # stride is kept.
 MAX_READERS = 4096
@@ -55,24 +69,32 @@ class ReadPlanner:
   def __init__(self, num_workers: int = 1):
     self._num_workers = max(1, num_workers)
     self._lock = threading.Lock()
-    # reader -> (last chunk asked for, stride), least recently used first.
-    self._readers: collections.OrderedDict[Hashable, tuple[int, int]] = (
-        collections.OrderedDict())
+    # reader -> (last chunk asked for, stride, when, seconds between its
+    # requests or None), least recently used first.
+    self._readers: collections.OrderedDict[
+        Hashable, tuple[int, int, float, float | None]] = collections.OrderedDict()
 
-  def _stride(self, reader: Hashable, chunk: int) -> int:
+  def _stride(self, reader: Hashable, chunk: int, now: float) -> tuple[int, float | None]:
+    """(stride, seconds between this reader's requests here, smoothed)."""
     with self._lock:
-      last, stride = self._readers.pop(reader, (None, self._num_workers))
+      last, stride, at, interval = self._readers.pop(
+          reader, (None, self._num_workers, now, None))
       if last is not None and chunk > last:
         stride = chunk - last
-      self._readers[reader] = (max(chunk, last if last is not None else chunk), stride)
+        interval = now - at if interval is None else 0.7 * interval + 0.3 * (now - at)
+        at = now
+      self._readers[reader] = (max(chunk, last if last is not None else chunk), stride, at,
+                               interval)
       while len(self._readers) > MAX_READERS:
         self._readers.popitem(last=False)
-      return stride
+      return stride, interval
 
   def steps_to_plan(self, r: pb.BatchRequest, stream_length: int, drop_remainder: bool,
-                    reader: Hashable) -> list[int]:
+                    reader: Hashable, horizon_s: float = 0.0,
+                    now: float | None = None) -> list[int]:
     """The request's steps, then those of the chunks this worker is
-    expected to be asked for next, within the dataset's steps. A request that does
+    expected to be asked for next, as many as `horizon_s` needs (at least
+    AHEAD_CHUNKS), within the dataset's steps. A request that does
     not start at a multiple of its size (a resumed client's first, cut to
     the next multiple) gives no chunk: only its own steps are planned."""
     n = max(1, r.num_steps)
@@ -82,10 +104,16 @@ class ReadPlanner:
     if r.start_step % n or n > MAX_STEPS // (AHEAD_CHUNKS + 1):
       return steps  # no chunk, or a request for many steps: its own first steps only
     chunk = r.start_step // n
-    stride = self._stride((*reader, n), chunk)
-    for j in range(1, AHEAD_CHUNKS + 1):
+    stride, interval = self._stride((*reader, n), chunk,
+                                    time.monotonic() if now is None else now)
+    ahead = AHEAD_CHUNKS
+    if interval and horizon_s > 0:
+      ahead = min(MAX_AHEAD_CHUNKS, max(ahead, math.ceil(horizon_s / interval) + 1))
+    for j in range(1, ahead + 1):
       first = (chunk + j * stride) * n
-      steps += range(first, min(first + n, end))
+      if first >= end or len(steps) >= MAX_STEPS:
+        break
+      steps += range(first, min(first + n, end, first + MAX_STEPS - len(steps)))
     return steps
 
   @staticmethod
@@ -111,7 +139,9 @@ class ReadPlanner:
       return 0  # off, or nothing of this dataset is in a bucket
     reader = self._reader(info, r)
     groups = []
-    for step in self.steps_to_plan(r, info.stream_length, info.drop_remainder, reader):
+    horizon_s = objects.objects().latency.horizon_s()
+    for step in self.steps_to_plan(r, info.stream_length, info.drop_remainder, reader,
+                                   horizon_s):
       tag = (*reader, step)
       if not ahead.planned(tag):
         groups.append((tag, needs_of(step, r.global_batch_size, r.shard_index, r.shard_count,

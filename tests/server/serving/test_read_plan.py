@@ -12,6 +12,7 @@ from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.server.data import config as config_lib
 from grain_elevator.server.data.registry import Datasets
 from grain_elevator.server.data.storage import read_ahead
+from grain_elevator.server.serving import read_plan
 from grain_elevator.server.serving.read_plan import AHEAD_CHUNKS, MAX_STEPS, ReadPlanner
 
 READER = ("ds", "fingerprint", 8, 0, 1, 0)  # what keys a reader's stride: name ... offset
@@ -46,6 +47,20 @@ def test_the_stride_is_learned_per_reader_from_the_chunks_asked_for():
   other = (*READER[:3], 1, 2, 0)  # another host: its own stride, from the worker count
   assert planner.steps_to_plan(_request(8, 4, h=1, n=2), LONG, True, other) == _chunks(
       (8, 12), (20, 24), (32, 36))
+
+
+def test_a_slow_bucket_is_planned_as_far_ahead_as_its_reads_take():
+  """Little's law: a reader whose requests reach this worker every 0.1 s,
+  against reads that take up to 0.55 s, is planned ceil(0.55 / 0.1) + 1 = 7
+  chunks ahead; a fast one keeps AHEAD_CHUNKS; none passes MAX_AHEAD_CHUNKS."""
+  planner = ReadPlanner(num_workers=2)
+  planner.steps_to_plan(_request(0, 4), LONG, True, READER, 0.55, now=10.0)
+  slow = planner.steps_to_plan(_request(8, 4), LONG, True, READER, 0.55, now=10.1)
+  assert slow == _chunks((8, 12), *[((2 + 2 * j) * 4, (3 + 2 * j) * 4) for j in range(1, 8)])
+  fast = planner.steps_to_plan(_request(16, 4), LONG, True, READER, 0.05, now=10.2)
+  assert fast == _chunks((16, 20), (24, 28), (32, 36))
+  far = planner.steps_to_plan(_request(24, 4), LONG, True, READER, 1000.0, now=10.3)
+  assert len(far) == 4 * (1 + read_plan.MAX_AHEAD_CHUNKS)
 
 
 @pytest.mark.parametrize("start,num,want", [
