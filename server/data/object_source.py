@@ -22,6 +22,8 @@ from grain_elevator.server.data.shards import identity as identity_lib
 from grain_elevator.server.data.shards.chunks import CorruptShard, UnsupportedShard
 from grain_elevator.server.data.shards.object_reader import (Fetched, ObjectShardReader,
                                                              open_object_shard)
+from grain_elevator.server.data.storage import cache as cache_lib
+from grain_elevator.server.data.storage import cache_fill
 from grain_elevator.server.data.storage import objects as objects_lib
 from grain_elevator.server.data.storage import read_ahead
 from grain_elevator.server.data.storage.ranges import coalesce
@@ -58,6 +60,7 @@ class ObjectRecordSource:
     self.identities = {u: identities.get(u) for u in self._urls}
     with concurrent.futures.ThreadPoolExecutor(min(_OPEN_THREADS, max(1, len(self._urls)))) as p:
       self._readers: list[ObjectShardReader] = list(p.map(self._open, self._urls))
+    cache_fill.known(r.obj for r in self._readers)
     counts = np.asarray([r.num_records for r in self._readers], np.int64)
     self._key_ends = np.cumsum(counts)
     self._key_starts = self._key_ends - counts
@@ -106,10 +109,16 @@ class ObjectRecordSource:
     return f"shard {self._urls[shard]} record {key - int(self._key_starts[shard])}"
 
   def needs(self, indices: Sequence[int]) -> list[tuple[objects_lib.ObjectRef, list[tuple[int, int]]]]:
-    """What a read of the records at `indices` needs: per object, its
-    chunks' extents (what read_ahead.py plans)."""
-    return [(self._readers[shard].obj, self._readers[shard].extents(positions))
-            for shard, (positions, _) in sorted(self._split(indices).items())]
+    """What a read of the records at `indices` needs from the bucket: per
+    object, its chunks' extents that the cache does not hold (what
+    read_ahead.py plans)."""
+    needs = [(self._readers[shard].obj, self._readers[shard].extents(positions))
+             for shard, (positions, _) in sorted(self._split(indices).items())]
+    cache = cache_lib.current()
+    if cache is None:
+      return needs
+    return [(obj, missing) for obj, extents in needs
+            if (missing := cache.missing(obj, extents))]
 
   def plan(self, indices: Sequence[int]) -> list[tuple[objects_lib.ObjectRef, int, int]]:
     """Every byte range an unplanned read of the records at `indices` makes."""
@@ -120,14 +129,22 @@ class ObjectRecordSource:
     it holds them, the others fetched now, concurrently."""
     groups = self._split(indices)
     ahead = read_ahead.current()
-    views: dict[int, dict[int, memoryview]] = {}
+    cache = cache_lib.current()
+    filler = cache_fill.current()
+    views: dict[int, dict[int, Any]] = {}
     fetches: list[tuple[int, int, int, list[tuple[int, int]]]] = []  # shard, range, its chunks
     needed = 0
     for shard, (positions, _) in groups.items():
       reader = self._readers[shard]
       extents = reader.extents(positions)
+      if cache is not None:
+        local, extents = cache.take(reader.obj, extents)
+        if extents and filler is not None:  # first touch: these blocks are filled first
+          filler.touched(reader.obj, cache.missing_blocks(reader.obj, extents))
       needed += sum(b - a for a, b in extents)
       views[shard], missing = ahead.take(reader.obj, extents)
+      if cache is not None:
+        views[shard].update(local)
       chunks = iter(missing)
       for a, b in coalesce(missing):
         inside, chunk = [], next(chunks)

@@ -24,6 +24,8 @@ from grain_elevator.server.data import config as config_lib
 from grain_elevator.server.data import registry
 from grain_elevator.server.data.shards import identity as shard_identity
 from grain_elevator.server.data.storage import objects as storage_objects
+from grain_elevator.server.data.storage import cache as object_cache
+from grain_elevator.server.data.storage import cache_fill
 from grain_elevator.server.data.storage import read_ahead
 from grain_elevator.server.data.streams import parallel_head
 from grain_elevator.server.data.streams.stream import StreamDataset
@@ -88,6 +90,9 @@ def build_servers(datasets: registry.Datasets, opts: ServerOptions, index: int =
   token = auth.read_token(opts.auth_token_file) if opts.auth_token_file else None
   storage_objects.set_counts(metrics.current())
   read_ahead.configure(opts.read_ahead_mb << 20, metrics.current())
+  if opts.cache_dir:
+    cache = object_cache.open_cache(opts.cache_dir, opts.cache_mb, metrics.current())
+    cache_fill.start(cache, index, num_workers)
   path = RequestPath(datasets, auth_token=token,
                      max_concurrent=opts.max_concurrent_requests,
                      max_message_bytes=opts.max_message_bytes,

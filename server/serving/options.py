@@ -132,6 +132,15 @@ class ServerOptions:
       DEFAULT_READ_AHEAD_MB, "MiB each worker may hold of bucket reads made ahead of their "
       "steps (a request's steps and the next ones it will be asked for, docs/buckets.md); "
       "0: off, each step reads its own ranges when made")
+  cache_dir: str | None = _option(
+      None, "a folder on this machine's disks where the server keeps the bucket objects it "
+            "serves, filled once in 8 MiB ranges and kept across restarts; records it holds "
+            "are read locally (docs/buckets.md); one server per folder", none="off",
+      metavar="DIR")
+  cache_mb: int | None = _option(
+      None, "MiB the cache may hold at most; full, it serves what it holds and the rest is "
+            "read by plan; auto: what it holds plus nine tenths of its disk's free space at start",
+      none="auto")
 
   def __post_init__(self) -> None:
     for name in ("port", "bulk_port", "metrics_port", "health_port"):
@@ -156,6 +165,10 @@ class ServerOptions:
         raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
     if self.read_ahead_mb < 0:
       raise ConfigError(f"read_ahead_mb must be >= 0, got {self.read_ahead_mb}")
+    if self.cache_mb is not None and self.cache_mb < 0:
+      raise ConfigError(f"cache_mb must be >= 0, got {self.cache_mb}")
+    if self.cache_mb is not None and not self.cache_dir:
+      raise ConfigError("--cache-mb needs --cache-dir")
     if self.batch_cache_mb is not None and self.batch_cache_mb < 0:
       raise ConfigError(f"batch_cache_mb must be >= 0, got {self.batch_cache_mb}")
     if self.workers is not None and self.workers < 1:

@@ -339,26 +339,29 @@ class Objects:
                     prefix: throttle.Prefix) -> Any:
     """One GET; if it is not back past the p95 of recent reads, the same GET
     again (within HEDGE_SHARE of all GETs), and the first answer wins."""
-    first = asyncio.ensure_future(self._get(obj, begin, end, gate, prefix))
-    if end - begin > latency_lib.SAMPLED_BYTES:
-      return await first
-    self._hedge_tokens = min(HEDGE_BURST, self._hedge_tokens + HEDGE_SHARE)
-    done, _ = await asyncio.wait((first,), timeout=self.latency.quantile(95))
-    if done or self._hedge_tokens < 1:
-      return await first
-    self._hedge_tokens -= 1
-    _counts.storage_get(obj.dataset, "hedged")
-    second = asyncio.ensure_future(self._get(obj, begin, end, gate, prefix))
+    tasks = [asyncio.ensure_future(self._get(obj, begin, end, gate, prefix))]
     try:
-      pending = {first, second}
+      if end - begin > latency_lib.SAMPLED_BYTES:
+        return await tasks[0]
+      self._hedge_tokens = min(HEDGE_BURST, self._hedge_tokens + HEDGE_SHARE)
+      done, _ = await asyncio.wait(tasks, timeout=self.latency.quantile(95))
+      if done or self._hedge_tokens < 1:
+        return await tasks[0]
+      self._hedge_tokens -= 1
+      _counts.storage_get(obj.dataset, "hedged")
+      tasks.append(asyncio.ensure_future(self._get(obj, begin, end, gate, prefix)))
+      pending = set(tasks)
       while True:
         done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
         for task in done:
           if task.exception() is None or not pending:
             return task.result()
-    finally:
-      first.cancel()
-      second.cancel()
+    finally:  # the loser, or both where this read was cancelled
+      for task in tasks:
+        if not task.done():
+          task.cancel()
+        elif not task.cancelled():
+          task.exception()  # seen: not "never retrieved"
 
   async def _get(self, obj: ObjectRef, begin: int, end: int, gate: throttle.Gate,
                  prefix: throttle.Prefix) -> Any:

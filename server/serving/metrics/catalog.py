@@ -129,6 +129,20 @@ STORAGE_GETS = Metric(
 STORAGE_REQUEST_SECONDS = Metric(
     "elevator_storage_request_seconds", "histogram",
     "One ranged read from a bucket, retries included.", buckets=_STORAGE_BUCKETS)
+CACHE_READ_BYTES = Metric(
+    "elevator_cache_read_bytes", "counter",
+    "Bytes of the chunks steps read from bucket objects, by where they were found.",
+    ("dataset", "found"),
+    notes="[The cache](buckets.md#the-cache): `found=\"cache\"` read from `--cache-dir`, "
+          "`\"bucket\"` read from the bucket. The hit ratio is cache ÷ (cache + bucket).")
+CACHE_FILLED_BYTES = Metric(
+    "elevator_cache_filled_bytes", "counter",
+    "Bytes written to the cache, each block fetched once in one ranged GET.", ("dataset",))
+CACHE_BYTES = Metric(
+    "elevator_cache_bytes", "gauge", "Bytes the cache holds, of what it was asked to hold.",
+    ("of",), notes="`of=\"held\"` on disk (fills under way included), `\"wanted\"` the "
+                   "size of every bucket object the server reads: their ratio is the warm-up's "
+                   "progress.", multiprocess_mode="max")
 READ_AHEAD_BYTES = Metric(
     "elevator_read_ahead_bytes", "gauge", "Bytes the workers' read-ahead holds.",
     notes="Arrived or on their way; at most `--read-ahead-mb` a worker.",
@@ -150,5 +164,6 @@ METRICS: tuple[Metric, ...] = (
     BATCHES, BATCH_CACHE_HITS, BATCH_CACHE_BYTES, STREAM_SESSIONS, STREAM_SESSION_BYTES,
     STREAM_SESSION_EVICTIONS, BYTES_SENT, RECORDS_SERVED, TOKENS_SERVED, REQUEST_ERRORS,
     BATCH_SECONDS, INFLIGHT_REQUESTS, HEAD_TASKS, HEAD_FALLBACKS, STORAGE_FETCHED_BYTES,
-    STORAGE_NEEDED_BYTES, STORAGE_GETS, STORAGE_REQUEST_SECONDS, READ_AHEAD_BYTES, WORKERS,
+    STORAGE_NEEDED_BYTES, STORAGE_GETS, STORAGE_REQUEST_SECONDS, READ_AHEAD_BYTES,
+    CACHE_READ_BYTES, CACHE_FILLED_BYTES, CACHE_BYTES, WORKERS,
     WORKER_RESTARTS, UTILIZATION)

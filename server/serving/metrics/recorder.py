@@ -71,6 +71,15 @@ class _Off:
   def read_ahead_bytes(self, nbytes: int) -> None:
     pass
 
+  def cache_read(self, dataset: str, *, hit_bytes: int, miss_bytes: int) -> None:
+    pass
+
+  def cache_filled(self, dataset: str, nbytes: int) -> None:
+    pass
+
+  def object_cache_bytes(self, nbytes: int, wanted: int) -> None:
+    pass
+
 
 def _made(metric: catalog.Metric) -> Any:
   """The prometheus_client object a worker records `metric` in."""
@@ -108,6 +117,9 @@ class _Recording(_Off):
     self._storage_seconds = _made(catalog.STORAGE_REQUEST_SECONDS)
     self._storage_gets = _made(catalog.STORAGE_GETS)
     self._read_ahead = _made(catalog.READ_AHEAD_BYTES)
+    self._cache_read = _made(catalog.CACHE_READ_BYTES)
+    self._cache_filled = _made(catalog.CACHE_FILLED_BYTES)
+    self._object_cache = _made(catalog.CACHE_BYTES)
 
   def produced(self, dataset: str, seconds: float) -> None:
     self._seconds.labels(dataset).observe(seconds)
@@ -163,6 +175,19 @@ class _Recording(_Off):
 
   def read_ahead_bytes(self, nbytes: int) -> None:
     self._read_ahead.set(nbytes)
+
+  def cache_read(self, dataset: str, *, hit_bytes: int, miss_bytes: int) -> None:
+    if hit_bytes:
+      self._cache_read.labels(dataset, "cache").inc(hit_bytes)
+    if miss_bytes:
+      self._cache_read.labels(dataset, "bucket").inc(miss_bytes)
+
+  def cache_filled(self, dataset: str, nbytes: int) -> None:
+    self._cache_filled.labels(dataset).inc(nbytes)
+
+  def object_cache_bytes(self, nbytes: int, wanted: int) -> None:
+    self._object_cache.labels("held").set(nbytes)
+    self._object_cache.labels("wanted").set(wanted)
 
 
 _current: _Off = _Off()
