@@ -384,7 +384,11 @@ class Objects:
         try:
           result = await obstore.get_async(store, key, options=options)
           data = await result.bytes_async()
-        except Exception as e:  # pylint: disable=broad-except
+        except (asyncio.CancelledError, KeyboardInterrupt, SystemExit):
+          raise
+        except BaseException as e:  # pylint: disable=broad-except
+          # BaseException: a panic in obstore's Rust is pyo3's PanicException,
+          # which is not an Exception; it is transient like a reset (retried).
           failure = _classify(e)
           _counts.storage_get(obj.dataset, "refused" if failure.refused else "failed")
           raise failure from e
