@@ -14,7 +14,8 @@ first element is computed:
 - the parallel head (parallel_head.py) plans each task, whoever computes
   it, as the task starts (and its owner as it deals one to itself);
 - a head in one process (embedded mode, a one-worker server) is a
-  `PlannedHead`, which plans the block it enters and the BLOCKS_AHEAD after.
+  `PlannedHead`, which plans the block it enters and those after, as many
+  as the bucket's measured latency needs at the rate blocks are computed.
 A block is let go of once computed. A guess that is wrong (a pipeline that
 reads other records) costs bytes, never exactness: the read fetches what
 the read-ahead does not hold, and what nothing takes is dropped when stale.
@@ -22,16 +23,23 @@ the read-ahead does not hold, and what nothing takes is dropped when stale.
 
 from __future__ import annotations
 
+import math
+import time
 from typing import Any, Callable, Hashable
 
 import grain
 
+from grain_elevator.server.data.storage import objects
 from grain_elevator.server.data.storage import read_ahead
 
 # Consecutive head indices planned as one group: the parallel head's task.
 BLOCK = 32
-# Blocks a one-process head plans beyond the one it reads.
+# Blocks a one-process head plans beyond the one it reads: at least
+# BLOCKS_AHEAD, and as many as the bucket's reads take to come back at the
+# rate the head is computed (Little's law: storage/latency.py's horizon over
+# the seconds a block takes), at most MAX_BLOCKS_AHEAD.
 BLOCKS_AHEAD = 2
+MAX_BLOCKS_AHEAD = 32
 
 
 def next_index(state: dict[str, Any], length: int) -> int:
@@ -135,12 +143,24 @@ class _PlannedHeadIterator(HeadIterator):
     self._reads = reads
     self._block = -1
     self._planned: dict[int, Hashable | None] = {}  # block start -> its group
+    self._entered_at: float | None = None  # when the last block was entered
+
+  def _blocks_ahead(self) -> int:
+    """BLOCKS_AHEAD, or more where a block is computed faster than the
+    bucket answers."""
+    now = time.monotonic()
+    seconds, self._entered_at = (None if self._entered_at is None
+                                 else now - self._entered_at), now
+    if seconds is None or seconds <= 0:
+      return BLOCKS_AHEAD
+    horizon = objects.objects().latency.horizon_s()
+    return min(MAX_BLOCKS_AHEAD, max(BLOCKS_AHEAD, math.ceil(horizon / seconds) + 1))
 
   def _enter(self, block: int) -> None:
     """Lets go of the blocks behind `block`; plans it and those after."""
     for start in [s for s in self._planned if s < block]:
       self._reads.release(self._planned.pop(start))
-    for k in range(BLOCKS_AHEAD + 1):
+    for k in range(self._blocks_ahead() + 1):
       start = block + k * BLOCK
       if start not in self._planned and start < len(self._head):
         self._planned[start] = self._reads.plan(start, BLOCK)
@@ -154,3 +174,4 @@ class _PlannedHeadIterator(HeadIterator):
 
   def _reset(self) -> None:
     self._block = -1
+    self._entered_at = None
