@@ -342,16 +342,21 @@ class ObjectCache:
       o = self._object(obj)
     size = self.block_size(obj, block)
     claim = o.folder / f"b{block}.claim"
+    tmp = o.folder / f"b{block}.{os.getpid()}.tmp"
     try:
       if data is None or len(data) != size:
         self._unreserve(size)
         return
-      tmp = o.folder / f"b{block}.{os.getpid()}.tmp"
-      with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-      os.replace(tmp, o.folder / f"b{block}")
+      try:
+        with open(tmp, "wb") as f:
+          f.write(data)
+          f.flush()
+          os.fsync(f.fileno())
+        os.replace(tmp, o.folder / f"b{block}")
+      except OSError:  # a full or failing disk: the block stays unheld
+        _remove(tmp)
+        self._unreserve(size)
+        raise
       with self._lock:
         o.held[block] = 1
       self.counts.cache_filled(obj.dataset, size)
