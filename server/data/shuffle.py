@@ -13,8 +13,10 @@ tests/server/data/test_shuffle.py checks it against Grain's own function, and
 
 from __future__ import annotations
 
+import collections
 import functools
 import math
+import threading
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -22,6 +24,9 @@ import numpy as np
 from grain_elevator.server.data import grain_private
 
 ROUNDS = 4  # what ShuffleMapDataset uses
+# Source indices kept of recent runs of stream positions (a host's step):
+# 16 MB of them.
+RECENT_INDICES = 1 << 21
 _U32 = 0xFFFFFFFF
 
 
@@ -168,11 +173,37 @@ class SourceIndexMap:
     self._seed = _shuffle_seed(chain)
     self.vectorized = ((self._seed is None or vectorizable(num_records))
                        and self._agrees_with_chain())
+    # Runs of positions recently mapped, (first, count) -> indices: a step's
+    # run is mapped when its reads are planned and again when it is made.
+    self._recent: collections.OrderedDict[tuple[int, int], np.ndarray] = (
+        collections.OrderedDict())
+    self._recent_size = 0
+    self._lock = threading.Lock()
 
   def __call__(self, positions: Sequence[int]) -> list[int]:
+    n = len(positions)
+    key = None
+    if n > 1 and positions[n - 1] - positions[0] == n - 1 and (
+        isinstance(positions, range) or list(positions) == list(
+            range(positions[0], positions[0] + n))):
+      key = (int(positions[0]), n)
+      with self._lock:
+        hit = self._recent.get(key)
+        if hit is not None:
+          self._recent.move_to_end(key)
+          return hit.tolist()
     if self.vectorized:
-      return source_indices(positions, self._num_records, self._seed)
-    return [int(i) for i in grain_private.getitems(self._chain, positions)]
+      out = source_indices(positions, self._num_records, self._seed)
+    else:
+      out = [int(i) for i in grain_private.getitems(self._chain, positions)]
+    if key is not None and n <= RECENT_INDICES:
+      with self._lock:
+        if key not in self._recent:
+          self._recent[key] = np.asarray(out, np.int64)
+          self._recent_size += n
+        while self._recent_size > RECENT_INDICES:
+          self._recent_size -= len(self._recent.popitem(last=False)[1])
+    return out
 
   def _agrees_with_chain(self) -> bool:
     n, length = self._num_records, len(self._chain)
