@@ -199,7 +199,7 @@ class Objects:
   def _event_loop(self) -> asyncio.AbstractEventLoop:
     with self._lock:
       if self._loop is None or self._loop_pid != os.getpid():
-        loop = asyncio.new_event_loop()
+        loop = _new_event_loop()
         threading.Thread(target=loop.run_forever, daemon=True, name="elevator-storage").start()
         self._loop, self._loop_pid = loop, os.getpid()
         self._all = self._ahead = None
@@ -257,7 +257,7 @@ class Objects:
     DataLossError (a short read), naming the object."""
     if not ranges:
       return []
-    return self._run(self._fetch_all(ranges))
+    return self._run(self._fetch_all(ranges, self._where(ranges)))
 
   def fetch_later(self, ranges: Sequence[tuple[ObjectRef, int, int]]
                   ) -> list[concurrent.futures.Future]:
@@ -266,19 +266,34 @@ class Objects:
     the step's own reads (at most AHEAD_SHARE of the depth)."""
     futures = [concurrent.futures.Future() for _ in ranges]
     if ranges:
-      self._event_loop().call_soon_threadsafe(self._start_ahead, list(ranges), futures)
+      self._event_loop().call_soon_threadsafe(self._start_ahead, list(ranges), futures,
+                                              self._where(ranges))
     return futures
 
+  def _where(self, ranges: Sequence[tuple[ObjectRef, int, int]]) -> list[tuple[Any, str]]:
+    """Each range's (store, key), looked up once per object of the call."""
+    found: dict[tuple[str, StorageSettings], tuple[Any, str]] = {}
+    out = []
+    for obj, _, _ in ranges:
+      where = found.get((obj.url, obj.settings))
+      if where is None:
+        where = found[(obj.url, obj.settings)] = self._store(obj.url, obj.settings,
+                                                             retries=False)
+      out.append(where)
+    return out
+
   def _start_ahead(self, ranges: list[tuple[ObjectRef, int, int]],
-                   futures: list[concurrent.futures.Future]) -> None:
+                   futures: list[concurrent.futures.Future],
+                   where: list[tuple[Any, str]]) -> None:
     """In the loop: one task per range, each settling its future."""
-    for (obj, begin, end), future in zip(ranges, futures):
+    for (obj, begin, end), future, w in zip(ranges, futures, where):
       if future.set_running_or_notify_cancel():
-        task = asyncio.ensure_future(self._read(obj, begin, end, ahead=True))
+        task = asyncio.ensure_future(self._read(obj, begin, end, w, ahead=True))
         task.add_done_callback(functools.partial(_settle, future))
 
-  async def _fetch_all(self, ranges: Sequence[tuple[ObjectRef, int, int]]) -> list[Any]:
-    tasks = [asyncio.ensure_future(self._read(*r)) for r in ranges]
+  async def _fetch_all(self, ranges: Sequence[tuple[ObjectRef, int, int]],
+                       where: list[tuple[Any, str]]) -> list[Any]:
+    tasks = [asyncio.ensure_future(self._read(*r, w)) for r, w in zip(ranges, where)]
     try:
       return list(await asyncio.gather(*tasks))
     finally:
@@ -302,7 +317,8 @@ class Objects:
       prefix = self._prefixes[name] = throttle.Prefix()
     return prefix
 
-  async def _read(self, obj: ObjectRef, begin: int, end: int, ahead: bool = False) -> Any:
+  async def _read(self, obj: ObjectRef, begin: int, end: int, where: tuple[Any, str],
+                  ahead: bool = False) -> Any:
     """One range: retried with backoff and jitter while the retry budget
     lasts (a 503 or 429 also narrows its prefix's window), its straggler
     asked again (`_hedged`)."""
@@ -316,7 +332,7 @@ class Objects:
     try:
       while True:
         try:
-          data = await self._hedged(obj, begin, end, all_reads, prefix)
+          data = await self._hedged(obj, begin, end, where, all_reads, prefix)
           break
         except _Failure as failure:
           wait = random.uniform(0, backoff)
@@ -335,11 +351,11 @@ class Objects:
                           f"{len(data)} bytes")
     return data
 
-  async def _hedged(self, obj: ObjectRef, begin: int, end: int, gate: throttle.Gate,
-                    prefix: throttle.Prefix) -> Any:
+  async def _hedged(self, obj: ObjectRef, begin: int, end: int, where: tuple[Any, str],
+                    gate: throttle.Gate, prefix: throttle.Prefix) -> Any:
     """One GET; if it is not back past the p95 of recent reads, the same GET
     again (within HEDGE_SHARE of all GETs), and the first answer wins."""
-    tasks = [asyncio.ensure_future(self._get(obj, begin, end, gate, prefix))]
+    tasks = [asyncio.ensure_future(self._get(obj, begin, end, where, gate, prefix))]
     try:
       if end - begin > latency_lib.SAMPLED_BYTES:
         return await tasks[0]
@@ -349,7 +365,7 @@ class Objects:
         return await tasks[0]
       self._hedge_tokens -= 1
       _counts.storage_get(obj.dataset, "hedged")
-      tasks.append(asyncio.ensure_future(self._get(obj, begin, end, gate, prefix)))
+      tasks.append(asyncio.ensure_future(self._get(obj, begin, end, where, gate, prefix)))
       pending = set(tasks)
       while True:
         done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
@@ -363,12 +379,12 @@ class Objects:
         elif not task.cancelled():
           task.exception()  # seen: not "never retrieved"
 
-  async def _get(self, obj: ObjectRef, begin: int, end: int, gate: throttle.Gate,
-                 prefix: throttle.Prefix) -> Any:
+  async def _get(self, obj: ObjectRef, begin: int, end: int, where: tuple[Any, str],
+                 gate: throttle.Gate, prefix: throttle.Prefix) -> Any:
     """One ranged GET, no retries (raises _Failure), holding a slot of the
     depth and of its prefix's window."""
     import obstore  # pylint: disable=g-import-not-at-top
-    store, key = self._store(obj.url, obj.settings, retries=False)
+    store, key = where
     options: dict[str, Any] = {"range": (begin, end)}
     if obj.version is not None and obj.url.startswith("gs://"):
       options["version"] = obj.version  # GCS: the generation, pinned
@@ -402,6 +418,16 @@ class Objects:
     _counts.storage_request(seconds)
     _counts.storage_get(obj.dataset, "answered")
     return data
+
+
+def _new_event_loop() -> asyncio.AbstractEventLoop:
+  """uvloop's where installed (a dependency): its calls, handles and timers
+  cost a fraction of asyncio's, and a worker runs thousands a second."""
+  try:
+    import uvloop  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return asyncio.new_event_loop()
+  return uvloop.new_event_loop()
 
 
 def _settle(future: concurrent.futures.Future, task: asyncio.Task) -> None:
