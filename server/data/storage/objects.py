@@ -259,12 +259,14 @@ class Objects:
       return []
     return self._run(self._fetch_all(ranges, self._where(ranges)))
 
-  def fetch_later(self, ranges: Sequence[tuple[ObjectRef, int, int]]
+  def fetch_later(self, ranges: Sequence[tuple[ObjectRef, int, int]],
+                  futures: list[concurrent.futures.Future] | None = None
                   ) -> list[concurrent.futures.Future]:
     """`fetch` without waiting: a future of each range's bytes (or of the
     error `fetch` would raise), all requested concurrently from now, behind
     the step's own reads (at most AHEAD_SHARE of the depth)."""
-    futures = [concurrent.futures.Future() for _ in ranges]
+    if futures is None:  # else the caller's, one per range, not yet running
+      futures = [concurrent.futures.Future() for _ in ranges]
     if ranges:
       self._event_loop().call_soon_threadsafe(self._start_ahead, list(ranges), futures,
                                               self._where(ranges))

@@ -174,9 +174,8 @@ class ReadAhead:
           entry.uses += 1
         self._groups[tag] = (now, list(entries.values()))
       held_bytes = self._bytes
-    futures = objects_lib.objects().fetch_later([(e.obj, e.begin, e.end) for _, e in fetches])
-    for (_, entry), future in zip(fetches, futures):
-      future.add_done_callback(lambda f, e=entry: _settle(e.future, f))
+    objects_lib.objects().fetch_later([(e.obj, e.begin, e.end) for _, e in fetches],
+                                      [e.future for _, e in fetches])
     if fetches:
       self.counts.storage_bytes(dataset, fetched=sum(e.size for _, e in fetches), planned=True)
     self.counts.read_ahead_bytes(held_bytes)
@@ -269,13 +268,6 @@ class ReadAhead:
         break
       del self._groups[tag]
       self._unuse(entries)
-
-
-def _settle(mine: concurrent.futures.Future, theirs: concurrent.futures.Future) -> None:
-  try:
-    mine.set_result(theirs.result())
-  except BaseException as e:  # pylint: disable=broad-except
-    mine.set_exception(e)  # a failure or a cancellation: the read fetches for itself
 
 
 _current: ReadAhead | None = None
