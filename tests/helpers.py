@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import socket
 import subprocess
 import time
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 
@@ -74,6 +75,28 @@ def worker_pids(server) -> list[int]:
     except psutil.NoSuchProcess:
       pass
   return out
+
+
+@contextlib.contextmanager
+def server_with_env(config: str, env: dict[str, str], **options: Any) -> Iterator[Any]:
+  """An in-process Server (`options`: ServerOptions, port 0) whose workers
+  see `env` (a bucket's endpoint and keys): they take this process's
+  environment as they start, which has it only then."""
+  from grain_elevator.server import Server, ServerOptions  # pylint: disable=import-outside-toplevel
+  saved = {k: os.environ.get(k) for k in env}
+  os.environ.update(env)
+  try:
+    server = Server(config, ServerOptions(port=0, **options)).start()
+  finally:
+    for k, v in saved.items():
+      if v is None:
+        os.environ.pop(k, None)
+      else:
+        os.environ[k] = v
+  try:
+    yield server
+  finally:
+    server.stop()
 
 
 def wait_for(condition: Callable[[], Any], what: str, timeout_s: float = 60.0,

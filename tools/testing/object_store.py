@@ -66,6 +66,7 @@ from typing import Any, Callable
 from xml.sax.saxutils import escape
 
 from grain_elevator.server.process import lifeline
+from grain_elevator.tools.testing import storage_servers
 
 KINDS = ("s3", "gcs")
 MAX_HEADER_BYTES = 16 * 1024
@@ -1482,13 +1483,7 @@ class StandInStore:
 
   def stop(self) -> None:
     if self.proc is not None:
-      if self.proc.poll() is None:
-        self.proc.terminate()
-        try:
-          self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-          self.proc.kill()
-          self.proc.wait(10)
+      storage_servers.end(self.proc)
       self.proc.stdout.close()
     if self._loop is not None and self._thread is not None and self._thread.is_alive():
       self._loop.call_soon_threadsafe(self._loop.stop)

@@ -51,6 +51,17 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
+def end(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+  """Stops a server subprocess: SIGTERM, then SIGKILL past `grace_s`."""
+  if proc.poll() is None:
+    proc.terminate()
+    try:
+      proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+      proc.kill()
+      proc.wait(grace_s)
+
+
 def _wait_http(url: str, proc: subprocess.Popen, log_path: str) -> None:
   deadline = time.monotonic() + START_TIMEOUT_S
   while time.monotonic() < deadline:
@@ -95,13 +106,7 @@ class _Subprocess:
     return f"http://127.0.0.1:{self.port}"
 
   def stop(self) -> None:
-    if self.proc.poll() is None:
-      self.proc.terminate()
-      try:
-        self.proc.wait(10)
-      except subprocess.TimeoutExpired:
-        self.proc.kill()
-        self.proc.wait(10)
+    end(self.proc)
     self._log.close()
     shutil.rmtree(self._dir, ignore_errors=True)
 

@@ -8,7 +8,6 @@ credentials and a missing bucket stop the start with a precise message."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import pathlib
@@ -25,12 +24,12 @@ from grain_elevator.server.data import config as config_lib
 from grain_elevator.server.data import registry
 from grain_elevator.server.data.object_source import ObjectRecordSource
 from grain_elevator.server.data.record_source import BatchedArrayRecordSource
-from grain_elevator.server import Server, ServerOptions
+from grain_elevator.server import Server
 from grain_elevator.server.data.shards.identity import IDENTITY_TAIL_BYTES
 from grain_elevator.tools.testing import storage_servers
 from grain_elevator.tools.testing.launcher import ELEVATOR
 import datasets
-from helpers import assert_trees_equal
+from helpers import assert_trees_equal, server_with_env
 
 pytestmark = pytest.mark.slow  # S3 and GCS emulators
 
@@ -100,19 +99,8 @@ def uploaded(bucket, shards: pathlib.Path) -> dict[str, str]:
   return out
 
 
-@contextlib.contextmanager
-def _server(config: str, bucket, **options: Any) -> Iterator[Server]:
-  """An in-process server reading `bucket`: its workers take the storage
-  variables from this process's environment as they start, which has them
-  only then."""
-  with pytest.MonkeyPatch.context() as env:
-    for k, v in bucket.env().items():
-      env.setenv(k, v)
-    server = Server(config, ServerOptions(port=0, **options)).start()
-  try:
-    yield server
-  finally:
-    server.stop()
+def _server(config: str, bucket, **options: Any):
+  return server_with_env(config, bucket.env(), **options)
 
 
 @pytest.fixture(scope="module")

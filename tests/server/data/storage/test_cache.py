@@ -7,18 +7,16 @@ the new bytes; a restart reuses what was cached, with no GET of a record."""
 
 from __future__ import annotations
 
-import contextlib
 import pathlib
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
 from grain_elevator.client import RemoteDataset, StreamMismatchError
 from grain_elevator.pipelines import examples
-from grain_elevator.server import Server, ServerOptions
 from grain_elevator.server.data.storage import cache as cache_lib
 import datasets
-from helpers import assert_trees_equal, wait_for
+from helpers import assert_trees_equal, server_with_env, wait_for
 
 pytestmark = pytest.mark.slow  # S3 and GCS emulators
 
@@ -61,16 +59,8 @@ def _config(shards: pathlib.Path, bucket, prefix: str) -> str:
       img=datasets.images(f"{bucket.url(prefix)}/*.array_record", image=IMAGE, seed=4))
 
 
-@contextlib.contextmanager
-def _server(config: str, bucket, **options: Any) -> Iterator[Server]:
-  with pytest.MonkeyPatch.context() as env:
-    for k, v in bucket.env().items():
-      env.setenv(k, v)
-    server = Server(config, ServerOptions(port=0, **options)).start()
-  try:
-    yield server
-  finally:
-    server.stop()
+def _server(config: str, bucket, **options: Any):
+  return server_with_env(config, bucket.env(), **options)
 
 
 def _steps(target: str, n: int = STEPS, h: int = 0, hosts: int = 1) -> list[Any]:
