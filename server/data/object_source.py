@@ -112,13 +112,18 @@ class ObjectRecordSource:
     """What a read of the records at `indices` needs from the bucket: per
     object, its chunks' extents that the cache does not hold (what
     read_ahead.py plans)."""
-    needs = [(self._readers[shard].obj, self._readers[shard].extents(positions))
-             for shard, (positions, _) in sorted(self._split(indices).items())]
     cache = cache_lib.current()
     if cache is None:
-      return needs
-    return [(obj, missing) for obj, extents in needs
-            if (missing := cache.missing(obj, extents))]
+      return [(self._readers[shard].obj, self._readers[shard].extents(positions))
+              for shard, (positions, _) in sorted(self._split(indices).items())]
+    out = []
+    for shard, (positions, _) in sorted(self._split(indices).items()):
+      obj = self._readers[shard].obj
+      if not cache.complete(obj):  # a whole object cached needs nothing from the bucket
+        missing = cache.missing(obj, self._readers[shard].extents(positions))
+        if missing:
+          out.append((obj, missing))
+    return out
 
   def plan(self, indices: Sequence[int]) -> list[tuple[objects_lib.ObjectRef, int, int]]:
     """Every byte range an unplanned read of the records at `indices` makes."""
@@ -142,9 +147,12 @@ class ObjectRecordSource:
         if extents and filler is not None:  # first touch: these blocks are filled first
           filler.touched(reader.obj, cache.missing_blocks(reader.obj, extents))
       needed += sum(b - a for a, b in extents)
-      views[shard], missing = ahead.take(reader.obj, extents)
-      if cache is not None:
-        views[shard].update(local)
+      if extents:
+        views[shard], missing = ahead.take(reader.obj, extents)
+        if cache is not None:
+          views[shard].update(local)
+      else:  # all from the cache
+        views[shard], missing = local, []
       chunks = iter(missing)
       for a, b in coalesce(missing):
         inside, chunk = [], next(chunks)
