@@ -124,16 +124,25 @@ class ObjectCache:
     with self._shared() as usage:
       total = 0
       for folder in (self.root / "objects").glob("*/*"):
-        for entry in os.scandir(folder):
+        entries = list(os.scandir(folder))
+        listed = {e.name for e in entries}
+        for entry in entries:
           name = entry.name
           if name.startswith("b") and name[1:].isdigit():
-            total += entry.stat().st_size
+            with contextlib.suppress(OSError):  # dropped since the listing
+              total += entry.stat().st_size
           elif name.endswith(".claim"):
-            claimed = _claimed_bytes(pathlib.Path(entry.path))
-            if claimed is None:
-              _remove(pathlib.Path(entry.path))
-            else:
+            claim = pathlib.Path(entry.path)
+            claimed = _claimed_bytes(claim)
+            block = folder / name[:-len(".claim")]
+            if block.name in listed:
+              pass  # filled, and its block counted, just before the claim's end
+            elif claimed is not None:
               total += claimed
+            elif claim.exists():
+              _remove(claim)  # a dead filler's
+            elif block.exists():  # filled since the listing: its block was not listed
+              total += block.stat().st_size
           elif name.endswith(".tmp") and not _alive(name.split(".")[-2]):
             _remove(pathlib.Path(entry.path))
       usage.write_text(str(total))
