@@ -90,6 +90,13 @@ class BatchCache:
     self._producing: dict[Hashable, threading.Event] = {}
     self.bytes = 0
 
+  def holds(self, key: Hashable) -> bool:
+    """Whether a step is here or being made (its reads need no plan)."""
+    if not self.max_bytes:
+      return False
+    with self._lock:
+      return key in self._entries or key in self._producing
+
   def get(self, key: Hashable, produce: Callable[[], list[Any]]) -> tuple[list[Any], bool]:
     """(the step's encoded parts, whether they came from the cache);
     `produce()` runs only if no request has them or is making them."""

@@ -40,7 +40,7 @@ import itertools
 import math
 import threading
 import time
-from typing import Hashable, Iterable
+from typing import Callable, Hashable, Iterable
 
 from grain_elevator.proto import contract
 from grain_elevator.proto import elevator_pb2 as pb
@@ -128,9 +128,11 @@ class ReadPlanner:
     """A step's group in the read-ahead: the same for every request of it."""
     return (*cls._reader(info, r), step)
 
-  def plan(self, ds: StepDataset, r: pb.BatchRequest) -> int:
+  def plan(self, ds: StepDataset, r: pb.BatchRequest,
+           made: Callable[[int], bool] = lambda step: False) -> int:
     """Plans the reads of `r`'s steps and the next chunks' (a dataset with
-    nothing in buckets plans nothing). Returns the groups planned now."""
+    nothing in buckets plans nothing), but not those of the steps `made`
+    says are made already (the batch cache's). Returns the groups planned now."""
     info = ds.info
     needs_of = ds.read_needs
     ahead = read_ahead.current()
@@ -143,7 +145,7 @@ class ReadPlanner:
     for step in self.steps_to_plan(r, info.stream_length, info.drop_remainder, reader,
                                    horizon_s):
       tag = (*reader, step)
-      if not ahead.planned(tag):
+      if not ahead.planned(tag) and not made(step):
         groups.append((tag, needs_of(step, r.global_batch_size, r.shard_index, r.shard_count,
                                      r.record_offset)))
     return ahead.plan(info.name, groups)

@@ -61,7 +61,7 @@ class StepShape:
     info = ds.info
     stream = (info.name, info.config_fingerprint, r.global_batch_size, r.shard_index,
               r.shard_count, r.record_offset, r.compression)
-    self._plan(ds, r)
+    self._plan(ds, r, lambda step: self.cache.holds((*stream, step)))
     recorded = metrics.current()
     made = r.start_step
     try:
@@ -98,11 +98,13 @@ class StepShape:
     return named(name, where(name, r.start_step), provenance.summary, ds, r.start_step,
                  r.num_steps, r.global_batch_size, r.record_offset)
 
-  def _plan(self, ds: StepDataset, r: pb.BatchRequest) -> None:
-    """Plans the reads of `r`'s steps and the next chunks'; a failure to
-    plan only costs the read-ahead (the steps read what they need)."""
+  def _plan(self, ds: StepDataset, r: pb.BatchRequest,
+            made: Callable[[int], bool] = lambda step: False) -> None:
+    """Plans the reads of `r`'s steps and the next chunks' (not of those
+    `made`: the batch cache holds them); a failure to plan only costs the
+    read-ahead (the steps read what they need)."""
     try:
-      self.planner.plan(ds, r)
+      self.planner.plan(ds, r, made)
     except Exception:  # pylint: disable=broad-except
       failures.warning((ds.info.name, "plan"), "dataset %r: planning reads failed; reading "
                        "them when asked for", ds.info.name, exc_info=True)

@@ -134,3 +134,13 @@ def test_no_budget_plans_nothing(plain, monkeypatch):
   ds = _InBucket(plain.info)
   assert ReadPlanner().plan(ds, _request(0, 4)) == 0
   assert not ds.asked  # not even asked what it needs
+
+
+def test_steps_the_batch_cache_holds_are_not_planned(plain, ahead):
+  """A step made already (another trainer's, in the batch cache) reads
+  nothing: planning it would fetch bytes no step takes."""
+  ds = _InBucket(plain.info)
+  planner = ReadPlanner(num_workers=2)
+  held = {9, 16, 17}
+  assert planner.plan(ds, _request(8, 4), made=held.__contains__) == 12 - len(held)
+  assert not held & set(ds.asked)
