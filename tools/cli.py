@@ -352,9 +352,17 @@ def _bench_storage(args: argparse.Namespace) -> int:
            else list(buckets.WORKLOADS))
   root = pathlib.Path(args.data or os.path.join(tempfile.gettempdir(), "grain-elevator-bench"))
   try:
+    ttfb = tuple(float(x) for x in args.storage_ttfb_ms.split(","))
+    if len(ttfb) != 2 or not 0 <= ttfb[0] <= ttfb[1] or (ttfb[0] == 0) != (ttfb[1] == 0):
+      raise ValueError(f"--storage-ttfb-ms wants P50,P99 with 0 < P50 <= P99 (or 0,0), got "
+                       f"{args.storage_ttfb_ms!r}")
+    if args.storage_max_rate < 0 or args.pace < 0:
+      raise ValueError("--storage-max-rate and --pace must be >= 0")
+    settings = buckets.StoreSettings(ttfb_ms=ttfb, max_rate=args.storage_max_rate,
+                                     pace=args.pace)
     report = buckets.run(root, names, workers=max(int(w) for w in args.workers.split(",")),
                          repeats=args.repeats, seconds=args.seconds, warmup_s=args.warmup,
-                         latency_ms=args.storage_latency_ms,
+                         settings=settings,
                          records={"small": args.small_records, "image": args.image_records,
                                   "text": args.text_records},
                          global_batch_size=args.global_batch_size)
@@ -400,16 +408,25 @@ def _add_bench(sub: Any) -> None:
                  help="skip (e) tf.data service even when TensorFlow is installed")
   in_bucket = defaults.BUCKET_RECORDS
   p.add_argument("--storage", choices=["local", "s3"], default="local",
-                 help="s3: read the small, image and text workloads from an S3 server "
-                      "(moto, needs grain-elevator[test]) behind a proxy adding "
-                      "--storage-latency-ms a request, against the same server on local "
-                      "files, local Grain's per-record reads and a whole-shard "
-                      "cache (tools/bench/buckets.py, bucket_text.py; --workers: its largest; "
-                      f"default records: {in_bucket['small']:,} small, "
-                      f"{in_bucket['image']:,} image, {in_bucket['text']:,} text documents)")
-  p.add_argument("--storage-latency-ms", type=float, default=defaults.BUCKET_LATENCY_MS,
-                 help="with --storage s3: latency the proxy adds to each request "
-                      "(default %(default)g)")
+                 help="s3: read the small, image and text workloads from the stand-in S3 "
+                      "store (tools/testing/object_store.py) with --storage-ttfb-ms, by the "
+                      "server by plan, with its cache cold and warm, against local Grain's "
+                      "per-record reads, whole-shard downloads in a windowed shuffle and "
+                      "the same server on local files (tools/bench/buckets.py, "
+                      "bucket_text.py; --workers: its largest; default records: "
+                      f"{in_bucket['small']:,} small, {in_bucket['image']:,} image, "
+                      f"{in_bucket['text']:,} text documents)")
+  ttfb = ",".join(f"{x:g}" for x in defaults.BUCKET_TTFB_MS)
+  p.add_argument("--storage-ttfb-ms", default=ttfb, metavar="P50,P99",
+                 help="with --storage s3: the store's time to first byte, log-normal by its "
+                      "median and 99th percentile in ms (default %(default)s; 0,0: none)")
+  p.add_argument("--storage-max-rate", type=float, default=0.0, metavar="N",
+                 help="with --storage s3: the store refuses past N requests/s per prefix "
+                      "(503 SlowDown; default %(default)g: never)")
+  p.add_argument("--pace", type=float, default=0.0, metavar="N",
+                 help="with --storage s3: a trainer that takes at most N records/s (text: "
+                      "rows), working G/N s on each batch (default %(default)g: as fast as it "
+                      "can)")
   p.set_defaults(fn=_bench)
 
 

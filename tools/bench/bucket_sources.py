@@ -10,14 +10,23 @@
   server's reader (server/data/shards/object_reader.py), which also keeps
   the footers, read once at start as ArrayRecord keeps its index.
 - ShardCacheSource: whole shards downloaded into a bounded local cache and
-  read there with ArrayRecord's reader (Mosaic Streaming's pattern); the
-  least recently used shard not being read is deleted past the limit.
+  read there with ArrayRecord's reader (Mosaic Streaming's and LitData's
+  pattern); the least recently used shard not being read is deleted past
+  the limit. With `window_fraction`, the source has its own order, a
+  windowed shuffle as those libraries make it: the shards in a random
+  order, their records shuffled within windows of that fraction of the
+  dataset, the next window's shards downloaded in the background while
+  this one is read (its key k is the k-th record of that order: read it
+  without Grain's global shuffle, which would undo the windows). Each
+  shard's record count comes from its footer (Mosaic keeps an index file).
 """
 
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import os
+import random
 import threading
 from typing import Any, Sequence
 
@@ -86,12 +95,41 @@ class PerRecordSource:
     return record
 
 
+def windowed_order(counts: Sequence[int], window: int, seed: int = 0
+                   ) -> tuple[list[int], list[list[int]]]:
+  """A windowed shuffle of the records of shards of `counts` records:
+  (every record key in the order read, the shards each window of `window`
+  records reads from). The shards come in a random order, and the records
+  of each window of `window` (in that order) are shuffled among themselves."""
+  rng = random.Random(seed)
+  starts = [0, *_cumsum(counts)][:-1]
+  shards = list(range(len(counts)))
+  rng.shuffle(shards)
+  keys = [starts[s] + i for s in shards for i in range(counts[s])]
+  of_key = {}
+  for s in shards:
+    for i in range(counts[s]):
+      of_key[starts[s] + i] = s
+  order: list[int] = []
+  windows: list[list[int]] = []
+  for at in range(0, len(keys), max(1, window)):
+    part = keys[at:at + max(1, window)]
+    windows.append(sorted({of_key[k] for k in part}, key=shards.index))
+    rng.shuffle(part)
+    order.extend(part)
+  return order, windows
+
+
 class ShardCacheSource:
   """Whole shards in a bounded local cache (module docstring)."""
 
-  def __init__(self, urls: Sequence[str], cache_dir: str, limit_bytes: int):
+  PREFETCH_THREADS = 2  # shard downloads on their way at once, ahead of the reads
+
+  def __init__(self, urls: Sequence[str], cache_dir: str, limit_bytes: int,
+               window_fraction: float = 0.0, seed: int = 0):
     import obstore  # pylint: disable=g-import-not-at-top
     from obstore.store import S3Store  # pylint: disable=g-import-not-at-top
+    from grain_elevator.server.data.object_source import ObjectRecordSource  # pylint: disable=g-import-not-at-top
     self._urls = list(urls)
     self._dir = cache_dir
     self._limit = limit_bytes
@@ -105,11 +143,18 @@ class ShardCacheSource:
     self._sizes: dict[int, int] = {}
     self._reading: collections.Counter[int] = collections.Counter()
     self.downloaded_bytes = 0
-    counts = []
-    for shard in range(len(self._urls)):  # each shard's record count: from its copy
-      counts.append(self._acquire(shard).num_records())
-      self._release(shard)
+    counts = [r.num_records for r in ObjectRecordSource(urls)._readers]  # pylint: disable=protected-access
     self._index = _Index(counts)
+    self._order: list[int] | None = None
+    self._windows: list[list[int]] = []
+    self._window = 0
+    self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+    self._asked: set[tuple[int, int]] = set()  # (epoch, window)s whose shards were asked for
+    if window_fraction > 0:
+      self._window = max(1, round(len(self._index) * window_fraction))
+      self._order, self._windows = windowed_order(counts, self._window, seed)
+      self._pool = concurrent.futures.ThreadPoolExecutor(self.PREFETCH_THREADS,
+                                                         thread_name_prefix="shard-prefetch")
 
   def __len__(self) -> int:
     return len(self._index)
@@ -149,6 +194,23 @@ class ShardCacheSource:
       self._reading[shard] -= 1
       self._evict()
 
+  def _prefetch(self, shard: int) -> None:
+    """In the background: the shard downloaded, not held for a read."""
+    self._acquire(shard)
+    self._release(shard)
+
+  def _ahead(self, epoch: int, position: int) -> None:
+    """The shards of this window and the next asked for, once each."""
+    window = position // self._window
+    nxt = (epoch, window + 1) if window + 1 < len(self._windows) else (epoch + 1, 0)
+    for at in ((epoch, window), nxt):
+      with self._lock:
+        if at in self._asked:
+          continue
+        self._asked.add(at)
+      for shard in self._windows[at[1]]:
+        self._pool.submit(self._prefetch, shard)
+
   def _evict(self) -> None:
     """Past the limit: the least recently used shards no read holds go (under _lock)."""
     for shard in list(self._readers):
@@ -163,7 +225,12 @@ class ShardCacheSource:
         pass
 
   def __getitem__(self, key: int) -> bytes:
-    shard, position = self._index.locate(int(key))
+    key = int(key)
+    if self._order is not None:
+      epoch, position = divmod(key, len(self._order))
+      self._ahead(epoch, position)
+      key = self._order[position]
+    shard, position = self._index.locate(key)
     reader = self._acquire(shard)
     try:
       return reader.read([position])[0]

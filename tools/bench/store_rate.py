@@ -11,6 +11,11 @@ ranged GETs at a time (`get_async` with a range, through a store built as
 the server builds its own: settings.py's build_store, from the store's
 `env()`). The reader's process resets the store's stats after a warm-up and
 reads them at the end, so the GETs and the CPU counted are the window's.
+
+`bare_reads` is the bare reader a bench puts beside a server (buckets.py):
+obstore GETs of given byte ranges from a running store, as the server sends
+them (a store built by settings.py's build_store, `get_async` with a range
+and the object's ETag), `in_flight` at a time, and its CPU per GET.
 """
 
 from __future__ import annotations
@@ -99,6 +104,55 @@ def ceiling(kind: str = "s3", seconds: float = 3.0, in_flight: int = 200,
           "reader_cpu_s_per_get": got["reader_cpu_s"] / got["gets"] if got["gets"] else float("nan"),
           "store_in_flight_mean": stats["in_flight_mean"], "gets": got["gets"],
           "statuses": stats["statuses"]}
+
+
+def bare_reads(arg: dict[str, Any]) -> dict[str, Any]:
+  """In a process of its own (harness.forked): GETs of `arg["ranges"]`
+  ([key, begin, end, etag], cycled in a random order) from bucket
+  `arg["bucket"]` of the store that `arg["env"]` reaches, `arg["in_flight"]`
+  at a time, for `arg["seconds"]` after `arg["warmup_s"]`: GETs, bytes, this
+  process's CPU seconds, and the store's stats over the window (its
+  `/_standin/` URL is `arg["url"]`)."""
+  import random  # pylint: disable=g-import-not-at-top
+  os.environ.update(arg["env"])
+  from grain_elevator.server.data.storage import settings as settings_lib  # pylint: disable=g-import-not-at-top
+  import obstore  # pylint: disable=g-import-not-at-top
+  store = settings_lib.build_store("s3", arg["bucket"], settings_lib.StorageSettings(retry_s=30.0))
+  ranges = list(arg["ranges"])
+  random.Random(0).shuffle(ranges)
+
+  async def run() -> dict[str, Any]:
+    deadline = 0.0
+    gets = nbytes = 0
+    at = 0
+
+    async def reader() -> None:
+      nonlocal gets, nbytes, at
+      while time.perf_counter() < deadline:
+        key, begin, end, etag = ranges[at % len(ranges)]
+        at += 1
+        options: dict[str, Any] = {"range": (begin, end)}
+        if etag:
+          options["if_match"] = etag
+        result = await obstore.get_async(store, key, options=options)
+        nbytes += len(await result.bytes_async())
+        gets += 1
+
+    deadline = time.perf_counter() + arg["warmup_s"]
+    await asyncio.gather(*(reader() for _ in range(arg["in_flight"])))
+    _control(arg["url"], "POST", "reset")
+    gets = nbytes = 0
+    began, cpu = time.perf_counter(), time.process_time()
+    deadline = began + arg["seconds"]
+    await asyncio.gather(*(reader() for _ in range(arg["in_flight"])))
+    elapsed = time.perf_counter() - began
+    return {"gets": gets, "bytes": nbytes, "elapsed_s": elapsed,
+            "cpu_s": time.process_time() - cpu, "store": _control(arg["url"], "GET", "stats")}
+
+  out = asyncio.run(run())
+  out["cpu_s_per_get"] = out["cpu_s"] / out["gets"] if out["gets"] else float("nan")
+  out["gets_per_s"] = out["gets"] / out["elapsed_s"]
+  return out
 
 
 def main() -> None:
