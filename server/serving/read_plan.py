@@ -19,8 +19,8 @@ dataset's head plans its own reads (server/data/streams/head_reads.py).
 How far ahead: at least AHEAD_CHUNKS chunks, and as many more as a read
 asked for now needs to be back before its step is asked for. A reader's
 requests reach this worker every `interval` seconds (measured), and a read
-takes up to the horizon (storage/latency.py: the p99 of recent reads plus
-the p95 after which a straggler is asked again), so the plan reaches
+takes up to the horizon (storage/latency.py: twice the p99 of recent reads
+plus the p95 after which a straggler is asked again), so the plan reaches
 ceil(horizon / interval) + 1 chunks ahead (at most MAX_AHEAD_CHUNKS and
 MAX_STEPS steps, within the byte budget): Little's law, requests in flight
 = rate x latency, kept by planning, not by a fixed depth.

@@ -42,7 +42,7 @@ def test_depth_is_the_rate_asked_times_the_p99_twice_over(clock):
   assert 0.49 <= lat.quantile(99) <= 0.5
   assert lat.depth(16, 4096) == pytest.approx(2 * 2000 * lat.quantile(99), rel=0.01)
   assert lat.depth(16, 1000) == 1000  # the ceiling
-  assert lat.horizon_s() == pytest.approx(lat.quantile(99) + lat.quantile(95))
+  assert lat.horizon_s() == pytest.approx(2 * lat.quantile(99) + lat.quantile(95))
 
 
 def test_a_refusing_store_halves_the_prefix_window_once_a_round_trip(clock):
