@@ -177,16 +177,21 @@ class ObjectCache:
     if parent.is_dir():
       for other in parent.iterdir():
         if other != folder:  # the object was replaced: its old blocks are worthless
+          self._unreserve(_blocks_bytes(other))
           shutil.rmtree(other, ignore_errors=True)
     folder.mkdir(parents=True, exist_ok=True)
     written = folder / "object.json"
     try:
       recorded = json.loads(written.read_text())
-    except (OSError, ValueError):
+    except FileNotFoundError:
       recorded = None
-    if recorded != meta:
+    except ValueError:  # torn: written by a process that died
+      recorded = {}
+    if recorded is not None and recorded != meta:
+      self._unreserve(_blocks_bytes(folder))
       for stale in folder.iterdir():
         _remove(stale)
+    if recorded != meta:
       tmp = folder / f"object.json.{os.getpid()}.tmp"
       tmp.write_text(json.dumps(meta))
       os.replace(tmp, written)
@@ -245,6 +250,8 @@ class ObjectCache:
 
   def missing_blocks(self, obj: ObjectRef, extents: Sequence[tuple[int, int]]) -> list[int]:
     """The blocks these extents touch that are not on disk (what to fill)."""
+    if not cacheable(obj):
+      return []
     now = time.monotonic()
     with self._lock:
       o = self._object(obj)
@@ -346,6 +353,8 @@ class ObjectCache:
     """Whether this process is to fill `block`: "mine" (claimed, its bytes
     reserved), "held" (on disk), "busy" (another process fills it) or
     "full" (no room within the limit)."""
+    if not cacheable(obj):
+      return "held"  # nothing to fill: its reads go to the bucket
     with self._lock:
       o = self._object(obj)
       if o.held[block] or (o.folder / f"b{block}").exists():
@@ -353,22 +362,28 @@ class ObjectCache:
         return "held"
       size = self.block_size(obj, block)
       claim = o.folder / f"b{block}.claim"
+    try:
+      fd = os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+      if _claimed_bytes(claim) is not None:
+        return "busy"
+      _remove(claim)  # a dead filler's: take it over
       try:
         fd = os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
       except FileExistsError:
-        if _claimed_bytes(claim) is not None:
-          return "busy"
-        _remove(claim)  # a dead filler's: take it over
-        try:
-          fd = os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-          return "busy"
-      with os.fdopen(fd, "w") as f:
-        f.write(f"{os.getpid()} {size}")
-      if not self._reserve(size):
-        _remove(claim)
-        return "full"
-      return "mine"
+        return "busy"
+    if (o.folder / f"b{block}").exists():  # filled by another as this claim was made
+      os.close(fd)
+      _remove(claim)
+      return "held"
+    # Reserved before the claim says its size: a recount in between counts it once.
+    reserved = self._reserve(size)
+    with os.fdopen(fd, "w") as f:
+      f.write(f"{os.getpid()} {size}" if reserved else "")
+    if not reserved:
+      _remove(claim)
+      return "full"
+    return "mine"
 
   def fill(self, obj: ObjectRef, block: int, data: bytes | memoryview | None) -> None:
     """Ends this process's claim of `block`: writes `data` (its bytes, read
@@ -404,6 +419,17 @@ class ObjectCache:
       for fd in self._files.values():
         os.close(fd)
       self._files.clear()
+
+
+def _blocks_bytes(folder: pathlib.Path) -> int:
+  """The bytes of the whole blocks in an object's folder."""
+  total = 0
+  with contextlib.suppress(OSError):
+    for entry in os.scandir(folder):
+      if entry.name.startswith("b") and entry.name[1:].isdigit():
+        with contextlib.suppress(OSError):
+          total += entry.stat().st_size
+  return total
 
 
 def _read_usage(path: pathlib.Path) -> int:

@@ -77,6 +77,7 @@ class Filler:
     self._new = False  # objects became known during a pass
     self._reported = -1
     self._thread = threading.Thread(target=self._run, daemon=True, name="elevator-cache-fill")
+    self._writer = concurrent.futures.ThreadPoolExecutor(1, "elevator-cache-write")
 
   def start(self) -> "Filler":
     self._thread.start()
@@ -131,10 +132,20 @@ class Filler:
         item = self._next(background)
         if item is None:
           break
-        outcome = self._cache.claim(*item)
+        try:
+          outcome = self._cache.claim(*item)
+        except OSError as e:  # a disk that fails: this block is left to the bucket
+          _log.warning("cache: cannot claim block %d of %s in %s (%s)", item[1], item[0].url,
+                       self._cache.root, e)
+          outcome = "busy"
         if outcome == "mine":
           self._slots.acquire()
-          self._start(*item)
+          try:
+            self._start(*item)
+          except Exception as e:  # pylint: disable=broad-except
+            self._slots.release()
+            self._cache.fill(item[0], item[1], None)  # gives the claim back
+            _log.warning("cache: cannot fill block %d of %s (%s)", item[1], item[0].url, e)
         elif outcome != "held":
           left = True
           self._full = self._full or outcome == "full"
@@ -153,7 +164,7 @@ class Filler:
     end = begin + self._cache.block_size(obj, block)
     (future,) = objects_lib.objects().fetch_later([(obj, begin, end)])
 
-    def done(f: concurrent.futures.Future) -> None:
+    def write(f: concurrent.futures.Future) -> None:
       try:
         data = f.result()
       except Exception as e:  # pylint: disable=broad-except
@@ -168,7 +179,9 @@ class Filler:
       finally:
         self._slots.release()
 
-    future.add_done_callback(done)
+    # Written by the filler's own writer thread: the future settles on the
+    # storage loop, which must not wait on a disk (8 MiB and an fsync).
+    future.add_done_callback(lambda f: self._writer.submit(write, f))
 
   def _report(self) -> None:
     with _known_lock:

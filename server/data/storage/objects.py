@@ -268,8 +268,14 @@ class Objects:
     if futures is None:  # else the caller's, one per range, not yet running
       futures = [concurrent.futures.Future() for _ in ranges]
     if ranges:
-      self._event_loop().call_soon_threadsafe(self._start_ahead, list(ranges), futures,
-                                              self._where(ranges))
+      try:
+        where = self._where(ranges)
+      except Exception as e:  # pylint: disable=broad-except
+        for future in futures:  # those waiting on them meet the error, not a hang
+          if future.set_running_or_notify_cancel():
+            future.set_exception(e)
+        return futures
+      self._event_loop().call_soon_threadsafe(self._start_ahead, list(ranges), futures, where)
     return futures
 
   def _where(self, ranges: Sequence[tuple[ObjectRef, int, int]]) -> list[tuple[Any, str]]:
@@ -305,7 +311,8 @@ class Objects:
   def _gates(self) -> tuple[throttle.Gate, throttle.Gate]:
     """(all reads, reads ahead of need), their limits following Little's law."""
     if self._all is None:  # made in the loop's thread, which alone uses them
-      self._all, self._ahead = throttle.Gate(MIN_IN_FLIGHT), throttle.Gate(MIN_IN_FLIGHT)
+      self._all = throttle.Gate(MIN_IN_FLIGHT)
+      self._ahead = throttle.Gate(max(1, int(MIN_IN_FLIGHT * AHEAD_SHARE)))
     depth = self.latency.depth(MIN_IN_FLIGHT, self._max_in_flight)
     if depth != self._all.limit:
       self._all.set_limit(depth)
@@ -371,7 +378,7 @@ class Objects:
       pending = set(tasks)
       while True:
         done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-        for task in done:
+        for task in sorted(done, key=lambda t: t.exception() is not None):  # answers first
           if task.exception() is None or not pending:
             return task.result()
     finally:  # the loser, or both where this read was cancelled
@@ -394,9 +401,9 @@ class Objects:
       options["if_match"] = obj.etag
     elif obj.version is not None:
       options["version"] = obj.version
-    await gate.acquire()
+    await prefix.gate.acquire()  # first: a narrowed prefix holds no slot of the others'
     try:
-      await prefix.gate.acquire()
+      await gate.acquire()
       try:
         began = time.perf_counter()
         try:
@@ -412,9 +419,9 @@ class Objects:
           raise failure from e
         seconds = time.perf_counter() - began
       finally:
-        prefix.gate.release()
+        gate.release()
     finally:
-      gate.release()
+      prefix.gate.release()
     prefix.answered(gate.limit)
     self.latency.record(seconds, end - begin)
     _counts.storage_request(seconds)
@@ -423,13 +430,10 @@ class Objects:
 
 
 def _new_event_loop() -> asyncio.AbstractEventLoop:
-  """uvloop's where installed (a dependency): its calls, handles and timers
-  cost a fraction of asyncio's, and a worker runs thousands a second."""
-  try:
-    import uvloop  # pylint: disable=g-import-not-at-top
-  except ImportError:
-    return asyncio.new_event_loop()
-  return uvloop.new_event_loop()
+  """asyncio's own loop. uvloop's costs less a GET, but a clean-clone run
+  with it hung in a session server's stop (a supervisor thread never
+  joined): not used until that is understood."""
+  return asyncio.new_event_loop()
 
 
 def _settle(future: concurrent.futures.Future, task: asyncio.Task) -> None:
