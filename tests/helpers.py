@@ -83,16 +83,9 @@ def server_with_env(config: str, env: dict[str, str], **options: Any) -> Iterato
   see `env` (a bucket's endpoint and keys): they take this process's
   environment as they start, which has it only then."""
   from grain_elevator.server import Server, ServerOptions  # pylint: disable=import-outside-toplevel
-  saved = {k: os.environ.get(k) for k in env}
-  os.environ.update(env)
-  try:
+  from grain_elevator.tools.testing.storage_servers import environment  # pylint: disable=import-outside-toplevel
+  with environment(env):
     server = Server(config, ServerOptions(port=0, **options)).start()
-  finally:
-    for k, v in saved.items():
-      if v is None:
-        os.environ.pop(k, None)
-      else:
-        os.environ[k] = v
   try:
     yield server
   finally:

@@ -61,6 +61,7 @@ from grain_elevator.tools.bench import images
 from grain_elevator.tools.bench import run as run_lib
 from grain_elevator.tools.bench import workloads as workloads_lib
 from grain_elevator.tools import top
+from grain_elevator.tools.testing import storage_servers
 from grain_elevator.tools.testing.storage_servers import free_port
 from grain_elevator.tools.testing.launcher import LocalServer
 
@@ -170,16 +171,8 @@ def bucket_config_of(config: str, name: str) -> pathlib.Path:
 def _readers(urls: list[str], env: dict[str, str]) -> list[Any]:
   """The server's shard readers of the objects at `urls` (footers read)."""
   from grain_elevator.server.data.object_source import ObjectRecordSource  # pylint: disable=g-import-not-at-top
-  saved = {k: os.environ.get(k) for k in env}
-  os.environ.update(env)
-  try:
+  with storage_servers.environment(env):
     return ObjectRecordSource(urls)._readers  # pylint: disable=protected-access
-  finally:
-    for k, v in saved.items():
-      if v is None:
-        os.environ.pop(k, None)
-      else:
-        os.environ[k] = v
 
 
 def stored_bytes(urls: list[str], env: dict[str, str]) -> tuple[int, int]:

@@ -15,6 +15,7 @@ emulator's JSON metadata: see fault_proxy.py.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -26,7 +27,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from typing import Any
+from typing import Any, Iterator
 
 from grain_elevator.server.process import lifeline
 
@@ -49,6 +50,23 @@ def free_port() -> int:
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def environment(env: dict[str, str]) -> Iterator[None]:
+  """This process's environment with `env` set (a store's endpoint and
+  keys, which a server's workers and obstore read as they start), then as
+  it was."""
+  saved = {k: os.environ.get(k) for k in env}
+  os.environ.update(env)
+  try:
+    yield
+  finally:
+    for k, v in saved.items():
+      if v is None:
+        os.environ.pop(k, None)
+      else:
+        os.environ[k] = v
 
 
 def end(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
