@@ -55,6 +55,8 @@ from __future__ import annotations
 import dataclasses
 import glob
 import importlib
+import itertools
+import logging
 import os
 import pathlib
 import tomllib
@@ -67,6 +69,35 @@ from grain_elevator.server.data.storage.settings import StorageSettings
 
 if TYPE_CHECKING:
   from grain_elevator.server.data.tfds_source import TfdsSplit
+
+# Grain's import-time warning where JAX is not installed (grain/_src/core/profiler.py).
+_NO_JAX_PROFILER = "Failed to load jax profiler: %s"
+
+
+def _jax_is_installed_or_other(record: logging.LogRecord) -> bool:
+  """A logging filter: False for Grain's "Failed to load jax profiler: No
+  module named 'jax'" alone. A JAX that is installed but fails to import
+  (a missing jaxlib, say) still warns."""
+  if record.msg != _NO_JAX_PROFILER or not isinstance(record.args, tuple) or not record.args:
+    return True
+  error = record.args[0]
+  return not (isinstance(error, ModuleNotFoundError) and error.name == "jax")
+
+
+def _quiet_grain_without_jax() -> None:
+  """The server never profiles with JAX, and its image has none
+  (deploy/Dockerfile), yet every server process (the supervisor, the fork
+  server) logged Grain's warning that JAX's profiler is missing at start.
+  Installed when this module is imported: every server process imports it
+  before Grain (tests/server/test_startup_errors.py pins that)."""
+  try:
+    from absl import logging as absl_logging  # pylint: disable=g-import-not-at-top
+  except ImportError:  # no absl, no Grain: nothing logs it
+    return
+  absl_logging.get_absl_logger().addFilter(_jax_is_installed_or_other)
+
+
+_quiet_grain_without_jax()
 
 _KEYS = {"paths", "tfds", "split", "data_dir", "source", "pipeline", "batch_transform",
          "iter_pipeline", "batch_fn", "seed", "shuffle", "num_epochs", "drop_remainder",
@@ -198,6 +229,41 @@ def _expect(dataset: str, key: str, value: Any, cls: type, what: str) -> None:
     )
 
 
+def unreadable(what: str, path: str, more: str = "") -> ConfigError:
+  """The one-line error for data this process's user may not read: a
+  container's user (uid 10001 in deploy/Dockerfile) is not the owner of a
+  folder made on the host (`mktemp -d` is mode 0700), and a traceback of
+  PermissionError says neither whose access failed nor what to do."""
+  uid, gid = os.geteuid(), os.getegid()
+  return ConfigError(
+      f"{what} {path!r}{more} cannot be read by uid {uid} (gid {gid}): permission denied; "
+      f"make it and its folders readable by that user (chmod o+rX, or chown {uid}:{gid}), "
+      "or run as a user that can read them (docker run --user UID:GID)")
+
+
+def _may(path: str, mode: int) -> bool:
+  """Whether this process may access `path` in `mode`, as its effective
+  user (a set-uid start or `setpriv` may differ from the real one)."""
+  return os.access(path, mode, effective_ids=os.access in os.supports_effective_ids)
+
+
+def _blocked_folder(pattern: str) -> str | None:
+  """The first folder on the way to `pattern`'s files that exists but that
+  this process may not enter (or, the one its wildcards are matched in, may
+  not list); None where the pattern truly matches nothing."""
+  parts = pathlib.PurePath(pattern).parts
+  literal = list(itertools.takewhile(lambda part: glob.escape(part) == part, parts))
+  wild = len(literal) < len(parts)
+  folder = pathlib.PurePath(*literal[:len(parts) - 1])
+  for above in [*reversed(folder.parents), folder]:
+    if not os.path.isdir(above):
+      return None
+    listed = wild and above == folder
+    if not _may(str(above), os.X_OK | (os.R_OK if listed else 0)):
+      return str(above)
+  return None
+
+
 def _expand_paths(name: str, table: dict[str, Any], base_dir: pathlib.Path,
                   storage: StorageSettings | None) -> set[str]:
   if "paths" not in table:
@@ -224,10 +290,19 @@ def _expand_paths(name: str, table: dict[str, Any], base_dir: pathlib.Path,
     full = os.path.join(base_dir, os.path.expanduser(pattern))
     matched = [p for p in glob.glob(full, recursive=True) if os.path.isfile(p)]
     if not matched:
+      # glob says nothing of a folder it may not list: name it, not "no files".
+      blocked = _blocked_folder(full)
+      if blocked is not None:
+        raise unreadable(f"dataset {name!r}: key 'paths': {pattern!r}: folder", blocked)
       raise ConfigError(
           f"dataset {name!r}: key 'paths': {pattern!r} matches no files "
           f"(looked for {full})"
       )
+    denied = sorted(p for p in matched if not _may(p, os.R_OK))
+    if denied:
+      more = f" (and {len(denied) - 1} more of its {len(matched)} files)" if len(denied) > 1 else ""
+      raise unreadable(f"dataset {name!r}: key 'paths': {pattern!r}: file",
+                       os.path.abspath(denied[0]), more)
     files.update(os.path.abspath(p) for p in matched)
   if len({urls.is_url(f) for f in files}) > 1:
     raise ConfigError(f"dataset {name!r}: key 'paths' mixes local files and bucket URLs; "
@@ -432,6 +507,10 @@ def load_config(path: str | os.PathLike[str]) -> ServerConfig:
       data = tomllib.load(f)
   except FileNotFoundError as e:
     raise ConfigError(f"config file {str(path)!r} does not exist") from e
+  except PermissionError as e:
+    raise unreadable("config file", str(path)) from e
+  except OSError as e:
+    raise ConfigError(f"config file {str(path)!r} cannot be read: {e.strerror}") from e
   except tomllib.TOMLDecodeError as e:
     raise ConfigError(f"config file {str(path)!r} is not valid TOML: {e}") from e
   unknown = sorted(set(data) - _TOP_KEYS)

@@ -18,15 +18,24 @@ If-Match and `generation=` conditions; PUT of a whole object and DELETE,
 which the converters use, but not multipart uploads). The proxy answers
 those calls from the emulator's JSON metadata and its download and upload
 endpoints; the emulator's own XML GET sends none of those headers.
+
+As a command, for trying the server against gcp-storage-emulator by hand
+(docs/buckets.md, "GCS emulators"):
+
+    gcp-storage-emulator start --port 9023 --in-memory
+    python -m grain_elevator.tools.testing.fault_proxy --gcs-xml http://127.0.0.1:9023
+    # its first line names the URL to give STORAGE_EMULATOR_HOST
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import email.utils
 import http.client
 import http.server
 import json
+import signal
 import socket
 import socketserver
 import struct
@@ -68,7 +77,7 @@ class FaultProxy:
   http://host:port URL); thread-safe."""
 
   def __init__(self, upstream: str, *, gcs_xml: bool = False, latency_s: float = 0.0,
-               stall_s: float = 5.0):
+               stall_s: float = 5.0, host: str = "127.0.0.1", port: int = 0):
     parsed = urllib.parse.urlsplit(upstream)
     self.upstream = (parsed.hostname or "127.0.0.1", parsed.port or 80)
     self.gcs_xml = gcs_xml
@@ -79,7 +88,7 @@ class FaultProxy:
     self._queue: list[str] = []
     self._outage: tuple[float, str] | None = None
     self._lock = threading.Lock()
-    self._server = _Server(("127.0.0.1", 0), _Handler)
+    self._server = _Server((host, port), _Handler)
     self._server.proxy = self
     self._thread = threading.Thread(target=self._server.serve_forever, daemon=True,
                                     name="fault-proxy")
@@ -87,7 +96,8 @@ class FaultProxy:
 
   @property
   def url(self) -> str:
-    return f"http://127.0.0.1:{self._server.server_address[1]}"
+    host = self._server.server_address[0]
+    return f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{self._server.server_address[1]}"
 
   def inject(self, *faults: str) -> None:
     """Queues faults, one per matching request from now on."""
@@ -331,3 +341,65 @@ class _Handler(http.server.BaseHTTPRequestHandler):
            f"<KeyCount>{len(items)}</KeyCount><IsTruncated>false</IsTruncated>"
            f"{contents}{common}</ListBucketResult>")
     return 200, [("Content-Type", "application/xml")], xml.encode()
+
+
+# -- the command -------------------------------------------------------------------
+
+
+def _upstream_url(text: str) -> str:
+  parsed = urllib.parse.urlsplit(text)
+  if parsed.scheme != "http" or not parsed.hostname or parsed.path not in ("", "/"):
+    raise argparse.ArgumentTypeError(
+        f"expected the store's URL as http://HOST:PORT (plain HTTP, no path), got {text!r}")
+  try:
+    parsed.port  # pylint: disable=pointless-statement
+  except ValueError as e:
+    raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
+  return text
+
+
+def build_parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(
+      prog="python -m grain_elevator.tools.testing.fault_proxy",
+      description="Forward HTTP to a local object store. With --gcs-xml, answer the GCS XML "
+                  "API calls the server makes (list, HEAD, ranged GET, PUT, DELETE) from "
+                  "gcp-storage-emulator's JSON API, which the emulator alone does not serve "
+                  "(a server pointed at it directly fails listing with HTTP 501). Prints "
+                  "the URL for STORAGE_EMULATOR_HOST, then runs until SIGINT or SIGTERM. "
+                  "For tests and trials: no TLS, no authentication.")
+  p.add_argument("upstream", type=_upstream_url,
+                 help="the store, http://HOST:PORT (gcp-storage-emulator's --port)")
+  p.add_argument("--gcs-xml", action="store_true",
+                 help="translate GCS's XML API to the upstream's JSON API (for "
+                      "gcp-storage-emulator); without it, forward as is")
+  p.add_argument("--host", default="127.0.0.1",
+                 help="address to listen on (default %(default)s)")
+  p.add_argument("--port", type=int, default=0, help="port to listen on (default: a free one)")
+  p.add_argument("--latency-s", type=float, default=0.0,
+                 help="delay added to each request, in seconds (default %(default)s)")
+  return p
+
+
+def main(argv: list[str] | None = None) -> int:
+  args = build_parser().parse_args(argv)
+  stop = {signal.SIGINT, signal.SIGTERM}
+  # Blocked before the proxy's threads start, so that they inherit the mask
+  # and the main thread alone takes the signal, in sigwait.
+  signal.pthread_sigmask(signal.SIG_BLOCK, stop)
+  try:
+    proxy = FaultProxy(args.upstream, gcs_xml=args.gcs_xml, latency_s=args.latency_s,
+                       host=args.host, port=args.port)
+  except OSError as e:
+    print(f"fault_proxy: error: cannot listen on {args.host}:{args.port}: {e.strerror}",
+          file=sys.stderr)
+    return 2
+  with proxy:
+    what = "GCS XML API" if args.gcs_xml else "HTTP"
+    print(f"STORAGE_EMULATOR_HOST={proxy.url}  # {what} on {proxy.url}, from {args.upstream}",
+          flush=True)
+    signal.sigwait(stop)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
