@@ -35,7 +35,8 @@ def fresh(store):
   store.configure(ttfb=0, max_rate=0, bytes_per_s=0, reset=True)
   yield store
   store.configure(ttfb=0, max_rate=0, bytes_per_s=0,
-                  max_object_bytes=object_store.DEFAULT_MAX_OBJECT_BYTES)
+                  max_object_bytes=object_store.DEFAULT_MAX_OBJECT_BYTES, lie="",
+                  lie_bytes=object_store.DEFAULT_LIE_BYTES)
 
 
 def client(s: StandInStore, bucket: str = BUCKET, retries: int = 0):
@@ -285,6 +286,34 @@ def test_oversized_headers_and_bodies_are_refused(fresh):
     answer = b"".join(iter(lambda: sock.recv(65536), b""))
   assert answer.startswith(b"HTTP/1.1 413 ")
   assert not os.path.exists(path_of(fresh, "big/two.bin"))
+
+
+@pytest.mark.parametrize("lie", [lie for lie in object_store.LIES if lie])
+def test_a_lying_store_answers_a_range_wrongly_as_told(fresh, lie):
+  """Each `lie` of a ranged GET, as a raw socket reads it (the answer's
+  head, then its body to the connection's close)."""
+  data = bytes(range(256)) * 4
+  fresh.put(BUCKET, "lie/one.bin", data)
+  fresh.configure(lie=lie, lie_bytes=5000)
+  key = "lie%2Fone.bin" if fresh.kind == "gcs" else "lie/one.bin"
+  with socket.create_connection(("127.0.0.1", fresh.port), timeout=30) as sock:
+    sock.sendall(f"GET /{BUCKET}/{key} HTTP/1.1\r\nRange: bytes=10-19\r\n"
+                 "Connection: close\r\n\r\n".encode())
+    answer = b"".join(iter(lambda: sock.recv(65536), b""))
+  head, _, body = answer.partition(b"\r\n\r\n")
+  want = {"whole": (b"HTTP/1.1 200 ", None, str(len(data)), data),
+          "shifted": (b"HTTP/1.1 206 ", "bytes 11-20/1024", "10", data[11:21]),
+          "no_length": (b"HTTP/1.1 206 ", "bytes 10-19/1024", None, data[10:20]),
+          "oversized": (b"HTTP/1.1 206 ", "bytes 10-19/1024", "5000",
+                        data[10:20] + bytes(4990))}[lie]
+  headers = dict(line.split(": ", 1) for line in head.decode().split("\r\n")[1:])
+  assert head.startswith(want[0])
+  assert headers.get("Content-Range") == want[1]
+  assert headers.get("Content-Length") == want[2]
+  assert body == want[3]
+  fresh.configure(lie="")
+  assert bytes(obstore.get(client(fresh), "lie/one.bin", options={"range": (10, 20)})
+               .bytes()) == data[10:20]
 
 
 def test_pipelined_requests_are_answered_in_order(fresh):

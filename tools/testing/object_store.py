@@ -27,11 +27,17 @@ Knobs (command-line flags, `StandInStore(**options)`, or at run time through
 `POST /_standin/config`): the time to first byte (log-normal by its p50 and
 p99, or none), `max_rate` requests/s per prefix (bucket + the key's folder;
 past it 503 SlowDown in S3 mode, 429 in GCS mode, as the real stores do), a
-`bytes_per_s` cap per connection, `max_object_bytes` (413 past it). Headers
-over 16 KiB answer 431. `GET /_standin/stats` reports requests, ranged GETs,
-body bytes, refusals, statuses, this process's CPU seconds, and requests in
-flight: now, at peak, and their time-weighted mean since the last reset
-(how a bench sees its reader's depth). No S3 or GCS client sends `/_standin/`
+`bytes_per_s` cap per connection, `max_object_bytes` (413 past it), and
+`lie`: how a ranged GET is answered wrongly, for the tests of a store that
+lies (LIES: "oversized", a 206 with the right Content-Range whose
+Content-Length and body run on to `lie_bytes`; "whole", a 200 with the
+whole object; "shifted", a 206 of the range one byte on, which its
+Content-Range says; "no_length", the right 206 without a Content-Length,
+its end the connection's close). Headers over 16 KiB answer 431.
+`GET /_standin/stats` reports requests, ranged GETs, body bytes, refusals,
+statuses, this process's CPU seconds, and requests in flight: now, at peak,
+and their time-weighted mean since the last reset (how a bench sees its
+reader's depth). No S3 or GCS client sends `/_standin/`
 (no bucket name starts with `_`).
 
 Signatures and credentials are not checked. Files whose name starts with
@@ -87,6 +93,10 @@ OPEN_FILES = 256
 # an object's bytes go to a file as they come.
 MAX_SMALL_BODY = 4 << 20
 START_TIMEOUT_S = 60.0
+# How a ranged GET may be answered wrongly (Options.lie; "" answers right).
+LIES = ("", "oversized", "whole", "shifted", "no_length")
+# An "oversized" answer's Content-Length by default.
+DEFAULT_LIE_BYTES = 1 << 30
 
 _REASONS = {200: "OK", 204: "No Content", 206: "Partial Content", 304: "Not Modified",
             400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
@@ -109,6 +119,8 @@ class Options:
   bytes_per_s: float = 0.0  # per connection; 0: unlimited
   seed: int = 0
   max_object_bytes: int = DEFAULT_MAX_OBJECT_BYTES
+  lie: str = ""  # one of LIES: how ranged GETs are answered wrongly
+  lie_bytes: int = DEFAULT_LIE_BYTES  # an "oversized" answer's Content-Length
 
   def update(self, changes: dict[str, Any]) -> None:
     """Applies `changes` (`ttfb=0` turns the delay off); ValueError on a bad one."""
@@ -121,12 +133,19 @@ class Options:
     for name, value in changes.items():
       if name not in fields:
         raise ValueError(f"unknown option {name!r}; one of {sorted(fields)} or ttfb")
-      setattr(self, name, int(value) if name in ("seed", "max_object_bytes") else float(value))
+      if name == "lie":
+        if value not in LIES:
+          raise ValueError(f"lie must be one of {LIES}, got {value!r}")
+        self.lie = value
+        continue
+      setattr(self, name, int(value) if name in ("seed", "max_object_bytes", "lie_bytes")
+              else float(value))
     if self.ttfb_p50_ms < 0 or (self.ttfb_p50_ms > 0 and self.ttfb_p99_ms < self.ttfb_p50_ms):
       raise ValueError(f"need 0 <= ttfb_p50_ms <= ttfb_p99_ms, got {self.ttfb_p50_ms} and "
                        f"{self.ttfb_p99_ms}")
-    if self.max_rate < 0 or self.bytes_per_s < 0 or self.max_object_bytes < 0:
-      raise ValueError("max_rate, bytes_per_s and max_object_bytes must be >= 0")
+    if (self.max_rate < 0 or self.bytes_per_s < 0 or self.max_object_bytes < 0
+        or self.lie_bytes < 0):
+      raise ValueError("max_rate, bytes_per_s, max_object_bytes and lie_bytes must be >= 0")
 
 
 class Ttfb:
@@ -292,6 +311,24 @@ class _BytesBody:
     pass
 
 
+class _PaddedBody:
+  """`data`, then zeros up to `length` in all: an answer longer than it says
+  its range is (a lie), sent as the connection drains."""
+
+  def __init__(self, data: bytes, length: int):
+    self._data = data
+    self.length = length
+
+  def read(self, n: int) -> bytes:
+    head, self._data = self._data[:n], self._data[n:]
+    out = head + bytes(min(n, self.length) - len(head))
+    self.length -= len(out)
+    return out
+
+  def close(self) -> None:
+    pass
+
+
 class _Request:
   __slots__ = ("method", "target", "headers", "path", "query", "bucket", "key", "sink",
                "body", "early", "control", "close")
@@ -335,9 +372,11 @@ class _FileSink:
       pass
 
 
-# An answer: (status, header lines, body: bytes or _FileBody, Content-Length
-# if it differs from the body's (a HEAD)).
+# An answer: (status, header lines, body: bytes or a body read in pieces
+# (_FileBody, _PaddedBody), Content-Length if it differs from the body's (a
+# HEAD); NO_LENGTH: none sent, the body ends with the connection).
 Answer = tuple[int, str, Any, int]
+NO_LENGTH = -2
 
 
 _DATES: dict[int, str] = {}
@@ -641,9 +680,26 @@ class _Store:
           _, headers, body, _ = _error(416, "InvalidRange",
                                        "The requested range is not satisfiable")
           return 416, f"Content-Range: bytes */{size}\r\n{headers}", body, -1
+        lie = self.options.lie
+        if lie:
+          return self._lie(lie, fd, meta, begin, end, size)
         meta += f"Content-Range: bytes {begin}-{end - 1}/{size}\r\n"
         return 206, meta, self._body(fd, begin, end - begin), -1
     return 200, meta, self._body(fd, 0, size), -1
+
+  def _lie(self, lie: str, fd: int, meta: str, begin: int, end: int, size: int) -> Answer:
+    """A wrong answer to a GET of bytes [begin, end) (Options.lie)."""
+    if lie == "whole" or (lie == "shifted" and begin == 0 and end == size):
+      return 200, meta, self._body(fd, 0, size), -1
+    if lie == "shifted":
+      shift = 1 if end < size else -1
+      begin, end = begin + shift, end + shift
+    meta += f"Content-Range: bytes {begin}-{end - 1}/{size}\r\n"
+    if lie == "oversized":
+      data = os.pread(fd, end - begin, begin)
+      return 206, meta, _PaddedBody(data, max(self.options.lie_bytes, len(data))), -1
+    body = self._body(fd, begin, end - begin)
+    return 206, meta, body, NO_LENGTH if lie == "no_length" else -1
 
   def _body(self, fd: int, offset: int, length: int) -> Any:
     if length <= PIECE:
@@ -1013,7 +1069,7 @@ class _Connection(asyncio.Protocol):
       self.timer.cancel()
       self.timer = None
     if self.file_body is not None:
-      os.close(self.file_body.fd)
+      self.file_body.close()
       self.file_body = None
     req = self.req
     if req is not None and isinstance(req.sink, _FileSink):
@@ -1161,23 +1217,26 @@ class _Connection(asyncio.Protocol):
   def _send(self, answer: Answer) -> None:
     self.timer = None
     if self.closed:
-      if isinstance(answer[2], _FileBody):
-        os.close(answer[2].fd)
+      if not isinstance(answer[2], (bytes, bytearray)):
+        answer[2].close()
       return
     status, headers, body, length = answer
     req = self.req
+    if length == NO_LENGTH:  # the body ends with the connection
+      req.close = True
     store = self.store
     if not req.control:
       statuses = store.stats.statuses
       statuses[status] = statuses.get(status, 0) + 1
-    is_file = isinstance(body, _FileBody)
-    if length < 0:
+    is_file = not isinstance(body, (bytes, bytearray))  # read in pieces
+    if length < 0 and length != NO_LENGTH:
       length = body.length if is_file else len(body)
-    head = (f"{_STATUS_LINES[status]}{headers}Content-Length: {length}\r\n"
+    framing = "" if length == NO_LENGTH else f"Content-Length: {length}\r\n"
+    head = (f"{_STATUS_LINES[status]}{headers}{framing}"
             f"{'Connection: close' + chr(13) + chr(10) if req.close else ''}\r\n").encode()
     if req.method == "HEAD" or status in (204, 304):
       if is_file:
-        os.close(body.fd)
+        body.close()
       self.transport.write(head)
       self._finish()
       return
@@ -1281,12 +1340,16 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--bytes-per-s", type=float, default=0.0, help="per connection")
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--max-object-bytes", type=int, default=DEFAULT_MAX_OBJECT_BYTES)
+  parser.add_argument("--lie", choices=LIES, default="",
+                      help="answer ranged GETs wrongly, this way (tests of a store that lies)")
+  parser.add_argument("--lie-bytes", type=int, default=DEFAULT_LIE_BYTES,
+                      help='an "oversized" answer\'s Content-Length')
   args = parser.parse_args(argv)
   options = Options()
   changes: dict[str, Any] = {
       "ttfb_p50_ms": args.ttfb_p50_ms, "ttfb_p99_ms": args.ttfb_p99_ms,
       "max_rate": args.max_rate, "bytes_per_s": args.bytes_per_s, "seed": args.seed,
-      "max_object_bytes": args.max_object_bytes}
+      "max_object_bytes": args.max_object_bytes, "lie": args.lie, "lie_bytes": args.lie_bytes}
   if args.ttfb is not None:
     changes["ttfb"] = args.ttfb
   try:

@@ -9,7 +9,12 @@ transient error is seen: a read that fails with a 5xx, 429, reset or stall
 is asked again with backoff and jitter for the dataset's retry budget
 (settings.py), a 503 SlowDown or 429 also halving its prefix's window
 (throttle.py); past the budget it fails ServiceUnavailableError
-(UNAVAILABLE) naming the object, which a client retries. A read still
+(UNAVAILABLE) naming the object, which a client retries. An answer that
+is not the range asked for (a 200 with the whole object, another range's
+Content-Range, no Content-Length, fewer bytes, or more: the body is read as
+a stream and let go of at the asked length + 1, so a long one is never held)
+is DataLossError (DATA_LOSS) naming the object and what was wrong, not
+retried: the store itself, or a proxy before it, is broken. A read still
 missing past the p95 of recent reads is asked again and the first answer
 wins (HEDGE_SHARE). Messages name the URL and the HTTP status, never a
 response body or a credential.
@@ -123,7 +128,8 @@ def _max_in_flight() -> int:
 
 class _Failure(Exception):
   """An obstore error, classified: `kind` is one of "missing", "denied",
-  "changed", "unavailable", "other"; `reason` is safe to show."""
+  "changed", "unavailable", "wrong" (an answer that is not the range asked
+  for), "other"; `reason` is safe to show."""
 
   def __init__(self, kind: str, reason: str, refused: bool = False):
     super().__init__(reason)
@@ -133,6 +139,11 @@ class _Failure(Exception):
 
 
 _STATUS = re.compile(r"status code: (\d{3})(?: ([A-Za-z][A-Za-z -]*))?")
+# object_store's errors for an answer that is not the range asked for (its
+# GetResultError, named in the error's debug text): a 200 to a ranged GET,
+# another range, a missing or bad Content-Range, Content-Length or ETag.
+_WRONG_ANSWER = re.compile(r"source: (NotPartial|UnexpectedRange|NoContentRange|ParseContentRange"
+                           r"|InvalidContentRange|InvalidRangeRequest|Header)\b")
 
 
 def _reason(e: BaseException) -> str:
@@ -164,6 +175,8 @@ def _classify(e: BaseException) -> _Failure:
     return _Failure("changed", reason)
   if isinstance(e, (ox.NotFoundError, FileNotFoundError)) or status == 404:
     return _Failure("missing", reason)
+  if status is None and _WRONG_ANSWER.search(str(e)):
+    return _Failure("wrong", reason)
   if status is not None and status < 500 and status != 429:
     return _Failure("other", reason)
   return _Failure("unavailable", reason, refused=status in (429, 503))
@@ -346,7 +359,7 @@ class Objects:
         except _Failure as failure:
           wait = random.uniform(0, backoff)
           if failure.kind != "unavailable" or time.monotonic() + wait > deadline:
-            raise serving_error(obj, begin, failure) from None
+            raise serving_error(obj, begin, failure, end) from None
           if failure.refused:
             prefix.refused()
           _counts.storage_get(obj.dataset, "retried")
@@ -408,8 +421,11 @@ class Objects:
         began = time.perf_counter()
         try:
           result = await obstore.get_async(store, key, options=options)
-          data = await result.bytes_async()
+          data = await _body(result, end - begin)
         except (asyncio.CancelledError, KeyboardInterrupt, SystemExit):
+          raise
+        except _Failure:
+          _counts.storage_get(obj.dataset, "failed")
           raise
         except BaseException as e:  # pylint: disable=broad-except
           # BaseException: a panic in obstore's Rust is pyo3's PanicException,
@@ -429,6 +445,23 @@ class Objects:
     return data
 
 
+async def _body(result: Any, size: int) -> Any:
+  """The answer's body, read as a stream and let go of at `size` + 1
+  bytes (a network read's worth past it at most): an answer longer than
+  the range asked for raises _Failure ("wrong") without being held whole.
+  A body of `size` bytes comes back as one chunk (no copy to join)."""
+  chunks = []
+  got = 0
+  async for chunk in result.stream(min_chunk_size=size + 1):
+    chunks.append(chunk)
+    got += len(chunk)
+    if got > size:
+      raise _Failure("wrong", f"the answer ran on past the {size} bytes asked for")
+  if len(chunks) == 1:
+    return chunks[0]
+  return b"".join(chunks)
+
+
 def _new_event_loop() -> asyncio.AbstractEventLoop:
   """asyncio's own loop. uvloop's costs less a GET, but a clean-clone run
   with it hung in a session server's stop (a supervisor thread never
@@ -445,7 +478,8 @@ def _settle(future: concurrent.futures.Future, task: asyncio.Task) -> None:
     future.set_result(task.result())
 
 
-def serving_error(obj: ObjectRef, begin: int, failure: _Failure) -> Exception:
+def serving_error(obj: ObjectRef, begin: int, failure: _Failure,
+                  end: int | None = None) -> Exception:
   """What a failed read while serving raises."""
   if failure.kind in ("changed", "missing"):
     return ShardChangedError(
@@ -460,6 +494,11 @@ def serving_error(obj: ObjectRef, begin: int, failure: _Failure) -> Exception:
   if failure.kind == "denied":
     return ServiceUnavailableError(f"object {obj.url}: access denied at byte {begin} "
                                    f"({failure.reason}): have the credentials expired?")
+  if failure.kind == "wrong":
+    asked = f"bytes [{begin}, {end})" if end is not None else f"byte {begin}"
+    return DataLossError(f"object {obj.url}: storage answered a read of {asked} with something "
+                         f"else ({failure.reason}); not retried: check the store, or the proxy "
+                         "before it")
   return DataLossError(f"object {obj.url}: a read at byte {begin} failed ({failure.reason})")
 
 

@@ -8,7 +8,10 @@ all the groups planned together (ranges.py: neighbours within
 COALESCE_GAP_BYTES, at most MAX_RANGE_BYTES a range, as a batch's own reads
 are) and requested at once, concurrently (storage/objects.py, MAX_IN_FLIGHT
 per worker); each range is an *entry*, which counts the groups that need
-it. A read takes the chunks it needs (`take`): those an entry holds come
+it. Planning is linear in the extents, and holds the lock for a piece of
+ROWS_PER_HOLD extents at a time: another request's plan or read waits for
+one piece at most, never for a whole plan of many steps. A read takes the
+chunks it needs (`take`): those an entry holds come
 from it (waiting for it if it is still on its way), the rest it fetches
 itself. When a group's step has been made, `release` lets go of it, and an
 entry no group needs any more is dropped.
@@ -47,6 +50,10 @@ DEFAULT_READ_AHEAD_BYTES = DEFAULT_READ_AHEAD_MB << 20
 STALE_S = 30.0
 # Groups remembered as planned at most (each a small tuple).
 MAX_GROUPS = 1 << 16
+# Extents one hold of the lock plans at most (or one group's, if more): a
+# plan of many steps is made a piece at a time, so another request's plan
+# or read waits for one piece at most (a few ms), not for the whole plan.
+ROWS_PER_HOLD = 2048
 
 # What a group needs: per object, the extents [begin, end) of its chunks.
 Needs = Sequence[tuple[ObjectRef, Sequence[tuple[int, int]]]]
@@ -78,8 +85,51 @@ class _Entry:
     return self.end - self.begin
 
 
-def _coalesced_bytes(extents: set[tuple[int, int]]) -> int:
-  return sum(b - a for a, b in coalesce(sorted(extents)))
+def _rows(needs: Needs) -> int:
+  return sum(len(extents) for _, extents in needs)
+
+
+def _pieces(todo: Sequence[tuple[Hashable, Needs]]) -> list[tuple[int, int]]:
+  """`todo` cut into runs of groups [first, last) of at most ROWS_PER_HOLD
+  extents (a bigger group is a run of its own): what one hold of the lock
+  handles."""
+  out: list[tuple[int, int]] = []
+  first, rows = 0, 0
+  for k, (_, needs) in enumerate(todo):
+    n = _rows(needs)
+    if k > first and rows + n > ROWS_PER_HOLD:
+      out.append((first, k))
+      first, rows = k, 0
+    rows += n
+  if first < len(todo):
+    out.append((first, len(todo)))
+  return out
+
+
+def _coalesced_bytes(new: dict[ObjectRef, list[tuple[int, int, int]]], groups: int) -> int:
+  """The bytes of the ranges the first `groups` groups' extents (per
+  object, sorted, each with the first group needing it) coalesce into."""
+  return sum(b - a for extents in new.values()
+             for a, b in coalesce([(a, b) for a, b, k in extents if k < groups]))
+
+
+def _entries(new: dict[ObjectRef, list[tuple[int, int, int]]], groups: int
+             ) -> list[tuple[int, _Entry]]:
+  """The ranges the first `groups` groups' extents coalesce into, as
+  entries, each with the first group that needs it, in that order: the
+  first step's ranges are requested first."""
+  made: list[tuple[int, _Entry]] = []
+  for obj, extents in new.items():
+    ordered = [e for e in extents if e[2] < groups]
+    i = 0
+    for begin, end in coalesce([(a, b) for a, b, _ in ordered]):
+      group = groups
+      while i < len(ordered) and ordered[i][1] <= end:
+        group = min(group, ordered[i][2])
+        i += 1
+      made.append((group, _Entry(obj, begin, end, concurrent.futures.Future())))
+  made.sort(key=lambda m: m[0])
+  return made
 
 
 class ReadAhead:
@@ -126,60 +176,116 @@ class ReadAhead:
   def plan(self, dataset: str, groups: Sequence[tuple[Hashable, Needs]]) -> int:
     """Requests what `groups` need and no entry holds, within the budget;
     groups planned before are skipped. Returns how many were planned now
-    (it stops at the first that does not fit)."""
+    (it stops at the first that does not fit).
+
+    Linear in the extents, and the lock is held for a piece of at most
+    ROWS_PER_HOLD extents (or one group) at a time: which extents entries
+    hold is looked up a piece at a time; the budget and the ranges are
+    worked out without the lock; the entries are indexed, and their groups
+    planned, a piece at a time, each piece's ranges requested before the
+    next is indexed (the first step's first). What changed between pieces
+    (another plan, a release) costs bytes at most, never exactness: a
+    group takes only the entries it finds when it is planned."""
     if self.budget_bytes <= 0:
       return 0
     now = time.monotonic()
+    # Outside the lock: the needs as lists (a dataset may compute them lazily).
+    todo = [(tag, [(obj, list(extents)) for obj, extents in needs]) for tag, needs in groups]
+    pieces = _pieces(todo)
+    skipped: set[int] = set()  # groups planned before, or named twice
+    new = self._unheld(todo, pieces, skipped, now)
+    fit = self._fit(new, len(todo))
+    made = _entries(new, fit)
+    planned = 0
+    j = 0  # the next of `made` to index
+    for first, last in pieces:
+      if first >= fit:
+        break
+      last = min(last, fit)
+      with self._lock:
+        stop = last
+        added: list[_Entry] = []
+        while j < len(made) and made[j][0] < last:
+          group, entry = made[j]
+          if self._bytes + entry.size > self.budget_bytes:  # another plan took the room
+            stop = group
+            break
+          if self._add(entry):
+            added.append(entry)
+          j += 1
+        for k in range(first, stop):
+          tag, needs = todo[k]
+          if k in skipped or tag in self._groups:
+            continue
+          if len(self._groups) >= MAX_GROUPS:
+            stop = k
+            break
+          self._attach(tag, needs, now)
+          planned += 1
+        for entry in added:  # no group needs it (a group that did not fit, or planned meanwhile)
+          if entry.uses == 0:
+            self._remove(entry)
+        fetches = [e for e in added if e.uses > 0]
+        held_bytes = self._bytes
+      objects_lib.objects().fetch_later([(e.obj, e.begin, e.end) for e in fetches],
+                                        [e.future for e in fetches])
+      if fetches:
+        self.counts.storage_bytes(dataset, fetched=sum(e.size for e in fetches), planned=True)
+      self.counts.read_ahead_bytes(held_bytes)
+      if stop < last:
+        break
+    return planned
+
+  def _unheld(self, todo: Sequence[tuple[Hashable, Needs]], pieces: list[tuple[int, int]],
+              skipped: set[int], now: float) -> dict[ObjectRef, list[tuple[int, int, int]]]:
+    """Per object, the extents of `todo` no entry holds, each once with the
+    first group that needs it, sorted; the groups planned before (or named
+    twice) go to `skipped`. Looked up a piece at a time."""
+    new: dict[ObjectRef, list[tuple[int, int, int]]] = {}
+    seen: dict[ObjectRef, set[tuple[int, int]]] = {}
+    tags: set[Hashable] = set()
     with self._lock:
       self._sweep(now)
-      new: dict[ObjectRef, set[tuple[int, int]]] = {}  # extents to fetch, per object
-      new_bytes: dict[ObjectRef, int] = {}  # their coalesced bytes, per object
-      first: dict[tuple[ObjectRef, int, int], int] = {}  # extent -> first group needing it
-      accepted: list[tuple[Hashable, Needs]] = []
-      for tag, needs in groups:
-        if tag in self._groups or len(self._groups) + len(accepted) >= MAX_GROUPS:
-          continue
-        adds = {obj: [e for e in extents if self._find(obj, *e) is None
-                      and e not in new.get(obj, ())] for obj, extents in needs}
-        sizes = {obj: _coalesced_bytes(new.get(obj, set()) | set(extents))
-                 for obj, extents in adds.items() if extents}
-        total = sum({**new_bytes, **sizes}.values())
-        if self._bytes + total > self.budget_bytes:
-          break
-        for obj, extents in adds.items():
-          new.setdefault(obj, set()).update(extents)
-          for e in extents:
-            first.setdefault((obj, *e), len(accepted))
-        new_bytes.update(sizes)
-        accepted.append((tag, needs))
-      fetches: list[tuple[int, _Entry]] = []  # (the first group that needs it, entry)
-      for obj, extents in new.items():
-        ordered = sorted(extents)
-        i = 0
-        for begin, end in coalesce(ordered):
-          entry = _Entry(obj, begin, end, concurrent.futures.Future())
-          group = len(accepted)
-          while i < len(ordered) and ordered[i][1] <= end:
-            group = min(group, first[(obj, *ordered[i])])
-            i += 1
-          if self._add(entry):
-            fetches.append((group, entry))
-      # Requested in the order of the groups that need them, the first first:
-      # the first step's ranges are not queued behind the later steps'.
-      fetches.sort(key=lambda f: f[0])
-      for tag, needs in accepted:
-        entries = {id(e): e for obj, extents in needs for e in
-                   (self._find(obj, *x) for x in extents) if e is not None}
-        for entry in entries.values():
-          entry.uses += 1
-        self._groups[tag] = (now, list(entries.values()))
-      held_bytes = self._bytes
-    objects_lib.objects().fetch_later([(e.obj, e.begin, e.end) for _, e in fetches],
-                                      [e.future for _, e in fetches])
-    if fetches:
-      self.counts.storage_bytes(dataset, fetched=sum(e.size for _, e in fetches), planned=True)
-    self.counts.read_ahead_bytes(held_bytes)
-    return len(accepted)
+    for first, last in pieces:
+      with self._lock:
+        for k in range(first, last):
+          tag, needs = todo[k]
+          if tag in self._groups or tag in tags:
+            skipped.add(k)
+            continue
+          tags.add(tag)
+          for obj, extents in needs:
+            known, out = seen.setdefault(obj, set()), new.setdefault(obj, [])
+            for e in extents:
+              if e not in known and self._find(obj, *e) is None:
+                known.add(e)
+                out.append((e[0], e[1], k))
+    for extents in new.values():
+      extents.sort()
+    return new
+
+  def _fit(self, new: dict[ObjectRef, list[tuple[int, int, int]]], groups: int) -> int:
+    """How many of the first groups fit the budget: all, else bisected
+    (each try linear in the extents)."""
+    held = self._bytes  # read once, unlocked: indexing checks the budget again
+    if held + _coalesced_bytes(new, groups) <= self.budget_bytes:
+      return groups
+    lo, hi = 0, groups  # lo fits, hi does not
+    while hi - lo > 1:
+      mid = (lo + hi) // 2
+      if held + _coalesced_bytes(new, mid) > self.budget_bytes:
+        hi = mid
+      else:
+        lo = mid
+    return lo
+
+  def _attach(self, tag: Hashable, needs: Needs, now: float) -> None:
+    """Plans group `tag` (under _lock): it uses the entries that hold its extents."""
+    entries = {id(e): e for obj, extents in needs for e in
+               (self._find(obj, *x) for x in extents) if e is not None}
+    for entry in entries.values():
+      entry.uses += 1
+    self._groups[tag] = (now, list(entries.values()))
 
   def release(self, tag: Hashable) -> None:
     """Group `tag`'s step is made (or will not be): its entries are let go
