@@ -31,6 +31,22 @@ from grain_elevator.proto import tree
 from grain_elevator.proto.errors import ElevatorError
 
 
+def no_parent(what: str) -> property:
+  """`_parent` for a source of a Grain pipeline, which has none.
+
+  Grain's `_parent` asserts exactly one parent, so on a source it raises
+  `AssertionError: ()`. Code that walks a pipeline's chain asks
+  `hasattr(it, "_parent")` (MaxText's `MultiHostDataLoadIterator.close()`
+  and its `__del__`); `hasattr` lets only an AttributeError through. Raising
+  one instead, that code sees a source: `hasattr` is False,
+  `getattr(it, "_parent", None)` is None, and `_parents` stays `()`.
+  """
+  def parent(_: Any) -> Any:
+    raise AttributeError(f"a {what} reads from the service: it is a source of the "
+                         "pipeline, with no parent (its _parents is ())")
+  return property(parent, doc="Absent: a source has no parent (AttributeError).")
+
+
 class Arrivals(list):
   """A request's steps, appended by a fetch as they arrive; `arrived(step)`
   runs after each, so the trainer may take a step before its request ends."""
@@ -47,6 +63,8 @@ class Arrivals(list):
 class ClientIterator(grain.DatasetIterator):
   """The skeleton; a reader fills in how steps are fetched (`_cancel`,
   `_join`), skipped, and where a restored cursor puts it."""
+
+  _parent = no_parent("RemoteDataset iterator")
 
   def __init__(self, spec: ReadSpec, backend: Backend, in_flight: Callable[[], int]):
     """`spec`: what it reads, described; `in_flight`: the steps the reader

@@ -22,7 +22,7 @@ from grain_elevator.client import layout
 from grain_elevator.client import stats as stats_lib
 from grain_elevator.client import stream_summary
 from grain_elevator.client.backend import Backend, make_backend
-from grain_elevator.client.iterator import ClientIterator
+from grain_elevator.client.iterator import ClientIterator, no_parent
 from grain_elevator.client.read_spec import Kind, ReadSpec
 from grain_elevator.client.step_iterator import StepIterator
 from grain_elevator.client.stream_iterator import StreamIterator, fast_forward
@@ -151,6 +151,8 @@ class RemoteDataset(grain.IterDataset):
     self._iterators: weakref.WeakSet[ClientIterator] = weakref.WeakSet()
     self._embedded: Backend | None = None
     self._embedded_lock = threading.Lock()
+
+  _parent = no_parent("RemoteDataset")  # a source: code walking the chain stops here
 
   @property
   def targets(self) -> list[str]:

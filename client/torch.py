@@ -44,6 +44,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 
 from grain_elevator.client import device as device_lib
 from grain_elevator.client import layout
+from grain_elevator.client import state as state_lib
 from grain_elevator.client.transport import host_memory
 from grain_elevator.proto.errors import InvalidRequestError
 
@@ -297,10 +298,10 @@ class TorchLoader(IterableDataset):
       raise InvalidRequestError(
           f"not a TorchLoader state: expected a dict with {STATE_KEY!r}, got {keys}")
     text = state_dict[STATE_KEY]
-    try:
-      state = json.loads(text)
-    except (TypeError, ValueError) as e:
-      raise InvalidRequestError(f"TorchLoader state {STATE_KEY!r} is not JSON: {e}") from None
+    if not isinstance(text, str):
+      raise InvalidRequestError(f"TorchLoader state {STATE_KEY!r} is not JSON text: "
+                                f"a {type(text).__name__}")
+    state = state_lib.parse(text, f"TorchLoader state {STATE_KEY!r}")  # bounded in size and depth
     it = self._new_iterator()  # checks it now, not at the first batch
     it.set_state(state)
     self._iterator, self._fresh, self._pending = it, True, None
