@@ -25,7 +25,7 @@ def load_state(directory: str | pathlib.Path) -> dict[str, Any]:
   if not files:
     raise FileNotFoundError(
         f"no Grain iterator state (process_*-of-*.json) in {directory}")
-  states = {f.name: json.loads(f.read_text()) for f in files}
+  states = {f.name: state_lib.read(f) for f in files}  # bounded (state_lib.parse)
   first_name, first = next(iter(states.items()))
   for name, state in states.items():
     if state != first:
@@ -53,8 +53,8 @@ def skip_saved(path: str | pathlib.Path, num_steps: int) -> dict[str, Any]:
   job restored from it skips them, on any host count (state.with_skip)."""
   path = pathlib.Path(path)
   files = sorted(path.glob("process_*-of-*.json")) if path.is_dir() else [path]
-  state = state_lib.with_skip(load_state(path) if path.is_dir()
-                              else json.loads(path.read_text()), num_steps)
+  state = state_lib.with_skip(load_state(path) if path.is_dir() else state_lib.read(path),
+                              num_steps)
   for f in files:  # each replaced whole: a reader sees the old state or the new
     tmp = f.with_name(f".{f.name}.tmp")
     tmp.write_text(json.dumps(state))

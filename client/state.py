@@ -25,12 +25,22 @@ Every range ends at or before "step", except that the last may hold it
 it into a saved state; the iterator that loads it moves to b (1:1 datasets
 in O(1), a stream dataset with one Skip call to the server). A state without
 "version" is one from before skips (version 1) and loads as it always did.
+
+A state read from a file (`read`, `parse`) is bounded before it is parsed:
+at most MAX_STATE_BYTES, nesting at most MAX_STATE_DEPTH deep, so a file of
+any content gets an error naming it and what is wrong, never Python's own
+RecursionError. A skip still to be made of a stream dataset is made by the
+servers, which compute every skipped batch: it may hold at most
+MAX_STREAM_SKIP_ROWS rows (steps times G).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
+import os
+import re
 from typing import Any
 
 from grain_elevator.client.read_spec import Kind, ReadSpec
@@ -44,6 +54,18 @@ _STREAM_KEYS = ("dataset", "seed", "config_fingerprint")
 CURSOR_VERSION = 2
 # Skip ranges one state holds (each a separate rollback; adjacent ones merge).
 MAX_SKIP_RANGES = 64
+# A state file's size: a cursor is a few hundred bytes, its stream_state at
+# most MAX_STREAM_STATE_BYTES (proto/limits.py).
+MAX_STATE_BYTES = 1 << 20
+# Arrays and objects open at once in a state (a Grain iterator state nests a
+# level per transformation; json.loads fails near Python's recursion limit).
+MAX_STATE_DEPTH = 128
+# Rows (steps times G) of a stream dataset's skip still to be made: each is
+# computed by the servers, MAX_SKIP_ROWS per Skip call, before the job resumes.
+MAX_STREAM_SKIP_ROWS = 1 << 26
+
+_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
 
 Skips = tuple[tuple[int, int], ...]
 
@@ -84,6 +106,73 @@ def add_skip(skips: Skips, step: int, num_steps: int) -> Skips:
   return skips + ((step, step + num_steps),)
 
 
+def read(path: str | os.PathLike[str]) -> Any:
+  """The JSON in the state file `path`, read and parsed within the bounds
+  (module docstring); InvalidRequestError naming the file otherwise."""
+  with open(path, "rb") as f:
+    data = f.read(MAX_STATE_BYTES + 1)
+  if len(data) > MAX_STATE_BYTES:
+    raise InvalidRequestError(f"state file {os.fspath(path)}: over the {MAX_STATE_BYTES} "
+                              "bytes a saved state may take (MAX_STATE_BYTES); is it a "
+                              "grain-elevator state?")
+  try:
+    text = data.decode("utf-8")
+  except UnicodeDecodeError as e:
+    raise InvalidRequestError(f"state file {os.fspath(path)}: not UTF-8 text "
+                              f"(byte {e.start})") from None
+  return parse(text, f"state file {os.fspath(path)}")
+
+
+def parse(text: str, source: str = "state") -> Any:
+  """`text`, a saved state's JSON, parsed within the bounds (module
+  docstring); InvalidRequestError naming `source` and the problem otherwise."""
+  if len(text) > MAX_STATE_BYTES:
+    raise InvalidRequestError(f"{source}: {len(text)} characters, over the "
+                              f"{MAX_STATE_BYTES} a saved state may take (MAX_STATE_BYTES)")
+  depth = _depth(text)
+  if depth > MAX_STATE_DEPTH:
+    raise InvalidRequestError(f"{source}: arrays and objects nested {depth} deep, over the "
+                              f"{MAX_STATE_DEPTH} a saved state may nest (MAX_STATE_DEPTH)")
+  try:
+    return json.loads(text)
+  except ValueError as e:
+    raise InvalidRequestError(f"{source}: not JSON: {e}") from None
+
+
+def _depth(text: str) -> int:
+  """How deep JSON `text` nests arrays and objects (brackets in strings
+  not counted), without parsing it: linear in its length."""
+  brackets = _NOT_BRACKET.sub("", _STRING.sub("", text))
+  return max(itertools.accumulate(1 if c in "[{" else -1 for c in brackets), default=0)
+
+
+def _nesting(value: Any) -> int:
+  """How deep a parsed state nests dicts and lists, walked without
+  recursion and stopping past MAX_STATE_DEPTH."""
+  deepest, todo = 0, [(value, 1)]
+  while todo:
+    node, depth = todo.pop()
+    if isinstance(node, (dict, list)):
+      deepest = max(deepest, depth)
+      if depth > MAX_STATE_DEPTH:
+        break
+      todo.extend((v, depth + 1) for v in (node.values() if isinstance(node, dict) else node))
+  return deepest
+
+
+def _check_stream_skip(state: dict[str, Any], step: int, end: int, g: int) -> None:
+  """InvalidRequestError if a stream state's skip still to be made,
+  [step, end), is more than MAX_STREAM_SKIP_ROWS rows of G."""
+  rows = (end - step) * g
+  if rows > MAX_STREAM_SKIP_ROWS:
+    most = max(1, MAX_STREAM_SKIP_ROWS // g)
+    raise InvalidRequestError(
+        f"dataset {state.get('dataset', '')!r} is a stream dataset, whose skipped batches "
+        f"the servers compute before the job resumes: a skip of {end - step} steps of "
+        f"G={g} is {rows} rows, over the {MAX_STREAM_SKIP_ROWS} one skip may make "
+        f"(MAX_STREAM_SKIP_ROWS, {most} steps of this G); skip fewer")
+
+
 def with_skip(state: dict[str, Any], num_steps: int) -> dict[str, Any]:
   """A saved state that skips `num_steps` more global batches from its step
   (`elevator cursor skip`): the range is written as a skip still to be
@@ -93,6 +182,7 @@ def with_skip(state: dict[str, Any], num_steps: int) -> dict[str, Any]:
   if not isinstance(state, dict) or not isinstance(state.get("step"), int):
     raise InvalidRequestError("not a grain-elevator state: no integer 'step' (is this the "
                               "data iterator's state, as a Grain checkpoint saves it?)")
+  _check_nesting(state)
   step = _int(state, "step")
   version = _int(state, "version", 1, minimum=1)
   if version > CURSOR_VERSION:
@@ -103,6 +193,8 @@ def with_skip(state: dict[str, Any], num_steps: int) -> dict[str, Any]:
   contract.check_skip(step, num_steps, g, _int(state, "record_offset", 0),
                       dataset=str(state.get("dataset", "")))
   skips = add_skip(skips, step, num_steps)
+  if "stream_state" in state and skips and skips[-1][1] > step:
+    _check_stream_skip(state, step, skips[-1][1], g)
   out = {**state, "version": CURSOR_VERSION}
   if skips:
     out["skips"] = [list(r) for r in skips]
@@ -136,6 +228,13 @@ def make(cursor: Cursor, spec: ReadSpec) -> dict[str, Any]:
   return state
 
 
+def _check_nesting(state: dict[str, Any]) -> None:
+  depth = _nesting(state)
+  if depth > MAX_STATE_DEPTH:
+    raise InvalidRequestError(f"a grain-elevator state nests dicts and lists at most "
+                              f"{MAX_STATE_DEPTH} deep (MAX_STATE_DEPTH); this one more")
+
+
 def _int(state: dict[str, Any], key: str, default: int | None = None, minimum: int = 0) -> int:
   value = state.get(key, default)
   if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
@@ -151,6 +250,7 @@ def check(state: Any, spec: ReadSpec) -> Cursor:
   if not isinstance(state, dict):
     raise InvalidRequestError(
         f"a grain-elevator state must be a dict, got {type(state).__name__}")
+  _check_nesting(state)
   missing = [k for k in ("step", "global_batch_size") + _STREAM_KEYS if k not in state]
   if missing:
     raise InvalidRequestError(
@@ -246,8 +346,10 @@ def _stream_cursor(state: dict[str, Any], info: DatasetInfo, saved_g: int,
                               f"object) or null, got {type(position).__name__}")
   text = contract.position_text(position) if position else ""
   cursor = Cursor(step, stream_state=text, skips=skips)
+  if cursor.pending is not None:
+    _check_stream_skip(state, step, cursor.pending, saved_g)
   if saved_g == global_batch_size:
-    return cursor  # a skip still to make: the iterator asks a server (one Skip call)
+    return cursor  # a skip still to make: the iterator asks the servers (Skip calls)
   if cursor.pending is not None:
     raise InvalidRequestError(
         f"this state of stream dataset {info.name!r} holds a skip still to be made, of "

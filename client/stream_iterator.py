@@ -34,12 +34,12 @@ from grain_elevator.client.read_spec import ReadSpec
 from grain_elevator.client.transport.connection import CancelToken
 from grain_elevator.proto import contract
 from grain_elevator.proto.errors import ElevatorError, EndOfDataError, InvalidRequestError
-from grain_elevator.proto.limits import MAX_SKIP_STEPS
+from grain_elevator.proto import limits
 
 _END = object()  # the stream ended after the steps before it
 # Rows one Skip call fast-forwards past at most (G of them per step): each
 # call is one request under RetryPolicy.request_timeout_s.
-SKIP_ROWS_PER_CALL = 1 << 12
+SKIP_ROWS_PER_CALL = limits.MAX_SKIP_ROWS
 
 
 class StreamIterator(ClientIterator):
@@ -200,7 +200,7 @@ def fast_forward(backend: Backend, spec: ReadSpec, step: int, position: str,
   batches after `position` (where `step` starts), found by the servers
   without sending any batch: one Skip call per SKIP_ROWS_PER_CALL rows.
   InvalidRequestError if the stream ends first."""
-  per_call = max(1, min(MAX_SKIP_STEPS, SKIP_ROWS_PER_CALL // spec.global_batch_size))
+  per_call = limits.skip_steps(spec.global_batch_size)
   end = step + num_steps
   while step < end:
     n = min(per_call, end - step)

@@ -18,8 +18,12 @@ worker lets long streams hold only half of its request slots
 as many at once (client/window.py) and always finds the other half.
 
 MAX_SKIP_STEPS: the most global batches one Skip call fast-forwards a stream
-dataset by (it computes them all, sending none); a client splits a longer
-skip into calls of at most this many, each under its own deadline.
+dataset by (it computes them all, sending none), whatever G.
+
+MAX_SKIP_ROWS: the most rows (steps times G) one Skip call computes, or one
+step if G is more: a worker's CPU per call is bounded by rows, not steps
+(`skip_steps`). A client splits a longer skip into calls of at most
+`skip_steps(G)` steps, each under its own deadline.
 
 MAX_EXPLAIN_ROWS: the most rows one Explain answer describes (a host's
 slice, a few hundred bytes of JSON a row), so that it fits a control
@@ -31,13 +35,15 @@ G), arithmetic in chunks on the worker that answers it.
 MAX_STREAM_SUMMARY_ROWS: the most rows one Explain summary of a stream
 dataset traces (each step is made twice, served and traced: seconds per
 call, within a request's deadline); a client splits a longer range into
-calls of at most this many, each going on where the last ended.
+calls of at most this many, each going on where the last ended. Explain and
+summary refuse a stream whose G is more: its one global batch would be too.
 """
 
 MAX_REQUEST_BYTES = 64 << 10
 LONG_STREAM_STEPS = 64
 MAX_STREAM_STATE_BYTES = MAX_REQUEST_BYTES // 4
 MAX_SKIP_STEPS = 1 << 16
+MAX_SKIP_ROWS = 1 << 12
 MAX_EXPLAIN_ROWS = 8192
 MAX_SUMMARY_ROWS = 1 << 28
 MAX_STREAM_SUMMARY_ROWS = 1 << 14
@@ -45,5 +51,12 @@ MAX_STREAM_SUMMARY_ROWS = 1 << 14
 
 def stream_summary_steps(global_batch_size: int) -> int:
   """The most steps of G one Explain summary of a stream dataset traces:
-  MAX_STREAM_SUMMARY_ROWS rows, or one step if G is more."""
+  MAX_STREAM_SUMMARY_ROWS rows, or one step if G is more (which a server
+  refuses to trace)."""
   return max(1, MAX_STREAM_SUMMARY_ROWS // global_batch_size)
+
+
+def skip_steps(global_batch_size: int) -> int:
+  """The most steps of G one Skip call moves: MAX_SKIP_ROWS rows (at most
+  MAX_SKIP_STEPS steps), or one step if G is more."""
+  return max(1, min(MAX_SKIP_STEPS, MAX_SKIP_ROWS // global_batch_size))

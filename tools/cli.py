@@ -118,10 +118,19 @@ def _add_cursor(sub: Any) -> None:
 
 def _saved_position(state: str | None, step: int) -> dict[str, Any] | None | bool:
   """A stream's position at `step` from a cursor saved there (None: no
-  file given; False: a file of another step, said on stderr)."""
+  file given; False: one that cannot say, of another step or unreadable,
+  said on stderr)."""
   if not state:
     return None
-  saved = json.loads(pathlib.Path(state).read_text())
+  from grain_elevator.client import state as state_lib  # pylint: disable=g-import-not-at-top
+  try:
+    saved = state_lib.read(state)
+  except OSError as e:
+    print(f"elevator: error: cannot read the state {state}: {e}", file=sys.stderr)
+    return False
+  if not isinstance(saved, dict):
+    print(f"elevator: error: {state} is not a saved state (a JSON object)", file=sys.stderr)
+    return False
   if saved.get("step") != step:
     print(f"elevator: error: {state} is a state at step {saved.get('step')!r}, not {step}",
           file=sys.stderr)

@@ -19,13 +19,24 @@ exactly as it moved the tokens, so each row's codes give its segments: the
 element, the offset of its first token in it, and how many. Every other leaf
 of the traced batch must equal the served one (segment ids, positions, the
 mask), else the pipeline decides by values and explaining it is refused.
+A segment is what the row's segment ids say (the traced leaf's
+`<leaf>_segment_ids`, as Grain's packers name it): two chunks of one
+document packed side by side have consecutive codes but two ids, and are
+two segments.
+
+Tracing makes a global batch twice, so it is bounded as serving one is:
+at most MAX_STREAM_SUMMARY_ROWS rows of G (proto/limits.py) and a `check`
+(the request's cancellation, server/data/streams/cancellation.py) before
+each traced element; counting a summary of a step dataset checks it per
+chunk of _CHUNK positions. A request that goes away stops within one
+element or chunk.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -36,10 +47,20 @@ from grain_elevator.proto import limits
 from grain_elevator.proto.limits import MAX_EXPLAIN_ROWS, MAX_SUMMARY_ROWS
 
 EXPLAIN_VERSION = 1
-# Positions located per numpy call while counting (bounds a summary's memory).
-_CHUNK = 1 << 20
+# Positions located per numpy call while counting: bounds a summary's memory,
+# and the time between its checks (~25 ms measured for a mixture on a loaded
+# 2-core machine; 2**20 took ~73 ms, 2**28 rows ~19 s).
+_CHUNK = 1 << 18
 # A traced token's code: (element index) * _STRIDE + (offset in it) + 1; 0 is padding.
 _STRIDE = 1 << 32
+# The packers' name for a leaf's segment ids (Grain's FirstFit and ConcatThenSplit).
+_SEGMENT_IDS = "_segment_ids"
+
+Check = Callable[[], None]
+
+
+def _always() -> None:
+  """The `check` of work no request waits for: it never stops."""
 
 
 def explain(ds: Any, step: int, global_batch_size: int, shard_index: int, shard_count: int,
@@ -97,9 +118,10 @@ def mixture_origins(ds: Any, positions: list[int], global_batch_size: int
 
 
 def explain_stream(ds: Any, global_batch_size: int, shard_index: int, shard_count: int,
-                   step: int, position: str) -> dict[str, Any]:
+                   step: int, position: str, check: Check = _always) -> dict[str, Any]:
   """Host h's rows of a stream dataset's global batch `step`, which starts
-  at `position`: each row's segments (module docstring). `ds`: a StreamDataset."""
+  at `position`: each row's segments (module docstring). `ds`: a
+  StreamDataset; `check` raises once the request is no longer wanted."""
   info = ds.info
   g = global_batch_size
   rows = contract.host_rows(g, shard_index, shard_count)
@@ -107,17 +129,17 @@ def explain_stream(ds: Any, global_batch_size: int, shard_index: int, shard_coun
     raise InvalidRequestError(
         f"dataset {info.name!r}: a host slice of {len(rows)} rows is more than one "
         f"explanation holds ({MAX_EXPLAIN_ROWS}); explain it in parts with more hosts")
-  traced = next(_traced_steps(ds, g, position), None)
+  traced = next(_traced_steps(ds, g, position, check), None)
   if traced is None:
     raise InvalidRequestError(f"dataset {info.name!r}: the stream ends before step {step}")
-  leaf, _, codes, mask = traced
+  leaf, _, codes, mask, ids = traced
   out_rows = []
   for i, r in enumerate(rows):
     row: dict[str, Any] = {"row": i, "global_row": r}
     if mask is not None and not mask[r]:
       row["padding"] = True
     else:
-      row["segments"] = _segments(codes[r])
+      row["segments"] = _segments(codes[r], None if ids is None else ids[r])
     out_rows.append(row)
   if _elements_are_records(ds) and ds.origins is not None:
     elements = sorted({s["element"] for row in out_rows for s in row.get("segments", ())})
@@ -133,12 +155,12 @@ def explain_stream(ds: Any, global_batch_size: int, shard_index: int, shard_coun
 
 
 def summary_stream(ds: Any, start: int, num_steps: int, global_batch_size: int,
-                   position: str) -> dict[str, Any]:
+                   position: str, check: Check = _always) -> dict[str, Any]:
   """Tokens, segments and documents per source in a stream dataset's whole
   global batches [start, start + num_steps), which begin at `position`:
   each step traced as `explain_stream` traces one, counted with numpy. A
-  document counts where its first token is; a segment is a run of one
-  document's tokens in a row. Sources are the mixture's components where
+  document counts where its first token is; a segment is one of a row's
+  segments as `explain_stream` lists them (one segment id's run). Sources are the mixture's components where
   the stream's elements are the mixture's records (the pipeline keeps its
   length), else the dataset. At most MAX_STREAM_SUMMARY_ROWS rows a call;
   `next_stream_state` is where the next call goes on."""
@@ -155,14 +177,20 @@ def summary_stream(ds: Any, start: int, num_steps: int, global_batch_size: int,
   tokens, segments, documents = (np.zeros(len(names), np.int64) for _ in range(3))
   rows = padding = done = 0
   after = position
-  for _, after, codes, mask in itertools.islice(_traced_steps(ds, g, position), num_steps):
+  for _, after, codes, mask, ids in itertools.islice(_traced_steps(ds, g, position, check),
+                                                      num_steps):
     done += 1
-    real = codes if mask is None else codes[np.asarray(mask, bool)]
+    keep = slice(None) if mask is None else np.asarray(mask, bool)
+    real = codes[keep]
     padding += g - len(real)
     rows += len(real)
-    before = np.pad(real[:, :-1], ((0, 0), (1, 0)))  # each slot's left neighbour, 0 first
+    before = _left(real)
     used = real != 0
-    starts = ((before == 0) | (real != before + 1))[used]  # of the used slots
+    starts = (before == 0) | (real != before + 1)
+    if ids is not None:  # a new segment id starts a segment, whatever the codes
+      served_ids = ids[keep]
+      starts |= served_ids != _left(served_ids)
+    starts = starts[used]  # of the used slots
     codes_used = real[used]
     element = (codes_used - 1) // _STRIDE
     first = (codes_used - 1) % _STRIDE == 0
@@ -190,16 +218,36 @@ def summary_stream(ds: Any, start: int, num_steps: int, global_batch_size: int,
                      for name, t, n, d in zip(names, tokens, segments, documents)}}
 
 
-def _traced_steps(ds: Any, global_batch_size: int, position: str
-                  ) -> Iterator[tuple[str, str, np.ndarray, np.ndarray | None]]:
+def _left(a: np.ndarray) -> np.ndarray:
+  """Each slot's left neighbour in its row, 0 for the first slot."""
+  return np.pad(a[:, :-1], ((0, 0), (1, 0)))
+
+
+def _traced_steps(ds: Any, global_batch_size: int, position: str, check: Check
+                  ) -> Iterator[tuple[str, str, np.ndarray, np.ndarray | None,
+                                      np.ndarray | None]]:
   """A stream's global batches from `position`, each made twice, served and
   traced (module docstring): (the traced leaf, the position after the
-  batch, its codes, the served mask or None). The served pipeline's head
-  checks cancellation (server/data/streams/cancellation.py)."""
+  batch, its codes, the served mask or None, the served segment ids of the
+  traced leaf or None). At most MAX_STREAM_SUMMARY_ROWS rows of G. The
+  served pipeline's head checks cancellation
+  (server/data/streams/cancellation.py), the traced one `check`."""
   info = ds.info
   g = global_batch_size
+  if g > limits.MAX_STREAM_SUMMARY_ROWS:
+    raise InvalidRequestError(
+        f"dataset {info.name!r}: explain and summary trace a stream's whole global batch, "
+        f"made twice, of at most {limits.MAX_STREAM_SUMMARY_ROWS} rows "
+        f"(MAX_STREAM_SUMMARY_ROWS); G={g} is more")
+
+  def tagged_head(head: Any) -> Any:
+    def tag(index: int, element: Any) -> Any:
+      check()
+      return _tag(index, element)
+    return head.map_with_index(tag).to_iter_dataset()
+
   served_it = ds.open(g, position)
-  traced_it = iter(ds.pipeline(g, head=lambda head: head.map_with_index(_tag).to_iter_dataset()))
+  traced_it = iter(ds.pipeline(g, head=tagged_head))
   if position:
     from grain_elevator.server.data import grain_private  # pylint: disable=g-import-not-at-top
     traced_it.set_state(grain_private.state_from_json(json.loads(position)))
@@ -219,7 +267,9 @@ def _traced_steps(ds: Any, global_batch_size: int, position: str
             "when its tokens are replaced by codes (it decides by token values, not lengths)")
     mask = (np.asarray(served[0][paths.index(contract.MASK_KEY)])
             if contract.MASK_KEY in paths else None)
-    yield tagged[0], served[1], np.asarray(traced[paths.index(tagged[0])]), mask
+    ids_path = tagged[0] + _SEGMENT_IDS
+    ids = np.asarray(served[0][paths.index(ids_path)]) if ids_path in paths else None
+    yield tagged[0], served[1], np.asarray(traced[paths.index(tagged[0])]), mask, ids
 
 
 def _elements_are_records(ds: Any) -> bool:
@@ -253,28 +303,35 @@ def _tagged_paths(head: Any, batch_paths: list[str]) -> list[str]:
   return []
 
 
-def _segments(codes: np.ndarray) -> list[dict[str, Any]]:
-  """A traced row's runs of consecutive tokens of one element: where each
-  starts in the row (slot), the element, the offset in it, the length."""
+def _segments(codes: np.ndarray, ids: np.ndarray | None) -> list[dict[str, Any]]:
+  """A traced row's segments: runs of consecutive tokens of one element
+  under one segment id (`ids`, the row's served segment ids; None: the
+  codes alone): where each starts in the row (slot), the element, the
+  offset in it, the length."""
   out: list[dict[str, Any]] = []
+  id_of = ids.tolist() if ids is not None else [0] * len(codes)
+  last_id = None
   for slot, code in enumerate(codes.tolist()):
     if code == 0:
       continue
     element, offset = divmod(code - 1, _STRIDE)
     last = out[-1] if out else None
-    if (last is not None and last["element"] == element
+    if (last is not None and last["element"] == element and last_id == id_of[slot]
         and last["slot"] + last["length"] == slot
         and last["token_offset"] + last["length"] == offset):
       last["length"] += 1
     else:
       out.append({"slot": slot, "element": element, "token_offset": offset, "length": 1})
+    last_id = id_of[slot]
   return out
 
 
-def counts(ds: Any, first: int, stop: int, global_batch_size: int) -> dict[str, int]:
+def counts(ds: Any, first: int, stop: int, global_batch_size: int,
+           check: Check = _always) -> dict[str, int]:
   """Records at stream positions [first, stop) of a 1:1 dataset or mixture,
   by component ("" for a dataset that is not a mixture), and "" past the
-  stream's end counted as padding ("_padding"), in chunks of _CHUNK."""
+  stream's end counted as padding ("_padding"), in chunks of _CHUNK, with
+  `check` before each."""
   info = ds.info
   out: dict[str, int] = {}
   real_stop = min(stop, max(first, info.stream_length))
@@ -286,6 +343,7 @@ def counts(ds: Any, first: int, stop: int, global_batch_size: int) -> dict[str, 
       out[""] = real_stop - first
     return out
   for start in range(first, real_stop, _CHUNK):
+    check()
     which, _ = ds.locate(np.arange(start, min(real_stop, start + _CHUNK), dtype=np.int64),
                          global_batch_size)
     for j, n in enumerate(np.bincount(which, minlength=len(ds.names)).tolist()):
@@ -295,9 +353,10 @@ def counts(ds: Any, first: int, stop: int, global_batch_size: int) -> dict[str, 
 
 
 def summary(ds: Any, start: int, num_steps: int, global_batch_size: int,
-            record_offset: int = 0) -> dict[str, Any]:
+            record_offset: int = 0, check: Check = _always) -> dict[str, Any]:
   """Records per mixture component in whole global batches [start, start +
-  num_steps): computed from the contract, not logged."""
+  num_steps): computed from the contract, not logged; `check` raises once
+  the request is no longer wanted (counts)."""
   info = ds.info
   rows = num_steps * global_batch_size
   if rows > MAX_SUMMARY_ROWS:
@@ -306,7 +365,7 @@ def summary(ds: Any, start: int, num_steps: int, global_batch_size: int,
         f"{rows} records, over the {MAX_SUMMARY_ROWS} one summary computes "
         "(MAX_SUMMARY_ROWS); split the range")
   first = record_offset + start * global_batch_size
-  found = counts(ds, first, first + rows, global_batch_size)
+  found = counts(ds, first, first + rows, global_batch_size, check)
   padding = found.pop("_padding", 0)
   total = sum(found.values())
   return {

@@ -16,6 +16,7 @@ from grain_elevator.proto.errors import InvalidRequestError
 from grain_elevator.server.data import collate as collate_lib
 from grain_elevator.server.data import provenance
 from grain_elevator.server.data.step_dataset import StepDataset
+from grain_elevator.server.data.streams import cancellation
 from grain_elevator.server.serving import metrics
 from grain_elevator.server.serving.batch_cache import BatchCache
 from grain_elevator.server.serving.read_plan import ReadPlanner
@@ -92,11 +93,13 @@ class StepShape:
 
   def summary(self, ds: StepDataset, r: pb.BatchRequest,
               is_active: Callable[[], bool]) -> Any:
-    """Counted from the contract: arithmetic, nothing made."""
+    """Counted from the contract: arithmetic, nothing made, but up to
+    MAX_SUMMARY_ROWS of it, so it stops between chunks once its request is
+    gone (the request path runs it under cancellation.producing_for)."""
     del is_active
     name = ds.info.name
     return named(name, where(name, r.start_step), provenance.summary, ds, r.start_step,
-                 r.num_steps, r.global_batch_size, r.record_offset)
+                 r.num_steps, r.global_batch_size, r.record_offset, cancellation.check)
 
   def _plan(self, ds: StepDataset, r: pb.BatchRequest,
             made: Callable[[int], bool] = lambda step: False) -> None:

@@ -15,7 +15,8 @@ from grain_elevator.proto import contract
 from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.proto import wire
 from grain_elevator.proto.errors import Cancelled, EndOfDataError, InvalidRequestError
-from grain_elevator.proto.limits import MAX_SKIP_STEPS
+from grain_elevator.proto import limits
+from grain_elevator.proto.limits import MAX_SKIP_ROWS, MAX_SKIP_STEPS
 from grain_elevator.server.data.streams import cancellation
 from grain_elevator.server.data import provenance
 from grain_elevator.server.data.streams import stream as stream_lib
@@ -94,13 +95,20 @@ class StreamShape:
   def skip(self, ds: StreamDataset, r: pb.BatchRequest,
            is_active: Callable[[], bool]) -> pb.SkipResponse:
     """The position after steps [start, start+num) of `r`, with none of
-    them sent (at most MAX_SKIP_STEPS). EndOfDataError if the stream ends
-    first."""
+    them sent (at most limits.skip_steps(G): MAX_SKIP_ROWS rows, or one
+    step). EndOfDataError if the stream ends first."""
     name = ds.info.name
     if r.num_steps > MAX_SKIP_STEPS:
       raise InvalidRequestError(
           f"dataset {name!r}: a Skip moves at most {MAX_SKIP_STEPS} steps per call, "
           f"asked for {r.num_steps}; split it")
+    most = limits.skip_steps(r.global_batch_size)
+    if r.num_steps > most:
+      raise InvalidRequestError(
+          f"dataset {name!r}: a Skip computes at most {MAX_SKIP_ROWS} rows per call "
+          f"(MAX_SKIP_ROWS), {most} steps of G={r.global_batch_size}; asked for "
+          f"{r.num_steps} steps ({r.num_steps * r.global_batch_size} rows): split it "
+          "(the client does)")
     start = _start(ds, r)
     with cancellation.producing_for(is_active):
       done, position = named(name, where(name, r.start_step, start), ds.fast_forward,
@@ -112,12 +120,13 @@ class StreamShape:
     return pb.SkipResponse(next_step=r.start_step + r.num_steps, next_stream_state=position)
 
   def explain(self, ds: StreamDataset, r: pb.BatchRequest) -> Any:
-    """Traced from the position where the step starts."""
+    """Traced from the position where the step starts, stopped when the
+    request the caller produces for goes (cancellation.producing_for)."""
     name = ds.info.name
     start = _start(ds, r)
     return named(name, where(name, r.start_step, start), provenance.explain_stream, ds,
-                 r.global_batch_size, r.shard_index, r.shard_count, r.start_step, start)
-
+                 r.global_batch_size, r.shard_index, r.shard_count, r.start_step, start,
+                 cancellation.check)
 
   def summary(self, ds: StreamDataset, r: pb.BatchRequest,
               is_active: Callable[[], bool]) -> Any:
@@ -127,7 +136,7 @@ class StreamShape:
     start = _start(ds, r)
     with cancellation.producing_for(is_active):
       return named(name, where(name, r.start_step, start), provenance.summary_stream, ds,
-                   r.start_step, r.num_steps, r.global_batch_size, start)
+                   r.start_step, r.num_steps, r.global_batch_size, start, cancellation.check)
 
 
 def _start(ds: StreamDataset, r: pb.BatchRequest) -> str:

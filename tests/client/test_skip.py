@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import pathlib
 
+import grpc
 import numpy as np
 import pytest
 
@@ -15,6 +16,9 @@ from grain_elevator.client import (InvalidRequestError, RemoteDataset, StreamMis
                                    TransportOptions)
 from grain_elevator.client import checkpoint
 from grain_elevator.client import state as state_lib
+from grain_elevator.proto import elevator_pb2 as pb
+from grain_elevator.proto import elevator_pb2_grpc as pb_grpc
+from grain_elevator.proto import limits
 from grain_elevator.tools import cli
 from grain_elevator.tools import text_corpus
 from grain_elevator.tools import tokenizer as tokenizer_lib
@@ -199,3 +203,101 @@ def test_a_skip_past_the_end_of_a_finite_stream_is_refused_and_moves_nothing(
     next(it)
     with pytest.raises(StopIteration):
       next(it)
+
+
+def test_one_skip_call_is_bounded_by_rows_and_the_client_splits_by_them(skip_server,
+                                                                        skip_config):
+  """The server refuses a Skip of more than MAX_SKIP_ROWS rows (steps times
+  G), naming the limit, before computing any; the client splits a longer
+  skip into calls of limits.skip_steps(G) steps, which the server takes.
+  (Before the bound, a call of 65,536 steps took ~748 s of worker CPU at
+  G=64.) Here: 1,025 steps of 4 rows, 2 calls, ~1.5 s on an idle core."""
+  over = limits.skip_steps(G) + 1
+  with grpc.insecure_channel(skip_server.target) as channel:
+    with pytest.raises(grpc.RpcError) as info:
+      pb_grpc.ElevatorStub(channel).Skip(pb.BatchRequest(
+          dataset="lm", global_batch_size=G, shard_count=1, num_steps=over), timeout=60)
+  assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+  assert (f"a Skip computes at most {limits.MAX_SKIP_ROWS} rows per call (MAX_SKIP_ROWS), "
+          f"{limits.skip_steps(G)} steps of G={G}; asked for {over} steps"
+          in info.value.details())
+  want = oracle(skip_config, "lm", 2)[1]
+  with _dataset(skip_server.target, "lm") as ds:  # over the bound: in two calls
+    it = iter(ds)
+    it.skip(over)
+    assert it.get_state()["step"] == over
+    got = next(it)
+  with RemoteDataset.embedded(str(skip_config), "lm", G) as ds:
+    it = iter(ds)
+    it.skip(over)
+    want = next(it)
+  assert_streams_equal([got], [want])
+
+
+def test_a_stream_skip_written_into_a_state_is_bounded(skip_server, tmp_path, capsys):
+  """`elevator cursor skip --steps 10**12` on a stream state (~2*10**9 Skip
+  calls on restore) is refused naming MAX_STREAM_SKIP_ROWS, the file
+  untouched; a hand-written state holding one is refused on load; a 1:1
+  dataset's skip is arithmetic, and any that fits int64 is written."""
+  with _dataset(skip_server.target, "lm") as ds:
+    it = iter(ds)
+    next(it)
+    saved = it.get_state()
+  path = tmp_path / "lm.json"
+  path.write_text(json.dumps(saved))
+  assert cli.main(["cursor", "skip", str(path), "--steps", str(10**12)]) == 2
+  err = capsys.readouterr().err
+  assert (f"a skip of {10**12} steps of G={G} is {4 * 10**12} rows, over the "
+          f"{state_lib.MAX_STREAM_SKIP_ROWS} one skip may make (MAX_STREAM_SKIP_ROWS, "
+          f"{state_lib.MAX_STREAM_SKIP_ROWS // G} steps of this G)") in err
+  assert "Traceback" not in err and json.loads(path.read_text()) == saved
+  most = state_lib.MAX_STREAM_SKIP_ROWS // G
+  assert cli.main(["cursor", "skip", str(path), "--steps", str(most)]) == 0  # at the bound
+  capsys.readouterr()
+  assert cli.main(["cursor", "skip", str(path), "--steps", "1"]) == 2  # extends it past
+  assert "MAX_STREAM_SKIP_ROWS" in capsys.readouterr().err
+  with _dataset(skip_server.target, "lm") as ds:
+    with pytest.raises(InvalidRequestError, match="MAX_STREAM_SKIP_ROWS"):
+      iter(ds).set_state({**saved, "skips": [[1, 1 + most + 1]]})
+  with _dataset(skip_server.target, "forever") as ds:
+    it = iter(ds)
+    next(it)
+    path.write_text(json.dumps(it.get_state()))
+  assert cli.main(["cursor", "skip", str(path), "--steps", str(10**12)]) == 0
+  assert json.loads(capsys.readouterr().out)["resumes_at_step"] == 1 + 10**12
+
+
+def test_a_state_file_nested_too_deep_gets_a_precise_error(skip_server, tmp_path, capsys):
+  """A state file nested 100,000 deep (Python's json.loads: RecursionError)
+  is refused naming the file and MAX_STATE_DEPTH, by `elevator cursor skip`,
+  a checkpoint directory's load and `elevator explain --state`; a file over
+  MAX_STATE_BYTES is refused before it is read whole."""
+  deep = tmp_path / "deep.json"
+  deep.write_text('{"step": 1, "x": ' + "[" * 100_000 + "]" * 100_000 + "}")
+  why = (f"state file {deep}: arrays and objects nested 100001 deep, over the "
+         f"{state_lib.MAX_STATE_DEPTH} a saved state may nest (MAX_STATE_DEPTH)")
+  assert cli.main(["cursor", "skip", str(deep), "--steps", "1"]) == 2
+  err = capsys.readouterr().err
+  assert why in err and "RecursionError" not in err
+  assert cli.main(["explain", skip_server.target, "lm", "-G", str(G), "--step", "1",
+                   "--state", str(deep)]) == 2
+  err = capsys.readouterr().err
+  assert why in err and "RecursionError" not in err
+  item = tmp_path / "item"
+  item.mkdir()
+  (item / "process_0-of-1.json").write_text(deep.read_text())
+  with pytest.raises(InvalidRequestError, match="MAX_STATE_DEPTH"):
+    checkpoint.load_state(item)
+  big = tmp_path / "big.json"
+  big.write_text(" " * state_lib.MAX_STATE_BYTES + "{}")
+  with pytest.raises(InvalidRequestError, match=f"state file {big}: over the "
+                     f"{state_lib.MAX_STATE_BYTES} bytes .*MAX_STATE_BYTES"):
+    state_lib.read(big)
+  nested: dict = {}
+  inner = nested
+  for _ in range(state_lib.MAX_STATE_DEPTH + 1):  # a dict made in code, not parsed
+    inner["parent"] = inner = {}
+  with _dataset(skip_server.target, "lm") as ds:
+    with pytest.raises(InvalidRequestError, match="MAX_STATE_DEPTH"):
+      iter(ds).set_state({"step": 1, "dataset": "lm", "global_batch_size": G, "seed": 65,
+                          "config_fingerprint": "f", "stream_state": nested})

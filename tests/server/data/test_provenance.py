@@ -20,7 +20,7 @@ from array_record.python import array_record_data_source
 from grain_elevator.pipelines import examples
 from grain_elevator.proto import contract
 from grain_elevator.proto import tree
-from grain_elevator.proto.errors import InvalidRequestError
+from grain_elevator.proto.errors import Cancelled, InvalidRequestError
 from grain_elevator.proto.limits import MAX_EXPLAIN_ROWS
 from grain_elevator.server.data import config as config_lib
 from grain_elevator.server.data import provenance
@@ -43,7 +43,13 @@ def _config(path: pathlib.Path, shards: pathlib.Path) -> str:
       tok=configs.dataset(shards / "*.array_record", pipeline="provenance_tokens:tokens",
                           iter_pipeline=configs.PACK, batch_fn=configs.BATCH_AND_PAD,
                           seed=9, num_epochs=0,
-                          iter_options={"length": 16, "num_packing_bins": 4}))
+                          iter_options={"length": 16, "num_packing_bins": 4}),
+      # the same tokens cut in chunks of 4, then first-fit packed into rows of 16:
+      # a row may hold two chunks of one document side by side
+      chunked=configs.dataset(shards / "*.array_record",
+                              pipeline="provenance_tokens:tokens",
+                              iter_pipeline="provenance_tokens:chunk_then_pack",
+                              batch_fn=configs.BATCH_AND_PAD, seed=9, num_epochs=0))
 
 
 TOKENS = textwrap.dedent("""\
@@ -55,6 +61,10 @@ TOKENS = textwrap.dedent("""\
 
     def _tokens(e):
       return {"tokens": e["image"].reshape(-1)[:1 + int(e["label"])].astype(np.int32)}
+
+    def chunk_then_pack(ds):
+      from grain_elevator.pipelines import text
+      return text.pack(text.chunk(ds, length=4), length=16, num_packing_bins=4)
     """)
 
 
@@ -186,3 +196,60 @@ def test_a_streams_summary_adds_up_its_steps_explanations(datasets):
   assert summary["components"] == {"tok": {
       "tokens": summary["tokens"], "segments": len(segments),
       "documents": sum(s["token_offset"] == 0 for s in segments), "share": 1.0}}
+
+
+def test_two_chunks_of_one_document_in_a_row_are_two_segments(datasets):
+  """Each segment explain lists is one segment id's run of the served row,
+  and every id is listed: chunks of one document packed side by side (their
+  codes consecutive) are two segments, each with its own offset and length.
+  The summary counts those segments; documents where their first token is."""
+  ds = datasets["chunked"]
+  paths = [l.path for l in ds.info.element_spec.leaves]
+  steps = _stream_steps(ds, 8, 3)
+  adjacent = 0  # rows where one element's chunks sit side by side
+  listed = []
+  for step, (position, leaves) in enumerate(steps):
+    explained = provenance.explain_stream(ds, 8, 0, 1, step, position)
+    for row in explained["rows"]:
+      ids = leaves[paths.index("tokens_segment_ids")][row["global_row"]]
+      tokens = leaves[paths.index("tokens")][row["global_row"]]
+      segments = row["segments"]
+      listed += segments
+      assert [s["slot"] for s in segments] == [
+          i for i in range(len(ids)) if ids[i] and (i == 0 or ids[i] != ids[i - 1])]
+      for s in segments:
+        run = ids[s["slot"]:s["slot"] + s["length"]]
+        assert run.min() == run.max() > 0 and np.count_nonzero(ids == run[0]) == s["length"]
+        element = ds.head[s["element"]]["tokens"]
+        assert s["length"] <= 4 and s["token_offset"] % 4 == 0  # one chunk each
+        assert tokens[s["slot"]:s["slot"] + s["length"]].tobytes() == element[
+            s["token_offset"]:s["token_offset"] + s["length"]].tobytes()
+      adjacent += sum(a["element"] == b["element"] and a["slot"] + a["length"] == b["slot"]
+                      and a["token_offset"] + a["length"] == b["token_offset"]
+                      for a, b in zip(segments, segments[1:]))
+  assert adjacent > 0, "no row holds two chunks of one document side by side"
+  summary = provenance.summary_stream(ds, 0, 3, 8, ds.info.stream_start)
+  assert summary["components"]["chunked"]["segments"] == len(listed)
+  assert summary["components"]["chunked"]["documents"] == sum(
+      s["token_offset"] == 0 for s in listed)
+
+
+def test_a_summary_stops_at_the_first_check_that_says_its_request_went(datasets):
+  """A step summary counts in chunks of provenance._CHUNK positions and
+  checks its request before each: a request gone at the 3rd check counts no
+  3rd chunk. (Served, a mixture summary of 2**28 rows went on 12.1 s past
+  its client's deadline; the request path checks gRPC's is_active.)"""
+  ds = datasets["mix"]
+  g = 10
+  steps = 5 * provenance._CHUNK // g  # 5 chunks
+  checks = []
+
+  def check() -> None:
+    checks.append(None)
+    if len(checks) == 3:
+      raise Cancelled("gone")
+
+  with pytest.raises(Cancelled):
+    provenance.summary(ds, 0, steps, g, check=check)
+  assert len(checks) == 3
+  assert provenance.summary(ds, 0, steps, g)["records"] == steps * g  # unchecked: whole
