@@ -13,7 +13,9 @@ go on.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import logging
+import os
 import resource
 
 log = logging.getLogger("grain_elevator.server")
@@ -59,3 +61,27 @@ def secure(budget: Budget) -> int:
                 "nofile) or lower --max-bulk-connections / --max-grpc-connections",
                 soft, budget)
   return soft if soft != resource.RLIM_INFINITY else 1 << 31
+
+
+def exhausted(e: OSError) -> str | None:
+  """What ran out, for an error that says file descriptors did (EMFILE:
+  this process's, with its limit; ENFILE: the system's); None for any other."""
+  if e.errno == errno.EMFILE:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+      held = str(len(os.listdir("/proc/self/fd")) - 1)  # not the listing's own
+    except OSError:  # listing needs a descriptor too
+      held = "all"
+    return (f"this process is out of file descriptors ({e.strerror}: {held} open, "
+            f"open-files limit {soft}, hard limit {hard}); raise the limit (ulimit -n, "
+            "the container's nofile) or lower --max-bulk-connections / "
+            "--max-grpc-connections")
+  if e.errno == errno.ENFILE:
+    try:
+      with open("/proc/sys/fs/file-max", encoding="ascii") as f:
+        limit = f.read().strip()
+    except OSError:
+      limit = "?"
+    return (f"the system is out of file descriptors ({e.strerror}: fs.file-max "
+            f"{limit}); raise fs.file-max or find the process holding them")
+  return None

@@ -13,7 +13,9 @@ The server is SERVING when none of these is on (`reasons()` names them):
   * a live worker's request threads cannot start a task
     (PROBE_TIMEOUT_S, server/serving/health.py);
   * a live worker has not beaten for PROBE_TIMEOUT_S: it is hung or stopped
-    (SIGSTOP), which no port of its own would say.
+    (SIGSTOP), which no port of its own would say;
+  * no worker is serving at all (every one dead or restarting, as when the
+    fork server dies): a slot without a worker says nothing of its own.
 One worker's trouble makes the whole server NOT_SERVING, as a crash loop
 does (server/process/supervisor.py says why: a probe cannot pick its worker).
 
@@ -63,7 +65,10 @@ class HealthBoard:
     now = time.monotonic() if now is None else now
     with self._lock:
       out = sorted(self._own)
-    for i, beat in enumerate(self._beats[:]):
+    beats = self._beats[:]
+    if all(beat == _NEVER for beat in beats) and not out:
+      out.append("no worker is serving")
+    for i, beat in enumerate(beats):
       if beat == _NEVER:
         continue
       if now - beat > PROBE_TIMEOUT_S:

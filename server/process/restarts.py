@@ -13,6 +13,10 @@ Each worker slot (index 0..N-1) has its own `SlotHistory`:
   crash-looping: the window is the unstable stretch since the slot was last
   healthy, however long the backoff has grown. The loop ends when a worker of
   that slot has stayed up RESTART_STABLE_AFTER_S.
+* A death the supervisor blames on a step (a record that crashes the
+  pipeline: step_board.py), which every worker refuses from then on, is
+  no trouble of the slot's: it neither lengthens the delay nor counts
+  toward a crash loop.
 
 `CrashLoopFlag` carries the number of crash-looping slots from the supervisor
 to its workers, which report NOT_SERVING on their health service while it is
@@ -48,10 +52,15 @@ class SlotHistory:
   def started(self, now: float) -> None:
     self.started_at = now
 
-  def died(self, now: float) -> float:
-    """Records a death; returns how long to wait before the restart."""
+  def died(self, now: float, explained: bool = False) -> float:
+    """Records a death; returns how long to wait before the restart.
+    `explained`: the death is a step's, refused from now on
+    (step_board.py): it waits the slot's delay, which it leaves as it is,
+    and counts toward no crash loop."""
     self.stable(now)  # a worker that was up long enough resets the slot first
     self.started_at = None
+    if explained:
+      return self.delay_s
     self.deaths += 1
     self.crash_loop = self.crash_loop or self.deaths > CRASH_LOOP_RESTARTS
     delay, self.delay_s = self.delay_s, min(self.delay_s * 2, RESTART_DELAY_MAX_S)

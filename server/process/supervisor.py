@@ -43,14 +43,17 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import errno
 import math
 import multiprocessing as mp
 import multiprocessing.connection
 import os
 import re
 import select
+import shutil
 import signal
 import socket
+import tempfile
 import threading
 import time
 from typing import Any, NamedTuple
@@ -58,12 +61,15 @@ from typing import Any, NamedTuple
 from grain_elevator.proto import malloc
 from grain_elevator.proto.errors import ElevatorError
 from grain_elevator.server.data import config as config_lib
+from grain_elevator.server.process import descriptors
 from grain_elevator.server.process import head_sockets
 from grain_elevator.server.data.shards import identity as shard_identity
 from grain_elevator.server.process import lifeline
 from grain_elevator.server.process import restarts
+from grain_elevator.server.process import step_board
 from grain_elevator.server.serving import sockets
 from grain_elevator.server.process.health_board import HealthBoard
+from grain_elevator.server.process.step_board import StepBoard
 from grain_elevator.server.serving.options import ServerOptions
 from grain_elevator.server.serving import auth
 from grain_elevator.server.serving import health as health_lib
@@ -88,9 +94,27 @@ WORKER_ENV = {**malloc.ENV, "NUMPY_MADVISE_HUGEPAGE": "0"}
 # What the fork server imports once, for every worker it forks.
 _PRELOAD = ["grain_elevator.server.process.fork_server",
             "grain_elevator.server.process.worker"]
-_fork_server_failed = False
+# Why the fork server last failed to start a worker ("" while it works): said
+# once per cause, and again once it works.
+_fork_server_failure = ""
 # The exit code multiprocessing reports for a worker whose fork server died.
 _LOST_STATUS = 255
+# How long the fork server may leave a worker's death unreported (the worker
+# gone, its status not sent) or stay stopped (SIGSTOP) before the supervisor
+# kills it and starts workers through a new one: it answers in milliseconds
+# when it runs at all.
+FORK_SERVER_TIMEOUT_S = 3.0
+# The longest `stop` waits for the supervise thread, which never blocks for
+# longer than a fork server request (bounded by FORK_SERVER_TIMEOUT_S) and
+# _POLL_S; past it `stop` logs and goes on.
+SUPERVISOR_JOIN_TIMEOUT_S = 10.0
+# Signals a process gets from its own code going wrong (faulthandler writes
+# the crashing thread's stack for these): a death by one of them while
+# making one step is that step's doing (step_board.py).
+_CRASH_SIGNALS = frozenset({signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE,
+                            signal.SIGABRT})
+# The most of a dead worker's fault report read (faulthandler's stacks).
+_CRASH_REPORT_BYTES = 64 << 10
 
 
 class StartError(ElevatorError):
@@ -120,13 +144,52 @@ def _fork_server_running() -> None:
   forkserver.ensure_running()
 
 
-def _fork_server_failed_once(e: OSError) -> None:
-  global _fork_server_failed
-  if not _fork_server_failed:
-    _fork_server_failed = True
+def _fork_server_failed(e: OSError) -> None:
+  """Says once per cause why the fork server cannot start workers (which are
+  spawned meanwhile)."""
+  global _fork_server_failure
+  if str(e) != _fork_server_failure:
+    _fork_server_failure = str(e)
+    hint = (" (a shorter TMPDIR fixes it: the fork server's socket path is too long)"
+            if "too long" in str(e) or e.errno == errno.ENAMETOOLONG else "")
     log.warning("multiprocessing's fork server cannot start workers (%s); each is "
-                "spawned and imports its modules itself, a few seconds more per start "
-                "(a shorter TMPDIR fixes it)", e)
+                "spawned and imports its modules itself, a few seconds more per "
+                "start%s", e, hint)
+
+
+def _fork_server_works() -> None:
+  global _fork_server_failure
+  if _fork_server_failure:
+    _fork_server_failure = ""
+    log.info("multiprocessing's fork server starts workers again")
+
+
+def _fork_server_pid() -> int | None:
+  from multiprocessing import forkserver  # pylint: disable=g-import-not-at-top
+  return getattr(forkserver._forkserver, "_forkserver_pid", None)  # pylint: disable=protected-access
+
+
+def _stopped(pid: int | None) -> bool:
+  """True while `pid` is stopped (SIGSTOP, a debugger)."""
+  try:
+    with open(f"/proc/{pid}/stat", "rb") as f:
+      return f.read().rsplit(b")", 1)[1].split()[0] in (b"T", b"t")
+  except (OSError, IndexError):
+    return False
+
+
+def _kill_fork_server(why: str) -> None:
+  """SIGKILLs the fork server: every worker it started is then reported
+  lost, killed and started again through a new one (`_note_death`)."""
+  pid = _fork_server_pid()
+  if pid is None or not _running(pid):
+    return
+  log.error("multiprocessing's fork server (pid %d) %s: killing it; its workers are "
+            "started again through a new one", pid, why)
+  try:
+    os.kill(pid, signal.SIGKILL)
+  except OSError:
+    pass
 
 
 class Server:
@@ -158,6 +221,16 @@ class Server:
     self._history: collections.defaultdict[int, restarts.SlotHistory] = (
         collections.defaultdict(restarts.SlotHistory))
     self._crash_loop = restarts.CrashLoopFlag(self._ctx)
+    # The steps each worker is making, and those that killed one (step_board.py):
+    # made by `start`. Deaths per step key, for those not blamed at once.
+    self._steps: StepBoard | None = None
+    self._strikes: dict[int, int] = {}
+    # Where each worker's faulthandler writes the stacks of a fatal signal
+    # (None: no folder could be made, and deaths are blamed without them).
+    self._crash_dir: str | None = None
+    # Dead slot -> when its death was first seen without its status (the
+    # fork server not reporting it: FORK_SERVER_TIMEOUT_S).
+    self._unreported: dict[int, float] = {}
     self._identities: shard_identity.Recorded | None = None
     self._stop = threading.Event()
     self._supervisor: threading.Thread | None = None
@@ -239,6 +312,12 @@ class Server:
             f"cannot serve metrics on {opts.host}:{opts.metrics_port}: {e}") from e
     self._activity = [self._ctx.RawValue("d", time.monotonic())
                       for _ in range(self.num_workers)]
+    self._steps = StepBoard(self._ctx, self.num_workers)
+    try:
+      self._crash_dir = tempfile.mkdtemp(prefix="elevator-crashes-")
+    except OSError as e:
+      log.warning("no folder for the workers' crash reports (%s): a step that kills a "
+                  "worker is found only when it was the only one in flight", e)
     self._start_health_port()
     # Stream datasets' heads are computed by every worker
     # (server/data/streams/parallel_head.py).
@@ -298,17 +377,25 @@ class Server:
           kwargs={"crash_loop": self._crash_loop, "last_request": self._activity[index],
                   "head_peers": self._head_peers,
                   "health_slot": self._health_board.slot(index),
+                  "step_slot": self._steps.slot(index),
+                  "crash_file": self._crash_file(index),
                   "env": _worker_env(self._metrics.worker_env() if self._metrics else {}),
                   "title": f"elevator-w{index}"},
           name=f"elevator-worker-{index}", daemon=True)
     self._health_board.reset(index)
+    self._steps.clear(index)
     try:
       try:
+        if _stopped(_fork_server_pid()):  # it would never answer
+          _kill_fork_server("is stopped")
         _fork_server_running()
         p = process(self._ctx)
         p.start()
+        _fork_server_works()
       except OSError as e:  # a fork server that cannot start, or died starting
-        _fork_server_failed_once(e)
+        if descriptors.exhausted(e) is not None:
+          raise  # spawning needs descriptors too: _supervise tries again later
+        _fork_server_failed(e)
         p = process(mp.get_context("spawn"))
         p.start()
     except BaseException:
@@ -370,10 +457,10 @@ class Server:
         try:
           self._spawn(i)
           del due[i]
-        except OSError as e:  # fork refused (EAGAIN, ENOMEM): try again later
+        except OSError as e:  # fork refused (EAGAIN, ENOMEM, EMFILE): try again later
           due[i] = now + self._history[i].died(now)
           log.error("worker %d could not be restarted: %s; trying again in %.1fs",
-                    i, e, due[i] - now)
+                    i, descriptors.exhausted(e) or e, due[i] - now)
           self._publish_crash_loops()
       for i, history in self._history.items():
         if history.stable(now):
@@ -384,30 +471,108 @@ class Server:
       timeout = max(0.0, min([_POLL_S, *(at - now for at in due.values())]))
       dead = mp.connection.wait(list(live), timeout=timeout)
       self._log_restarts()  # before the exit they explain
+      if not dead:
+        self._watch_fork_server(live.values(), time.monotonic())
       for sentinel in dead:
         if self._stop.is_set():
           break
         i = live[sentinel]
         due[i] = time.monotonic() + self._note_death(i)
 
+  def _watch_fork_server(self, live: Any, now: float) -> None:
+    """Kills the fork server once it has left a worker's death unreported
+    (or stayed stopped) for FORK_SERVER_TIMEOUT_S: the supervisor learns of
+    deaths only through it."""
+    for i in live:
+      if _running(self._procs[i].pid):
+        self._unreported.pop(i, None)
+      else:
+        self._unreported.setdefault(i, now)
+    if _stopped(_fork_server_pid()):
+      self._unreported.setdefault(-1, now)
+    else:
+      self._unreported.pop(-1, None)
+    if self._unreported and now - min(self._unreported.values()) > FORK_SERVER_TIMEOUT_S:
+      why = ("is stopped" if -1 in self._unreported
+             else f"has not reported the exit of worker {min(self._unreported)}")
+      _kill_fork_server(f"{why} for {FORK_SERVER_TIMEOUT_S:g}s")
+      self._unreported.clear()
+
+  def _crash_file(self, index: int) -> str | None:
+    return os.path.join(self._crash_dir, f"w{index}.txt") if self._crash_dir else None
+
+  def _crash_report(self, index: int) -> tuple[int | None, str]:
+    """(the thread that got a fatal signal, its stack) from worker `index`'s
+    faulthandler; (None, "") without one. Emptied: the next worker's own."""
+    path = self._crash_file(index)
+    if path is None:
+      return None, ""
+    try:
+      with open(path, "rb") as f:
+        text = f.read(_CRASH_REPORT_BYTES).decode(errors="replace")
+      os.truncate(path, 0)
+    except OSError:
+      return None, ""
+    match = re.search(r"^Current thread (0x[0-9a-f]+) \(most recent call first\):\n"
+                      r"((?:  .*\n?)*)", text, re.M)
+    if match is None:
+      return None, ""
+    return int(match.group(1), 16), match.group(2).rstrip()
+
+  def _blame(self, index: int, code: int | None, why: str) -> str | None:
+    """The step whose making killed worker `index`, posted as failed for
+    every worker (step_board.py); None if no step is to blame. A fatal
+    signal (faulthandler names the thread) blames the step that thread was
+    making; one step in flight is blamed for a fatal signal at once, for
+    another death (SIGKILL: the OOM killer, or an operator) the second time."""
+    taken = self._steps.taken(index)
+    self._steps.clear(index)
+    thread, stack = self._crash_report(index)
+    fatal = code is not None and code < 0 and -code in _CRASH_SIGNALS
+    if fatal and thread is not None:
+      blamed = [t for t in taken if t[1] == thread]
+    else:
+      blamed = taken if len(taken) == 1 else []
+    if stack:
+      log.error("worker %d %s; the stack of its thread that got it:\n%s", index, why, stack)
+    for key, _, step in blamed:
+      if len(self._strikes) >= 4 * step_board.MAX_FAILED_STEPS:  # bounded
+        self._strikes.clear()
+      strikes = self._strikes[key] = self._strikes.get(key, 0) + 1
+      if fatal or strikes >= 2:
+        self._steps.post(key, f"worker {index} {why}")
+        return step
+    return None
+
   def _note_death(self, index: int) -> float:
     """Logs why worker `index` died; returns the delay before its restart."""
     p = self._procs[index]
-    p.join()
+    p.join(FORK_SERVER_TIMEOUT_S)  # its sentinel said it ended: at once
+    self._unreported.pop(index, None)
     self._health_board.reset(index)
     if self._metrics:
       self._metrics.worker_died(p.pid)
     if math.isinf(self._activity[index].value):  # its requests ended with it
       self._activity[index].value = time.monotonic()
     history = self._history[index]
-    delay = history.died(time.monotonic())
     code = p.exitcode
     why = (f"killed by signal {signal.Signals(-code).name}" if code and code < 0
            else f"exited with code {code}")
-    if code == _LOST_STATUS and _running(p.pid):  # its fork server died, holding its status
-      os.kill(p.pid, signal.SIGKILL)  # no two workers in one slot
+    step = None
+    if (code == _LOST_STATUS or code is None) and _running(p.pid):
+      os.kill(p.pid, signal.SIGKILL)  # its fork server died, holding its status: no two workers in one slot
       why = "lost its fork server, and was killed"
-    if history.crash_loop:
+      self._steps.clear(index)
+    else:
+      step = self._blame(index, code, why)
+    # A death whose step is known, and refused from now on, is not the slot's
+    # trouble: no longer delay, no crash loop.
+    delay = history.died(time.monotonic(), explained=step is not None)
+    if step is not None:
+      log.error("worker %d (pid %s) %s making %s; that step is refused from now on "
+                "(DATA_LOSS), by every worker; restarting it in %.1fs", index, p.pid, why,
+                step, delay)
+    elif history.crash_loop:
       log.error("worker %d (pid %s) %s; restarting it in %.1fs; crash loop: died %d "
                 "times in a row, each within %.0fs of its start", index, p.pid, why,
                 delay, history.deaths, restarts.RESTART_STABLE_AFTER_S)
@@ -441,16 +606,26 @@ class Server:
       self._health_board.set_reason("stopping", True)
     self._stop.set()
     if self._supervisor is not None and self._supervisor is not threading.current_thread():
-      self._supervisor.join()
+      self._supervisor.join(SUPERVISOR_JOIN_TIMEOUT_S)
+      if self._supervisor.is_alive():
+        log.error("the supervise thread did not stop within %gs; stopping the workers "
+                  "without it", SUPERVISOR_JOIN_TIMEOUT_S)
+    if _stopped(_fork_server_pid()):  # it would report no worker's exit
+      _kill_fork_server("is stopped while the server stops")
     for p in self._procs.values():
-      if p.is_alive():
+      if _running(p.pid):
         p.terminate()
+    # Exits are seen from /proc as well as from the fork server's report,
+    # which a stopped or dead fork server never sends.
     deadline = time.monotonic() + self.options.grace_s + 5.0
+    self._await_exits(deadline)
     for p in self._procs.values():
-      p.join(max(0.0, deadline - time.monotonic()))
-      if p.is_alive():
+      if _running(p.pid):
         p.kill()
-        p.join()
+    self._await_exits(time.monotonic() + FORK_SERVER_TIMEOUT_S)
+    for i, p in self._procs.items():
+      if _running(p.pid):
+        log.error("worker %d (pid %s) is still running after SIGKILL", i, p.pid)
     for reader in self._ready.values():
       reader.close()
     self._ready.clear()
@@ -460,6 +635,18 @@ class Server:
       self._health_port.stop()
     if self._head_peers is not None:
       self._head_peers.remove()
+    if self._crash_dir is not None:
+      shutil.rmtree(self._crash_dir, ignore_errors=True)
+
+  def _await_exits(self, deadline: float) -> None:
+    """Until every worker has exited (its status reported, or no longer
+    running by /proc) or `deadline`."""
+    while time.monotonic() < deadline:
+      running = [p for p in self._procs.values() if _running(p.pid) and p.is_alive()]
+      if not running:
+        return
+      mp.connection.wait([p.sentinel for p in running],
+                         timeout=min(_POLL_S, max(0.0, deadline - time.monotonic())))
 
   def __enter__(self) -> "Server":
     return self.start()

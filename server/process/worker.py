@@ -7,6 +7,7 @@ connections across them. Each is stateless, so any of them serves any step.
 from __future__ import annotations
 
 import dataclasses
+import faulthandler
 import logging
 import signal
 import threading
@@ -40,6 +41,7 @@ from grain_elevator.server.serving import health as health_lib
 from grain_elevator.server.serving import metrics
 from grain_elevator.server.serving.bulk import HANDSHAKE_TIMEOUT_S
 from grain_elevator.server.serving.request_path import RequestPath
+from grain_elevator.server.serving import step_errors
 
 
 # Reflection streams stay open as long as their client likes: they get
@@ -103,11 +105,14 @@ def build_servers(datasets: registry.Datasets, opts: ServerOptions, index: int =
   threads = futures.ThreadPoolExecutor(max_workers=opts.grpc_threads,
                                        thread_name_prefix="elevator-rpc")
   reflection_pool = futures.ThreadPoolExecutor(REFLECTION_THREADS, "elevator-reflection")
+  # With a token, a connection that makes no call with it is closed soon
+  # (its front door, server/serving/front_door.py).
+  token_check = grpc_service.AuthInterceptor(path) if token else None
   arrivals = grpc_service.ArrivalInterceptor(
       grpc_service.Arrivals(), {f"/{reflection.SERVICE_NAME}/": reflection_pool})
   server = grpc.server(
       threads,
-      interceptors=[arrivals, *([grpc_service.AuthInterceptor(path)] if token else [])],
+      interceptors=[arrivals, *([token_check] if token_check else [])],
       # No maximum_concurrent_rpcs: gRPC would refuse health checks with it.
       # Admission bounds the requests (server/serving/admission.py), and threads
       # beyond its slots keep Describe from queueing behind them.
@@ -135,16 +140,10 @@ def build_servers(datasets: registry.Datasets, opts: ServerOptions, index: int =
                                       threads=opts.max_concurrent_requests)
     path.server_info.bulk_port = bulk_server.port
   grpc_service.add_to_server(grpc_service.GrpcService(path), server)
-  def trusted(context: grpc.ServicerContext) -> bool:  # carries the server's token
-    if token is None:
-      return False
-    try:
-      path.authenticate(grpc_service.bearer_token(context.invocation_metadata()))
-    except ElevatorError:
-      return False
-    return True
+  # With a token, a health call reaches the service only with it (the
+  # AuthInterceptor); without one, nobody has it.
   health = health_lib.Health(("", grpc_service.SERVICE_NAME), watch_s=opts.idle_timeout_s,
-                             trusted=trusted, report=report)
+                             trusted=lambda _: token is not None, report=report)
   health.add_to_server(server)
   reflection.enable_server_reflection(
       (grpc_service.SERVICE_NAME, health_lib.SERVICE_NAME, reflection.SERVICE_NAME),
@@ -155,6 +154,8 @@ def build_servers(datasets: registry.Datasets, opts: ServerOptions, index: int =
         opts.tls_cert, opts.tls_key, opts.tls_client_ca))
   else:
     port = server.add_insecure_port(address)
+  if token_check is not None and port:
+    token_check.door.start(port)
   return Servers(path, server, health, port, bulk_server, threads)
 
 
@@ -168,11 +169,33 @@ def _report(ready: Any, report: tuple[int, str | None]) -> None:
     pass
 
 
+# The file faulthandler writes to, held open for the worker's life.
+_crash_report: Any = None
+
+
+def _report_crashes(path: str | None) -> None:
+  """Every thread's stack to `path` on a fatal signal (faulthandler), the
+  crashing thread's marked "Current thread": the supervisor blames the step
+  it was making (supervisor._blame). Without a file, nothing is written."""
+  global _crash_report
+  if path is None:
+    return
+  try:
+    _crash_report = open(path, "w", encoding="utf-8")  # pylint: disable=consider-using-with
+  except OSError as e:
+    logging.getLogger("grain_elevator.server").warning(
+        "no crash report (%s): a step that kills this worker is found only when it "
+        "was the only one in flight", e)
+    return
+  faulthandler.enable(file=_crash_report, all_threads=True)
+
+
 def run(config_path: str, opts: ServerOptions, index: int, num_workers: int,
         ready: Any, identities: shard_identity.Recorded | None = None,
         *, supervisor_pid: int | None = None, crash_loop: Any = None,
         last_request: Any = None, head_peers: Any = None,
-        health_slot: health_lib.WorkerReport | None = None) -> None:
+        health_slot: health_lib.WorkerReport | None = None, step_slot: Any = None,
+        crash_file: str | None = None) -> None:
   """Worker process entry point; reports (index, error or None) on `ready`,
   the write end of a pipe of its own (supervisor.py).
   `identities`: the shards and option files as the supervisor recorded them
@@ -185,13 +208,20 @@ def run(config_path: str, opts: ServerOptions, index: int, num_workers: int,
   `head_peers`: the head_sockets.HeadPeers where the server's workers meet
   to compute its stream datasets' heads together (None: one worker).
   `health_slot`: where this worker's health is seen from the health port
-  (health_board.WorkerSlot)."""
+  (health_board.WorkerSlot).
+  `step_slot`: where this worker notes the steps it makes, and learns those
+  that killed a worker (step_board.WorkerSteps).
+  `crash_file`: where faulthandler writes every thread's stack on a fatal
+  signal, for the supervisor to find the step that caused it."""
   lifeline.tie(supervisor_pid)  # again, for a worker spawned with `run` as its target
   signal.signal(signal.SIGINT, signal.SIG_IGN)  # The supervisor handles Ctrl-C.
   logs.setup(f"elevator[worker {index}]")
   metrics.start_recording()  # when the supervisor serves metrics
   stop = threading.Event()
   signal.signal(signal.SIGTERM, lambda *_: stop.set())
+  _report_crashes(crash_file)
+  if step_slot is not None:
+    step_errors.use_board(step_slot)
   try:
     datasets = registry.Datasets(config_lib.load_config(config_path), identities=identities)
     # Loading takes seconds, and the supervisor's death (or stop) while it ran
@@ -218,6 +248,8 @@ def run(config_path: str, opts: ServerOptions, index: int, num_workers: int,
   servers.start()
   if crash_loop is not None:
     crash_loop.watch(lambda looping: servers.health.set_reason("crash loop", looping), stop)
+  if health_slot is not None:
+    health_slot.beat()  # serving before it says so: health counts it at once
   _report(ready, (index, None))
   stop.wait()
   servers.stop(opts.grace_s)

@@ -40,12 +40,14 @@ from grain_elevator.proto.errors import (InvalidRequestError, ShardChangedError,
 from grain_elevator.proto.spec import DatasetInfo
 from grain_elevator.server.data.registry import Dataset
 from grain_elevator.server.data.registry import Datasets
+from grain_elevator.server.data.streams import cancellation
 from grain_elevator.server.data.streams.stream import StreamDataset
 from grain_elevator.server.serving.options import (DEFAULT_MAX_MESSAGE_BYTES,
                                                    DEFAULT_MAX_STREAM_BATCH_BYTES)
 from grain_elevator.server.serving.admission import Admission, Ticket
 from grain_elevator.server.serving.batch_cache import BatchCache
 from grain_elevator.server.serving.read_plan import ReadPlanner
+from grain_elevator.server.serving import step_errors
 from grain_elevator.server.serving.step_shape import StepShape
 from grain_elevator.server.serving.stream_sessions import StreamSessions
 from grain_elevator.server.serving.stream_shape import StreamShape
@@ -183,7 +185,7 @@ class RequestPath:
     stream dataset."""
     _check(ticket)
     ds = self.validate(r)
-    yield from self.shape(ds).steps(ds, r, is_active)
+    yield from step_errors.each_serving(_batches_of(r), self.shape(ds).steps(ds, r, is_active))
 
   def encoded_steps(self, ticket: Ticket, r: pb.BatchRequest,
                     is_active: Callable[[], bool] = lambda: True) -> Iterator[list[Any]]:
@@ -191,16 +193,18 @@ class RequestPath:
     send path): from the cache when a request served it lately."""
     _check(ticket)
     ds = self.validate(r)
-    yield from self.shape(ds).encoded_steps(ds, r, is_active)
+    yield from step_errors.each_serving(_batches_of(r),
+                                        self.shape(ds).encoded_steps(ds, r, is_active))
 
   def skip(self, ticket: Ticket, r: pb.BatchRequest,
            is_active: Callable[[], bool] = lambda: True) -> pb.SkipResponse:
     """A stream dataset's position after steps [start, start+num) of `r`,
     from r.stream_state, with none of them sent (Skip; at most
-    MAX_SKIP_STEPS). EndOfDataError if the stream ends first."""
+    MAX_SKIP_ROWS // G). EndOfDataError if the stream ends first."""
     _check(ticket)
     ds = self.validate(r)
-    return self.shape(ds).skip(ds, r, is_active)
+    with step_errors.serving(f"a skip over {_batches_of(r)}"):  # one that kills is remembered
+      return self.shape(ds).skip(ds, r, is_active)
 
   def explain(self, ticket: Ticket, e: pb.ExplainRequest,
               is_active: Callable[[], bool] = lambda: True) -> pb.ExplainResponse:
@@ -215,8 +219,19 @@ class RequestPath:
                                 f"{r.num_steps}")
     ds = self.validate(r)
     shape = self.shape(ds)
-    explained = shape.summary(ds, r, is_active) if e.summary else shape.explain(ds, r)
+    what = "a summary" if e.summary else "an explanation"
+    with (cancellation.producing_for(is_active),  # stops within an element or a chunk
+          step_errors.serving(f"{what} of {_batches_of(r)}")):  # one that kills is remembered
+      explained = shape.summary(ds, r, is_active) if e.summary else shape.explain(ds, r)
     return pb.ExplainResponse(json=json.dumps(explained, separators=(",", ":")))
+
+
+def _batches_of(r: pb.BatchRequest) -> str:
+  """What, beside its dataset and step, tells a step of `r` from another
+  (step_errors.serving): the rows it holds."""
+  offset = f", record offset {r.record_offset}" if r.record_offset else ""
+  return (f"batches of global_batch_size {r.global_batch_size}, host {r.shard_index} "
+          f"of {r.shard_count}{offset}")
 
 
 def _check(ticket: Ticket) -> None:
