@@ -4,9 +4,11 @@ What a call costs before its request has arrived is bounded, whatever the
 peer does (the bulk port's rules, server/serving/bulk.py, in gRPC's terms):
 
   * authentication runs in an interceptor on the call's metadata, for every
-    service but health (load balancers and kubelet probes need no secret):
-    a missing or wrong token is refused before the request message is read,
-    on a handler that never waits for it;
+    service, health's included (probes go to the health port, which needs
+    no secret): a missing or wrong token is refused before the request
+    message is read, on a handler that never waits for it; each call that
+    carried the token tells the front door its peer, and a connection that
+    carried none is closed soon after it opens (server/serving/front_door.py);
   * every method is served as a stream-request handler, so a handler thread
     waits for the first request message only until REQUEST_ARRIVAL_TIMEOUT_S
     after the call's headers came (`Arrivals`); a call whose message never
@@ -39,12 +41,12 @@ from google.protobuf import message as protobuf_message
 from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.proto import errors
 from grain_elevator.proto.throttle import Throttled
+from grain_elevator.server.serving import front_door
 from grain_elevator.server.serving import metrics
 from grain_elevator.server.serving.request_path import RequestPath
 
 log = logging.getLogger("grain_elevator.server")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Elevator"].full_name
-OPEN_PREFIXES = ("/grpc.health.v1.Health/",)
 # gRPC clients send a unary call's headers and its message in one write; a
 # second is far more than any of them needs, even on a loaded host, and a
 # burst of header-only calls then delays others by about that much.
@@ -325,19 +327,44 @@ def _refusal(handler: grpc.RpcMethodHandler, error: errors.ElevatorError
               response_serializer=handler.response_serializer)
 
 
+def _noting(handler: grpc.RpcMethodHandler, note: Callable[[str], None]
+            ) -> grpc.RpcMethodHandler:
+  """`handler`, telling `note` its call's peer (`context.peer()`) as a
+  thread takes the call up, before it waits for the request message."""
+  streams = (handler.request_streaming, handler.response_streaming)
+  name, kind = {
+      (False, False): ("unary_unary", grpc.unary_unary_rpc_method_handler),
+      (False, True): ("unary_stream", grpc.unary_stream_rpc_method_handler),
+      (True, False): ("stream_unary", grpc.stream_unary_rpc_method_handler),
+      (True, True): ("stream_stream", grpc.stream_stream_rpc_method_handler),
+  }[streams]
+  inner = getattr(handler, name)
+
+  def behavior(request: Any, context: grpc.ServicerContext, *send: Any) -> Any:
+    note(context.peer())
+    return inner(request, context, *send)
+  for attr in ("experimental_thread_pool", "experimental_non_blocking"):
+    if hasattr(inner, attr):
+      setattr(behavior, attr, getattr(inner, attr))
+  return kind(behavior, request_deserializer=handler.request_deserializer,
+              response_serializer=handler.response_serializer)
+
+
 class AuthInterceptor(grpc.ServerInterceptor):
   """Requires `authorization: Bearer <token>` metadata, checked by the
-  request path, on every service but health."""
+  request path, on every call (health's too: probes belong on the health
+  port). Its `door` hears the peer of each call that carried it; the worker
+  starts the door once its port is bound."""
 
   def __init__(self, path: RequestPath):
     self._path = path
+    self.door = front_door.FrontDoor()
 
   def intercept_service(self, continuation, handler_call_details):
-    if handler_call_details.method.startswith(OPEN_PREFIXES):
-      return continuation(handler_call_details)
     try:
       self._path.authenticate(bearer_token(handler_call_details.invocation_metadata))
     except errors.UnauthenticatedError as e:
       handler = continuation(handler_call_details)
       return None if handler is None else _refusal(handler, e)
-    return continuation(handler_call_details)
+    handler = continuation(handler_call_details)
+    return None if handler is None else _noting(handler, self.door.note)

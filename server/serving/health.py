@@ -1,8 +1,11 @@
 """The health service of one worker, on its gRPC port, and what it reports.
 
 Probes belong on the health port (server/serving/health_port.py), which no
-load on this port reaches. This service stays for clients that ask here, and
-costs what a peer can make it cost, bounded per peer address:
+load on this port reaches. This service stays for clients that ask here:
+with `--auth-token-file`, only for those with the token, like every call on
+this port (server/serving/grpc_service.py), since a connection that makes no
+call with it is closed soon after it opens (server/serving/front_door.py).
+It costs what a peer can make it cost, bounded per peer address:
 
   * Check and List wait for their request message on threads of their own
     (`HEALTH_THREADS`, apart from the request threads), under the arrival
@@ -13,7 +16,7 @@ costs what a peer can make it cost, bounded per peer address:
   * Watch waits for its request on threads of its own, as many per peer,
     and holds none once it came (gRPC's non-blocking streams): a peer keeps
     at most MAX_WATCHES_PER_PEER open, a worker MAX_WATCHES; and one
-    without the server's token ends after the idle
+    without the server's token (a server without one) ends after the idle
     timeout (`--idle-timeout-s`, status OK: open another), so that a Watch
     cannot keep its connection from going idle and being closed.
 
@@ -121,7 +124,8 @@ class Health:
   """The worker's health status, and the gRPC service that reports it.
 
   `watch_s`: how long a Watch without the token lasts (the idle timeout);
-  `trusted(context)`: whether a call carries the server's token;
+  `trusted(context)`: whether a call carries the server's token (with a
+  token set, every call that reaches the service does);
   `report`: where the status is seen from outside (the health port)."""
 
   def __init__(self, services: tuple[str, ...], *, watch_s: float = math.inf,

@@ -101,8 +101,10 @@ class ServerOptions:
       None, "PEM CA bundle file: require client certificates it signed (mutual TLS)",
       metavar="PEM")
   auth_token_file: str | None = _option(
-      None, "file holding the bearer token every request must carry (health stays open "
-            "for probes)", metavar="FILE")
+      None, "file holding the bearer token every call on the gRPC and bulk ports must "
+            "carry, health's on the gRPC port included (the health port needs none); a "
+            "gRPC connection that makes no call with it is closed soon after it opens",
+      metavar="FILE")
   bulk: bool | None = _option(
       None, "the bulk transport: batches over plain TCP at a fraction of gRPC's CPU cost "
             "per byte; auto: offered unless TLS is on; on: required (an error with "

@@ -9,7 +9,9 @@ from __future__ import annotations
 import pathlib
 import subprocess
 
+import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from grain_elevator.client import (RemoteDataset, RetryPolicy, Security,
                                    ServiceUnavailableError, UnauthenticatedError)
@@ -77,9 +79,21 @@ def test_missing_or_wrong_token_is_unauthenticated(token_server, token, message)
   assert TOKEN not in token_server.stderr()
 
 
-def test_health_needs_no_token(token_server, elevator):
-  code, out, _ = elevator("health", token_server.target)
+def test_health_needs_no_token_on_the_health_port(token_server, elevator):
+  code, out, _ = elevator("health", token_server.health_target)
   assert code == 0 and "SERVING" in out
+
+
+def test_health_on_the_grpc_port_needs_the_token(token_server, elevator):
+  # Probes belong on the health port; a connection to the gRPC port that
+  # makes no call with the token is closed soon (server/serving/front_door.py).
+  code, _, err = elevator("health", token_server.target)
+  assert code == 1 and "UNAUTHENTICATED" in err and "missing bearer token" in err
+  with grpc.insecure_channel(token_server.target) as channel:
+    check = health_pb2_grpc.HealthStub(channel).Check
+    answer = check(health_pb2.HealthCheckRequest(), timeout=10,
+                   metadata=Security(auth_token=TOKEN).metadata)
+  assert answer.status == health_pb2.HealthCheckResponse.SERVING
 
 
 @pytest.fixture(scope="module")
