@@ -36,6 +36,13 @@ $(PY):
 # The pin stands in `make test-newest` too (PyTorch's CPU index is not PyPI).
 # `make test TORCH=` skips it (tests/client/test_torch.py then skips).
 TORCH ?= 'torch==2.13.0' 'torchdata>=0.11'
+# torchtitan, for docs/pytorch.md's recipe test (tests/client/test_trainer_loaders.py):
+# only its dataloader module is used, which needs tyro beside torch. Its own
+# requirements (datasets<4.8, whose fsspec conflicts with the lock's) would
+# not resolve against lock/main.txt, so it goes, without them, into a folder
+# of its own that only that test puts on its path. Left out with TORCH=.
+TITAN_DIR := $(VENV)/torchtitan
+TITAN := 'torchtitan==0.3.0' 'tyro==1.0.17'
 
 # The [test] extra brings moto's S3 server and gcp-storage-emulator, which the
 # bucket tests (tests/server/data/storage/) start on 127.0.0.1 themselves.
@@ -45,6 +52,7 @@ TORCH ?= 'torch==2.13.0' 'torchdata>=0.11'
 # does not compile (Python 2 test data) is skipped, as pip skips it.
 $(STAMP): $(PY) pyproject.toml $(LOCK)
 	$(call pip_with,$(LOCK))$(PY) -m pip install --quiet --no-compile -e '.[test,demo]' $(TORCH)
+	$(if $(TORCH),$(PY) -m pip install --quiet --no-compile --no-deps --upgrade --target $(TITAN_DIR) $(TITAN))
 	$(PY) -m compileall -q -j 0 $(VENV)/lib > /dev/null || true
 	touch $(STAMP)
 
@@ -127,7 +135,9 @@ durations: $(STAMP)
 # client's batch decoding, a live server's bulk framing and the bulk client's,
 # on mutants of real batches and sessions; and stream positions
 # (fuzz_positions.py, "fuzz-positions:"): mutants of real positions of three
-# stream shapes sent to a live server. Fails if any fails; findings go to
+# stream shapes sent to a live server; and the health port's HTTP/2
+# (fuzz_health.py, "fuzz-health:"): mutants of grpcio's recorded calls and of
+# crafted floods sent to a health port. Fails if any fails; findings go to
 # fuzz-findings/. `make test` runs each briefly (tests/fuzz/test_fuzz_*.py).
 FUZZ_SECONDS ?= 1800
 fuzz: $(STAMP)
@@ -135,10 +145,12 @@ fuzz: $(STAMP)
 	  reader=$$!; \
 	$(PY) tests/fuzz/fuzz_positions.py --seconds $(FUZZ_SECONDS) --out fuzz-findings & \
 	  positions=$$!; \
+	$(PY) tests/fuzz/fuzz_health.py --seconds $(FUZZ_SECONDS) --out fuzz-findings & \
+	  health=$$!; \
 	$(PY) tests/fuzz/fuzz_wire.py --seconds $(FUZZ_SECONDS) --out fuzz-findings; wire=$$?; \
-	wait $$reader; reader=$$?; wait $$positions; positions=$$?; \
-	echo "make fuzz: fuzz_reader.py exited $$reader, fuzz_wire.py $$wire, fuzz_positions.py $$positions"; \
-	[ $$reader -eq 0 ] && [ $$wire -eq 0 ] && [ $$positions -eq 0 ]
+	wait $$reader; reader=$$?; wait $$positions; positions=$$?; wait $$health; health=$$?; \
+	echo "make fuzz: fuzz_reader.py exited $$reader, fuzz_wire.py $$wire, fuzz_positions.py $$positions, fuzz_health.py $$health"; \
+	[ $$reader -eq 0 ] && [ $$wire -eq 0 ] && [ $$positions -eq 0 ] && [ $$health -eq 0 ]
 
 host-tools:
 	@missing=$$(for t in $(HOST_TOOLS); do command -v $$t >/dev/null || echo $$t; done); \

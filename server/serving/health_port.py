@@ -11,13 +11,34 @@ they are told is the whole server's status (server/process/health_board.py),
 read from memory as each request arrives: no request waits for a thread, a
 worker or another request.
 
-What a connection can cost is bounded, whatever its peer does:
+What a peer can cost is bounded, whatever it does. A peer is a client
+address (an IPv6 one's /64: what one host holds), and its budgets outlive
+its connections, so that a peer that churns connections gets no fresh ones:
+  * time of the loop: each address may make the loop spend
+    HEALTH_PEER_CPU_BURST_S of CPU at once, refilled over
+    HEALTH_PEER_CPU_REFILL_S (a probe costs about a millisecond): what its
+    connections' bytes and deadlines cost, not accepting them, which the
+    connection limits and _ACCEPTS_PER_TICK bound, so that connections
+    churned from a prober's own address do not spend its budget. Past it,
+    the connection that overspent is closed (GOAWAY ENHANCE_YOUR_CALM) and
+    the address's newcomers are closed as they are accepted, until its
+    budget is positive again: an attack costs its own address, not the
+    probes of others. Each round of the loop serves the ready connections
+    of the addresses with the most budget left first, a read of
+    _READ_BYTES each, and leaves the rest for the next round once it has
+    spent _ROUND_CPU_S, so a probe waits for a slice of the loop, not for
+    a flood's backlog. HEALTH_MAX_PEERS addresses are remembered, the
+    least recently seen forgotten first;
   * connections: HEALTH_MAX_CONNECTIONS in all, HEALTH_MAX_CONNECTIONS_PER_PEER
-    per client address. A newcomer is never refused: past its address's
-    limit, that address's oldest connection is closed; past the total, the
-    oldest of the address holding the most. A probe's connection lives for
-    milliseconds, so it is never the oldest, and no address can lock
-    another out;
+    per address. Past its address's limit, a newcomer takes the place of
+    one of that address's connections (one done with its calls first, then
+    the oldest); past the total, of the oldest of the addresses holding the
+    most (of any, if each of theirs is answering). The one closed is never
+    one whose answer is in progress (a call has arrived and not yet been
+    answered, or its answer is unsent); only when every candidate is
+    answering is the newcomer itself closed. A probe's connection lives
+    for milliseconds, so it is the newest, and no address can lock another
+    out;
   * calls: HEALTH_MAX_STREAMS_PER_CONNECTION at once per connection (HTTP/2
     MAX_CONCURRENT_STREAMS); a request message is at most
     HEALTH_MAX_REQUEST_BYTES and must follow its headers within
@@ -28,19 +49,22 @@ What a connection can cost is bounded, whatever its peer does:
     it has carried HEALTH_MAX_CALLS_PER_CONNECTION calls; a Watch
     lasts the idle timeout (`--idle-timeout-s`, then ends with status OK)
     and a peer keeps at most MAX_WATCHES_PER_PEER open;
-  * bytes: a connection may send HEALTH_RECEIVE_BUDGET_BYTES at once,
-    refilled over HEALTH_RECEIVE_REFILL_S (a probe sends a few hundred), and
-    is closed past it: floods of pings or headers cost the loop little;
-    HEALTH_MAX_UNSENT_BYTES wait for a peer that does not read, then it is
-    closed.
+  * bytes: HEALTH_MAX_UNSENT_BYTES wait for a peer that does not read, then
+    it is closed.
 What peers do wrong is logged at most once per _LOG_PERIOD_S for each way
-of doing it (proto/throttle.py).
+of doing it (proto/throttle.py); so is a bug met serving one (with its
+traceback), which costs that connection alone. Whatever way a connection
+ends (a reset before its greeting included), it leaves the loop's
+selector before its socket is closed, so its descriptor, reused by the
+next connection, is read again.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import errno
+import ipaddress
 import logging
 import math
 import selectors
@@ -77,10 +101,13 @@ HEALTH_IDLE_TIMEOUT_S = 10.0
 # hundred bytes.
 HEALTH_MAX_REQUEST_BYTES = 1024
 HEALTH_MAX_HEADER_LIST_BYTES = 8 << 10
-# A probe's connection sends a few hundred bytes in its life; every byte in
-# costs the loop parsing, so a connection's first flight is kept small too.
-HEALTH_RECEIVE_BUDGET_BYTES = 4 << 10
-HEALTH_RECEIVE_REFILL_S = 16.0
+# A probe costs the loop about a millisecond of CPU (0.3-1.5 ms measured,
+# connection included); an address may spend a few hundred probes' worth at
+# once and 5% of a core for good. Rapid reset, PING, SETTINGS and HPACK
+# floods cost far more per byte than a probe: they spend it in milliseconds.
+HEALTH_PEER_CPU_BURST_S = 0.25
+HEALTH_PEER_CPU_REFILL_S = 5.0  # to refill the whole burst: 5% of a core
+HEALTH_MAX_PEERS = 4096
 HEALTH_MAX_UNSENT_BYTES = 64 << 10
 # Then the connection is closed once its calls are over (GOAWAY; a client
 # opens another): what h2 keeps of a connection's past streams stays small.
@@ -92,8 +119,14 @@ _RESPONSE_HEADERS = ((b":status", b"200"), (b"content-type", b"application/grpc"
 _TICK_S = 0.05  # how often deadlines are checked, and Watch streams told of a change
 _IDLE_WAIT_S = 1.0
 _ACCEPTS_PER_TICK = 64  # then the connections already open have their turn
+# Refusing one costs an accept and a close: a round refuses as many as the
+# listen backlog holds, so that a probe queued behind a flood of refused
+# connections is accepted in the next round, not after many.
+_BACKLOG = 1024
 _ACCEPT_PAUSE_S = 0.1  # out of descriptors: accepting waits this long
 _LOG_PERIOD_S = 10.0
+_READ_BYTES = 4 << 10  # one read of one connection: ~10 ms of the worst frames
+_ROUND_CPU_S = 0.01  # a round's share of the loop before it selects again
 
 
 @dataclasses.dataclass(eq=False)
@@ -110,14 +143,32 @@ class _Call:
 
 
 @dataclasses.dataclass(eq=False)
+class _Peer:
+  """A client address: its connections and what it may still cost the loop."""
+  key: str  # the address, or an IPv6 one's /64
+  conns: list[_Connection] = dataclasses.field(default_factory=list)  # oldest first
+  budget: float = HEALTH_PEER_CPU_BURST_S  # CPU seconds, as of budget_at
+  budget_at: float = 0.0
+  refused: int = 0  # newcomers closed while it was in debt
+
+  def level(self, now: float) -> float:
+    """Its budget now."""
+    return min(HEALTH_PEER_CPU_BURST_S, self.budget + (now - self.budget_at)
+               * HEALTH_PEER_CPU_BURST_S / HEALTH_PEER_CPU_REFILL_S)
+
+  def charge(self, now: float, cpu_s: float) -> float:
+    """Takes `cpu_s` from its budget; returns what is left."""
+    self.budget, self.budget_at = self.level(now) - cpu_s, now
+    return self.budget
+
+
+@dataclasses.dataclass(eq=False)
 class _Connection:
   sock: socket.socket
-  peer: str
+  peer: _Peer
   h2: h2.connection.H2Connection
   opened: float
   answered_at: float  # when a request was last answered (or it connected)
-  budget: float = HEALTH_RECEIVE_BUDGET_BYTES
-  budget_at: float = 0.0
   served: int = 0  # requests answered
   opened_calls: int = 0
   calls: dict[int, _Call] = dataclasses.field(default_factory=dict)
@@ -126,6 +177,20 @@ class _Connection:
 
   def watches(self) -> int:
     return sum(1 for c in self.calls.values() if c.method == _WATCH and c.answered)
+
+  def answering(self) -> bool:
+    """A call of its has arrived and is not answered yet, or an answer is unsent."""
+    return bool(self.unsent) or any(not c.answered for c in self.calls.values())
+
+  def spare_rank(self) -> tuple[int, float] | None:
+    """Which to close first for a newcomer (lowest first); None: never."""
+    if self.answering():
+      return None
+    if self.served and not self.calls:
+      return (0, self.opened)  # done: its client is about to close it
+    # Then the oldest: the newest may be a probe that has not sent its
+    # request yet (it cannot before the server's SETTINGS).
+    return (1, self.opened)
 
 
 class _Closed(Exception):
@@ -158,15 +223,17 @@ class HealthPort:
     self._thread = threading.Thread(target=self._loop, name="elevator-health-port",
                                     daemon=True)
     # The loop thread's alone:
-    self._conns: set[_Connection] = set()
-    self._by_peer: dict[str, list[_Connection]] = {}  # oldest first
+    self._conns: dict[_Connection, None] = {}  # oldest first
+    # By key, least recently seen first; those without connections are
+    # forgotten past HEALTH_MAX_PEERS.
+    self._peers: collections.OrderedDict[str, _Peer] = collections.OrderedDict()
     self._accept_again_at = 0.0  # > 0: accepting is paused until then
     self._throttled = Throttled(_LOG_PERIOD_S, log)
 
   def start(self, host: str, port: int) -> int:
     """Listens on host:port (0: a free port) and serves; returns the port."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    self._listener = socket.create_server((host, port), family=family, backlog=1024)
+    self._listener = socket.create_server((host, port), family=family, backlog=_BACKLOG)
     self._listener.setblocking(False)
     self.port = self._listener.getsockname()[1]
     self._selector.register(self._listener, selectors.EVENT_READ, "accept")
@@ -198,14 +265,24 @@ class HealthPort:
     while not self._stopping:
       # With no connection there are no deadlines: wait for one (or `stop`).
       timeout = _TICK_S if self._conns or self._accept_again_at else _IDLE_WAIT_S
+      ready: list[tuple[_Connection, int]] = []
       for key, mask in self._selector.select(timeout=timeout):
         if key.data == "accept":
           try:
             self._accept()
-          except Exception:  # pylint: disable=broad-except
-            log.exception("health port: accepting failed")  # a bug: the port lives on
+          except Exception as e:  # pylint: disable=broad-except
+            self._bug("accepting", e)
         elif key.data != "wake":  # "wake": `stop`
-          self._guarded(key.data, self._serve, mask)
+          ready.append((key.data, mask))
+      now = time.monotonic()
+      # The thriftiest addresses first; what is left waits for the next round
+      # (still ready, the selector reports it again).
+      ready.sort(key=lambda conn_mask: -conn_mask[0].peer.level(now))
+      began = time.thread_time()
+      for conn, mask in ready:
+        if time.thread_time() - began > _ROUND_CPU_S:
+          break
+        self._guarded(conn, self._serve, mask)
       now = time.monotonic()
       if now >= next_tick:
         next_tick = now + _TICK_S
@@ -217,20 +294,37 @@ class HealthPort:
           self._guarded(conn, self._tick, now, status)
 
   def _guarded(self, conn: _Connection, step: Callable[..., None], *args: object) -> None:
-    """`step(conn, *args)`; what goes wrong costs that connection alone."""
+    """`step(conn, *args)`, its CPU charged to the connection's address;
+    what goes wrong costs that connection alone."""
     if conn not in self._conns:
       return  # closed by an earlier event of this round
+    began = time.thread_time()
     try:
       step(conn, *args)
     except _Closed as e:
-      self._throttled.warning(("closed", e.why), "health port: closed a connection of "
-                              "%s: %s", conn.peer, e)
-      self._close(conn, h2.errors.ErrorCodes.ENHANCE_YOUR_CALM)
+      self._cut(conn, e)
     except (OSError, h2.exceptions.ProtocolError):  # gone, or not HTTP/2 (h2 said GOAWAY)
       self._close(conn)
-    except Exception:  # pylint: disable=broad-except
-      log.exception("health port: a connection of %s closed: serving it failed", conn.peer)
+    except Exception as e:  # pylint: disable=broad-except
+      self._bug(f"serving a connection of {conn.peer.key}", e)
       self._close(conn, h2.errors.ErrorCodes.INTERNAL_ERROR)
+    if conn.peer.charge(time.monotonic(), time.thread_time() - began) < 0:
+      self._cut(conn, _Closed("budget", f"it cost the loop more than "
+                              f"{HEALTH_PEER_CPU_BURST_S:g}s of CPU within "
+                              f"{HEALTH_PEER_CPU_REFILL_S:g}s; it is refused until "
+                              "that is paid back"))
+
+  def _cut(self, conn: _Connection, why: _Closed) -> None:
+    """Closes a connection for what its peer did (throttled log line)."""
+    if conn in self._conns:
+      self._throttled.warning(("closed", why.why), "health port: closed a connection of "
+                              "%s: %s", conn.peer.key, why)
+      self._close(conn, h2.errors.ErrorCodes.ENHANCE_YOUR_CALM)
+
+  def _bug(self, doing: str, e: Exception) -> None:
+    """A bug met serving: its traceback, once per period and kind."""
+    self._throttled.warning(("bug", type(e).__name__), "health port: %s failed (a bug; "
+                            "the port serves on): %s", doing, e, exc_info=True)
 
   def _serve(self, conn: _Connection, mask: int) -> None:
     """What a connection's socket is ready for."""
@@ -265,7 +359,10 @@ class HealthPort:
 
   def _accept(self) -> None:
     assert self._listener is not None
-    for _ in range(_ACCEPTS_PER_TICK):
+    admitted = 0
+    for _ in range(_BACKLOG):
+      if admitted >= _ACCEPTS_PER_TICK:
+        return
       try:
         sock, address = self._listener.accept()
       except (BlockingIOError, InterruptedError):
@@ -280,26 +377,60 @@ class HealthPort:
         self._throttled.warning(("accept", e.errno), "health port: cannot accept a "
                                 "connection: %s%s", e, hint)
         return
+      now = time.monotonic()
+      peer = self._peer(address[0])
+      if peer.level(now) < 0:
+        peer.refused += 1
+        self._throttled.warning(("refused", "budget"), "health port: refused a connection "
+                                "of %s: it has cost the loop more than its budget "
+                                "(%d refused so far)", peer.key, peer.refused)
+        sock.close()
+        continue
+      admitted += 1
       try:
-        self._admit(sock, address[0])
-      except OSError:  # reset before it was greeted
+        self._admit(sock, peer, now)
+      except Exception as e:  # pylint: disable=broad-except
+        self._bug("admitting a connection", e)
         sock.close()
 
-  def _admit(self, sock: socket.socket, peer: str) -> None:
-    """Makes room for the newcomer (module docstring) and greets it."""
-    mine = self._by_peer.get(peer, [])
-    if len(mine) >= HEALTH_MAX_CONNECTIONS_PER_PEER:
-      self._throttled.warning("peer", "health port: %s has %d connections open; closing "
-                              "its oldest for its newcomer", peer, len(mine))
-      self._close(mine[0])
+  def _peer(self, address: str) -> _Peer:
+    """The _Peer of `address`, made if new, marked as seen just now."""
+    key = _peer_key(address)
+    peer = self._peers.get(key)
+    if peer is None:
+      if len(self._peers) >= HEALTH_MAX_PEERS:  # forget the least recently seen idle one
+        for old in self._peers.values():
+          if not old.conns:
+            del self._peers[old.key]
+            break
+      peer = self._peers[key] = _Peer(key, budget_at=time.monotonic())
+    self._peers.move_to_end(key)
+    return peer
+
+  def _admit(self, sock: socket.socket, peer: _Peer, now: float) -> None:
+    """Makes room for the newcomer (module docstring) and greets it; or
+    closes it, when every connection that could make room is answering."""
+    victim: _Connection | None = None
+    if len(peer.conns) >= HEALTH_MAX_CONNECTIONS_PER_PEER:
+      victim = _spare(peer.conns)
+      self._throttled.warning(("peer", victim is None), "health port: %s has %d connections "
+                              "open; %s", peer.key, len(peer.conns), "each is answering: "
+                              "closing its newcomer" if victim is None else
+                              "closing one for its newcomer")
+      if victim is None:
+        sock.close()
+        return
     elif len(self._conns) >= HEALTH_MAX_CONNECTIONS:
-      most = max(self._by_peer.values(), key=len)
-      self._throttled.warning("full", "health port: %d connections open; closing the "
-                              "oldest of %s, which has %d", len(self._conns), most[0].peer,
-                              len(most))
-      self._close(most[0])
-    sock.setblocking(False)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+      victim = self._spare_of_most()
+      self._throttled.warning(("full", victim is None), "health port: %d connections open; "
+                              "%s", len(self._conns), "each is answering: closing the "
+                              "newcomer" if victim is None else "closing one of "
+                              f"{victim.peer.key}, which has {len(victim.peer.conns)}")
+      if victim is None:
+        sock.close()
+        return
+    if victim is not None:
+      self._close(victim)
     config = h2.config.H2Configuration(client_side=False, header_encoding=None)
     conn = h2.connection.H2Connection(config)
     conn.local_settings = h2.settings.Settings(client=False, initial_values={
@@ -308,47 +439,55 @@ class HealthPort:
     })
     conn.decoder.max_header_list_size = HEALTH_MAX_HEADER_LIST_BYTES  # decoded
     conn.initiate_connection()
-    now = time.monotonic()
-    c = _Connection(sock, peer, conn, opened=now, answered_at=now, budget_at=now)
-    self._conns.add(c)
-    self._by_peer.setdefault(peer, []).append(c)
-    self._selector.register(sock, selectors.EVENT_READ, c)
-    self._flush(c)
+    c = _Connection(sock, peer, conn, opened=now, answered_at=now)
+    self._conns[c] = None
+    peer.conns.append(c)
+    try:
+      self._selector.register(sock, selectors.EVENT_READ, c)
+      sock.setblocking(False)
+      sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+      self._flush(c)
+    except OSError:  # reset before it was greeted: out of the selector, then closed
+      self._close(c)
+    except BaseException:
+      self._close(c)
+      raise
+
+  def _spare_of_most(self) -> _Connection | None:
+    """For a newcomer past the total: the oldest connection not answering of
+    the addresses holding the most, else the oldest not answering of any."""
+    most = max(len(p.conns) for p in {c.peer for c in self._conns})
+    oldest = None
+    for c in self._conns:  # oldest first
+      if not c.answering():
+        if len(c.peer.conns) == most:
+          return c
+        oldest = oldest or c
+    return oldest
 
   def _close(self, conn: _Connection,
              error: h2.errors.ErrorCodes = h2.errors.ErrorCodes.NO_ERROR) -> None:
     """GOAWAY (as far as the socket takes it now), then closed."""
     if conn not in self._conns:
       return
-    self._conns.discard(conn)
-    mine = self._by_peer.get(conn.peer, [])
-    if conn in mine:
-      mine.remove(conn)
-    if not mine:
-      self._by_peer.pop(conn.peer, None)
+    del self._conns[conn]
+    conn.peer.conns.remove(conn)
+    try:
+      self._selector.unregister(conn.sock)  # first: its descriptor is reused once closed
+    except (KeyError, ValueError):
+      pass
     try:
       conn.h2.close_connection(error)
       conn.sock.send(conn.unsent + conn.h2.data_to_send())
     except (OSError, h2.exceptions.ProtocolError):
       pass
-    try:
-      self._selector.unregister(conn.sock)
-    except (KeyError, ValueError):
-      pass
     conn.sock.close()
 
   def _receive(self, conn: _Connection) -> None:
     now = time.monotonic()
-    conn.budget = min(HEALTH_RECEIVE_BUDGET_BYTES, conn.budget + (now - conn.budget_at)
-                      * HEALTH_RECEIVE_BUDGET_BYTES / HEALTH_RECEIVE_REFILL_S)
-    conn.budget_at = now
-    data = conn.sock.recv(1 << 14)
+    data = conn.sock.recv(_READ_BYTES)  # the rest, next round
     if not data:
       raise ConnectionResetError("the client closed the connection")
-    conn.budget -= len(data)
-    if conn.budget < 0:
-      raise _Closed("budget", f"sent more than {HEALTH_RECEIVE_BUDGET_BYTES} bytes "
-                    f"within {HEALTH_RECEIVE_REFILL_S:g}s")
     for event in conn.h2.receive_data(data):
       self._on_event(conn, event, now)
 
@@ -438,10 +577,10 @@ class HealthPort:
         self._reply(conn, stream_id, call,
                     pb.HealthCheckResponse(status=status).SerializeToString())
       return
-    watching = sum(c.watches() for c in self._by_peer.get(conn.peer, []))
+    watching = sum(c.watches() for c in conn.peer.conns)
     if watching >= MAX_WATCHES_PER_PEER:
       self._end(conn, stream_id, _RESOURCE_EXHAUSTED, f"{MAX_WATCHES_PER_PEER} health "
-                f"Watch streams of {conn.peer} are open already")
+                f"Watch streams of {conn.peer.key} are open already")
       return
     call.service, call.watch_until = service, now + self._watch_s
     call.answered = True
@@ -485,6 +624,27 @@ class HealthPort:
         conn.h2.reset_stream(stream_id, h2.errors.ErrorCodes.NO_ERROR)
       except h2.exceptions.StreamClosedError:  # its END_STREAM came meanwhile
         pass
+
+
+def _spare(conns: list[_Connection]) -> _Connection | None:
+  """The connection to close for a newcomer (_Connection.spare_rank); None
+  if each is answering."""
+  ranked = [(rank, i) for i, c in enumerate(conns) if (rank := c.spare_rank()) is not None]
+  return conns[min(ranked)[1]] if ranked else None
+
+
+def _peer_key(address: str) -> str:
+  """What budgets are kept for: an IPv4 address (an IPv4-mapped IPv6 one
+  too), or an IPv6 address's /64, which one host holds whole."""
+  if ":" not in address:
+    return address
+  try:
+    ip = ipaddress.IPv6Address(address.split("%")[0])
+  except ValueError:
+    return address
+  if ip.ipv4_mapped is not None:
+    return str(ip.ipv4_mapped)
+  return str(ipaddress.IPv6Network((ip, 64), strict=False))
 
 
 def _framed(message: bytes) -> bytes:

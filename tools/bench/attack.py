@@ -32,6 +32,21 @@ defend against:
   watch         130 connections to the gRPC port, each holding one health
                 Watch sent without a token; reopened when ended or closed
 
+With --health, the health port's own floods instead (tools/testing/h2peer.py
+`flood`), each from a process of its own for --seconds while probes come
+every 0.1 s from 127.0.0.1, as a kubelet's do:
+
+  rapid-reset   125 connections/s from 127.0.0.2, each 100 HEADERS + RST_STREAM
+  ping          PING frames nonstop from 127.0.0.2
+  settings      empty SETTINGS frames nonstop from 127.0.0.2
+  hpack         125 connections/s from 127.0.0.2, each one HPACK bomb
+  reset         250 connections/s from 127.0.0.2, each reset as it connects
+  connect-many  500 connections/s from 200 addresses (127.0.1.x), 256 held
+  connect-same  500 connections/s from the prober's own address, 16 held
+
+and reports the probes' p50, p99, max and failures, and the supervisor's
+CPU (the health port is one of its threads) over the flood.
+
 The last four are raw HTTP/2 peers (the `h2` library, tools/testing/h2peer.py),
 what no gRPC client library sends on purpose; each says on stderr, when it
 ends, how many calls the server cut, refused (REFUSED_STREAM) and let it hold.
@@ -69,7 +84,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.proto import elevator_pb2_grpc as pb_grpc
 from grain_elevator.proto import framing
-from grain_elevator.tools.testing.h2peer import H2Peer
+from grain_elevator.tools.testing.h2peer import H2Peer, flood
 
 KINDS = ("grpc-unread", "bulk-unread", "bulk-idle", "oversize", "slowloris",
          "headers", "halfsent", "idlegrpc", "watch")
@@ -297,10 +312,85 @@ def hostile(kind: str, target: str, bulk_port: int, seconds: float) -> None:
               methods=(WATCH,), declared_bytes=0)
 
 
+# The health port's floods (--health) -----------------------------------------
+
+# name: (h2peer flood, connections/s, sources, held)
+HEALTH_FLOODS: dict[str, tuple[str, float, tuple[str, ...], int]] = {
+    "rapid-reset": ("rapid-reset", 125, ("127.0.0.2",), 0),
+    "ping": ("ping", 0, ("127.0.0.2",), 0),
+    "settings": ("settings", 0, ("127.0.0.2",), 0),
+    "hpack": ("hpack", 125, ("127.0.0.2",), 0),
+    "reset": ("reset", 250, ("127.0.0.2",), 0),
+    "connect-many": ("connect", 500, tuple(f"127.0.1.{i}" for i in range(1, 201)), 256),
+    "connect-same": ("connect", 500, ("127.0.0.1",), 16),
+}
+HEALTH_PROBE_PERIOD_S = 0.1
+
+
+def health_flood(name: str, target: str, seconds: float) -> None:
+  """One flood of HEALTH_FLOODS at the health port `target`; says what it did."""
+  kind, rate, sources, held = HEALTH_FLOODS[name]
+  host, port = target.rsplit(":", 1)
+  _raise_nofile(held + 256)
+  stats = flood(kind, host, int(port), seconds, rate=rate or 1.0, sources=sources,
+                hold=held)
+  print(f"flood {name}: {stats}", file=sys.stderr, flush=True)
+
+
+def _health_phase(name: str, server, seconds: float) -> dict[str, Any]:
+  """Probes the health port for `seconds` while flood `name` runs (none: "alone")."""
+  attacker = None
+  if name != "alone":
+    attacker = subprocess.Popen([sys.executable, "-m", "grain_elevator.tools.bench.attack",
+                                 "--health-flood", name, "--target", server.health_target,
+                                 "--seconds", str(seconds + 2)])
+    time.sleep(1)  # under way before the first probe
+  supervisor = psutil.Process(server.proc.pid)
+  cpu_before, wall_before = sum(supervisor.cpu_times()[:2]), time.monotonic()
+  prober = subprocess.Popen(
+      [sys.executable, "-m", "grain_elevator.tools.bench.attack", "--probe",
+       "--health-target", server.health_target, "--period", str(HEALTH_PROBE_PERIOD_S)],
+      stdout=subprocess.PIPE, text=True)
+  time.sleep(seconds)
+  prober.terminate()
+  try:
+    got = json.loads(prober.communicate(timeout=30)[0])["health_port"]
+  except subprocess.TimeoutExpired:  # a probe's connection hangs past its deadline
+    prober.kill()
+    prober.communicate()
+    got = [[None, False]]
+  cpu = (sum(supervisor.cpu_times()[:2]) - cpu_before) / (time.monotonic() - wall_before)
+  if attacker is not None:
+    try:
+      attacker.wait(30)
+    except subprocess.TimeoutExpired:
+      attacker.kill()
+      attacker.wait()
+  took = np.asarray([float("inf") if s is None else s for s, _ in got])
+  return {"flood": name, "probes": len(took), "failed": sum(1 for s, ok in got if not ok),
+          "p50_ms": float(np.median(took) * 1e3), "p99_ms": float(np.percentile(took, 99) * 1e3),
+          "max_ms": float(took.max() * 1e3), "supervisor_cpu": cpu}
+
+
+def health_bench(names: list[str], seconds: float) -> list[dict[str, Any]]:
+  from grain_elevator.tools import demo  # pylint: disable=g-import-not-at-top
+  from grain_elevator.tools.testing.launcher import LocalServer  # pylint: disable=g-import-not-at-top
+  with tempfile.TemporaryDirectory() as root:
+    config = demo.write_dataset(pathlib.Path(root), "generated").config
+    with LocalServer(config, workers=1) as server:
+      rows = [_health_phase(name, server, seconds) for name in ["alone", *names]]
+  print(f"\n{'flood':<14}{'probes':>7}{'failed':>7}{'p50':>9}{'p99':>9}{'max':>9}"
+        f"{'supervisor CPU':>16}")
+  for r in rows:
+    print(f"{r['flood']:<14}{r['probes']:>7}{r['failed']:>7}{r['p50_ms']:>7.1f}ms"
+          f"{r['p99_ms']:>7.1f}ms{r['max_ms']:>7.1f}ms{r['supervisor_cpu'] * 100:>14.0f} %")
+  return rows
+
+
 # The trainer's side ---------------------------------------------------------
 
 def _probe_health(target: str, stop: threading.Event,
-                  out: list[tuple[float, bool]]) -> None:
+                  out: list[tuple[float, bool]], period_s: float = 0.25) -> None:
   """(latency, SERVING?) of a Check every 0.25 s at `target`, each on a
   connection of its own; an error's latency is inf. The first, which pays
   for this process's gRPC start-up (a kubelet's is long running), is not
@@ -309,7 +399,7 @@ def _probe_health(target: str, stop: threading.Event,
   _probe_once(target, warm_up)
   while not stop.is_set():
     _probe_once(target, out)
-    stop.wait(0.25)
+    stop.wait(period_s)
 
 
 def _probe_once(target: str, out: list[tuple[float, bool]]) -> None:
@@ -324,14 +414,14 @@ def _probe_once(target: str, out: list[tuple[float, bool]]) -> None:
       out.append((float("inf"), False))
 
 
-def probe(targets: dict[str, str]) -> None:
+def probe(targets: dict[str, str], period_s: float = 0.25) -> None:
   """Probes each of `targets` (name: address) from a thread of its own until
   SIGTERM, then prints {name: [[latency, SERVING?], ...]} as JSON. A process
   apart from the trainer's, whose GIL would delay the probes it times."""
   stop = threading.Event()
   signal.signal(signal.SIGTERM, lambda *_: stop.set())
   got: dict[str, list[tuple[float, bool]]] = {name: [] for name in targets}
-  threads = [threading.Thread(target=_probe_health, args=(target, stop, got[name]))
+  threads = [threading.Thread(target=_probe_health, args=(target, stop, got[name], period_s))
              for name, target in targets.items()]
   for t in threads:
     t.start()
@@ -431,12 +521,34 @@ def main() -> int:
   parser.add_argument("--kinds", default=",".join(KINDS),
                       help=f"attackers, comma-separated (default: all of {', '.join(KINDS)})")
   parser.add_argument("--json", help="also write the results here")
+  parser.add_argument("--health", action="store_true",
+                      help="the health port's floods instead (see above)")
+  parser.add_argument("--floods", default=",".join(HEALTH_FLOODS),
+                      help="with --health: which, comma-separated (default: all)")
+  parser.add_argument("--flood-seconds", type=float, default=8.0,
+                      help="with --health: how long each flood lasts")
+  parser.add_argument("--health-flood", choices=sorted(HEALTH_FLOODS), help=argparse.SUPPRESS)
+  parser.add_argument("--period", type=float, default=0.25, help=argparse.SUPPRESS)
   args = parser.parse_args()
   if args.hostile:
     hostile(args.hostile, args.target, args.bulk_port, args.seconds)
     return 0
+  if args.health_flood:
+    health_flood(args.health_flood, args.target, args.seconds)
+    return 0
   if args.probe:
-    probe({"health_port": args.health_target, "grpc_port": args.target})
+    targets = {"health_port": args.health_target}
+    if args.target:
+      targets["grpc_port"] = args.target
+    probe(targets, args.period)
+    return 0
+  if args.health:
+    names = args.floods.split(",")
+    if not set(names) <= set(HEALTH_FLOODS):
+      parser.error(f"--floods: unknown {sorted(set(names) - set(HEALTH_FLOODS))}")
+    rows = health_bench(names, args.flood_seconds)
+    if args.json:
+      pathlib.Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0
   kinds = args.kinds.split(",")
   if not set(kinds) <= set(KINDS):
