@@ -37,7 +37,7 @@ class Backend(Protocol):
 
   def skip(self, request: pb.BatchRequest, token: Any) -> str:
     """A stream dataset's position after the steps of `request` (at most
-    limits.MAX_SKIP_STEPS), none of them sent."""
+    limits.skip_steps(G)), none of them sent."""
 
   def explain(self, request: pb.ExplainRequest) -> dict[str, Any]:
     """Where each row of one step came from, or a summary of steps

@@ -64,7 +64,11 @@ MAX_STATE_DEPTH = 128
 # computed by the servers, MAX_SKIP_ROWS per Skip call, before the job resumes.
 MAX_STREAM_SKIP_ROWS = 1 << 26
 
-_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+# A JSON string, or an unterminated one to the end of the text: each match
+# ends where the next begins, so stripping them is linear (a pattern that
+# needs the closing quote is retried from every quote: quadratic on text
+# such as `\\"` repeated, seconds for 20 KB).
+_STRING = re.compile(r'"(?:[^"\\]|\\.)*"?', re.DOTALL)
 _NOT_BRACKET = re.compile(r"[^\[\]{}]+")
 
 Skips = tuple[tuple[int, int], ...]

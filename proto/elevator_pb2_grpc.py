@@ -79,7 +79,8 @@ class ElevatorServicer:
         start_step + num_steps) from the request's stream_state, found without
         sending any of them (a skip, for rollback-and-skip after a loss spike).
         A 1:1 dataset needs no call: its steps are found in O(1) from the step.
-        num_steps is at most 65536 per call (proto/limits.py MAX_SKIP_STEPS);
+        num_steps is at most MAX_SKIP_ROWS // G (at least 1) per call
+        (proto/limits.py);
         OUT_OF_RANGE if the stream ends first.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

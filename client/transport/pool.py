@@ -452,7 +452,7 @@ class ConnectionPool:
 
   def skip(self, request: pb.BatchRequest, token: CancelToken) -> str:
     """The position after the steps of `request` (a stream dataset's; at
-    most MAX_SKIP_STEPS), none of them sent, from any replica; checked to be
+    most limits.skip_steps(G)), none of them sent, from any replica; checked to be
     one of its stream's."""
     self._open_control()
     info = self._infos.get(request.dataset)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import pathlib
 import shutil
 import subprocess
 import sys
@@ -214,12 +215,19 @@ def test_maxtext_recipe_of_the_client_docs(server, oracle, tmp_path):
 
 # --- torchtitan -----------------------------------------------------------
 
+# Where `make test` installs torchtitan and tyro, without torchtitan's own
+# requirements (the Makefile's TITAN says why): on this test's path alone.
+TITAN_DIR = pathlib.Path(sys.prefix) / "torchtitan"
+
+
 def _titan() -> Any:
   pytest.importorskip("torch", reason="the torch extra is not installed")
+  if TITAN_DIR.is_dir() and str(TITAN_DIR) not in sys.path:
+    sys.path.append(str(TITAN_DIR))
   return pytest.importorskip(
       "torchtitan.components.dataloader", reason=(
-          "torchtitan is not installed: `make test` leaves it out, as torchtitan 0.3.0 "
-          "needs datasets<4.8, whose fsspec<=2026.2.0 conflicts with lock/main.txt's fsspec"))
+          f"torchtitan is not installed: `make test` puts it in {TITAN_DIR} (the "
+          "Makefile's TITAN), and `make test TORCH=` leaves it out"))
 
 
 def test_torchtitan_refuses_a_state_of_another_world_size(server):
@@ -252,7 +260,9 @@ def test_torchtitan_recipe_resumes_on_another_world_size(server, config_path, tm
       [sys.executable, str(SCRIPTS / "torchtitan_rank.py"), "--target", server.target,
        "--config", config_path, "--global-batch-size", str(G), "--out", str(tmp_path),
        *[arg for stage in stages for arg in ("--stage", json.dumps(stage))]],
-      capture_output=True, text=True, timeout=600)
+      capture_output=True, text=True, timeout=600,
+      env={**os.environ, "PYTHONPATH": os.pathsep.join(
+          p for p in (os.environ.get("PYTHONPATH"), str(TITAN_DIR)) if p)})
   logs = {p.name: p.read_text() for p in sorted(tmp_path.glob("stage*-rank*.log"))}
   assert run.returncode == 0, f"{run.stdout}{run.stderr}\n{logs}"
   last = {name: text.strip().splitlines()[-1] for name, text in logs.items()}
