@@ -5,8 +5,10 @@ from __future__ import annotations
 import contextlib
 import os
 import pathlib
+import re
 import socket
 import subprocess
+import sys
 import time
 from typing import Any, Callable, Iterable, Iterator
 
@@ -226,3 +228,16 @@ def run_beam(*args: str, env: dict[str, str] | None = None) -> subprocess.Comple
       capture_output=True, text=True, check=False, cwd=ROOT, timeout=300,
       env=None if env is None else {**os.environ, **env})
 
+
+
+def run_fuzzer(fuzzer: pathlib.Path, seconds: int, out: pathlib.Path, *args: str) -> str:
+  """A bounded run of one of tests/fuzz/'s fuzzers (`make fuzz` runs them
+  longer): its output, once it exited 0 reporting 0 findings."""
+  result = subprocess.run(
+      [sys.executable, str(fuzzer), "--seconds", str(seconds), "--seed", "17", *args,
+       "--out", str(out)],
+      capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+  assert re.search(r"inputs in \d+ s, 0 findings$", result.stdout.rstrip()), \
+      result.stdout[-3000:]
+  return result.stdout

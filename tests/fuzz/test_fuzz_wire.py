@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import pathlib
 import re
-import subprocess
-import sys
 
 import pytest
+
+from helpers import run_fuzzer
 
 pytestmark = pytest.mark.slow  # starts a server, then fuzzes for seconds
 
@@ -24,13 +24,7 @@ FUZZER = pathlib.Path(__file__).parent / "fuzz_wire.py"
 
 
 def test_the_wire_survives_3_seconds_of_mutants(tmp_path):
-  result = subprocess.run(
-      [sys.executable, str(FUZZER), "--seconds", "3", "--seed", "17",
-       "--out", str(tmp_path / "findings")],
-      capture_output=True, text=True, timeout=300)
-  assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
-  assert re.search(r"inputs in \d+ s, 0 findings$", result.stdout.rstrip()), \
-      result.stdout[-3000:]
+  stdout = run_fuzzer(FUZZER, 3, tmp_path / "findings")
   for target in ("decode", "server", "client"):
-    assert re.search(rf"^fuzz-wire: {target}: [1-9]\d* inputs, 0 findings", result.stdout,
-                     re.M), (target, result.stdout[-3000:])
+    assert re.search(rf"^fuzz-wire: {target}: [1-9]\d* inputs, 0 findings", stdout,
+                     re.M), (target, stdout[-3000:])

@@ -49,15 +49,6 @@ PROBES = 40
 MAX_BEFORE_REFUSED = 400
 
 
-@pytest.fixture
-def port() -> Iterator[tuple[str, int]]:
-  health = hp.HealthPort(lambda: SERVING, ("",), watch_s=5.0)
-  try:
-    yield "127.0.0.1", health.start("127.0.0.1", 0)
-  finally:
-    health.stop()
-
-
 def _admitted(address: tuple[str, int], flight: bytes, source: str) -> bool:
   """Connects from `source`, sends `flight`, reads until the server closes:
   False if it sent no byte (refused as it was accepted), True if it greeted
@@ -83,37 +74,37 @@ def _probe(target: str) -> int | None:
       return None
 
 
-def test_a_churning_address_spends_one_budget(port, grain_elevator_logs):
+def test_a_churning_address_spends_one_budget(lone_health_port, grain_elevator_logs):
   # Each connection sends 100 HEADERS + RST_STREAM (2.9 KB, within the
   # 4 KiB that each fresh connection got before) and is closed. The address
   # pays for all of them: once its budget is spent its newcomers are refused,
   # while another address is answered.
   flight = h2peer.rapid_reset_bytes(100)
   for opened in range(1, MAX_BEFORE_REFUSED + 1):
-    if not _admitted(port, flight, ATTACKER):
+    if not _admitted(lone_health_port, flight, ATTACKER):
       break
   else:
     raise AssertionError(f"{MAX_BEFORE_REFUSED} connections of {ATTACKER} admitted")
   print(f"\nrefused after {opened} connections", end=" ")
-  assert _probe(f"{port[0]}:{port[1]}") == SERVING  # from 127.0.0.1
-  assert not _admitted(port, h2peer.PREFACE, ATTACKER)  # still in debt
+  assert _probe(f"{lone_health_port[0]}:{lone_health_port[1]}") == SERVING  # from 127.0.0.1
+  assert not _admitted(lone_health_port, h2peer.PREFACE, ATTACKER)  # still in debt
   assert f"refused a connection of {ATTACKER}" in grain_elevator_logs.text
   assert "Traceback" not in grain_elevator_logs.text
 
 
-def test_an_answer_in_progress_is_not_evicted(port):
+def test_an_answer_in_progress_is_not_evicted(lone_health_port):
   # A call whose headers have come (its message not yet), then a flood of
   # connections from the same address, past its limit. Before, the oldest
   # connection, the one holding the call, was closed for a newcomer.
   # The message must follow within REQUEST_ARRIVAL_TIMEOUT_S (1 s), else
   # the call is cut: the flood below takes ~0.1 s here.
-  with contextlib.closing(H2Peer(*port, source="127.0.0.3")) as caller:
+  with contextlib.closing(H2Peer(*lone_health_port, source="127.0.0.3")) as caller:
     deadline = time.monotonic() + 5
     while not caller.settled and time.monotonic() < deadline:
       caller.read(0.05)
     call = caller.open_call(CHECK)
     caller.read(0.05)
-    flood = [H2Peer(*port, source="127.0.0.3")
+    flood = [H2Peer(*lone_health_port, source="127.0.0.3")
              for _ in range(2 * hp.HEALTH_MAX_CONNECTIONS_PER_PEER)]
     try:
       deadline = time.monotonic() + 5

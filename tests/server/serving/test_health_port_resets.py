@@ -22,7 +22,6 @@ import contextlib
 import socket
 import struct
 import threading
-from typing import Iterator
 
 import grpc
 import h2.config
@@ -30,21 +29,10 @@ import h2.connection
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from grain_elevator.server.serving import health_port as hp
-
 SERVING = health_pb2.HealthCheckResponse.SERVING
 PROBES = 25
 ENDINGS = 60  # connections ended each way before the probes
 _LINGER_0 = struct.pack("ii", 1, 0)  # close() sends RST
-
-
-@pytest.fixture
-def port() -> Iterator[tuple[str, int]]:
-  health = hp.HealthPort(lambda: SERVING, ("",), watch_s=5.0)
-  try:
-    yield "127.0.0.1", health.start("127.0.0.1", 0)
-  finally:
-    health.stop()
 
 
 def _check_request() -> bytes:
@@ -104,11 +92,12 @@ def _health_port_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
 
 
 @pytest.mark.parametrize("ending", list(ENDS))
-def test_every_probe_is_answered_after_connections_end(port, ending, grain_elevator_logs):
+def test_every_probe_is_answered_after_connections_end(lone_health_port, ending,
+                                                      grain_elevator_logs):
   sent, reset = ENDS[ending]
   for _ in range(ENDINGS):
-    _end(port, sent, reset)
-  answers = [_probe(port) for _ in range(PROBES)]
+    _end(lone_health_port, sent, reset)
+  answers = [_probe(lone_health_port) for _ in range(PROBES)]
   assert answers.count(SERVING) == PROBES, f"{ending}: {answers}"
   assert "Traceback" not in grain_elevator_logs.text
   # One line per period for each way a peer errs: a handful, not one each.
@@ -116,7 +105,7 @@ def test_every_probe_is_answered_after_connections_end(port, ending, grain_eleva
   assert len(lines) <= 3, lines
 
 
-def test_probes_are_answered_while_connections_are_reset(port, grain_elevator_logs):
+def test_probes_are_answered_while_connections_are_reset(lone_health_port, grain_elevator_logs):
   # Resets from another thread while the probes run: a probe never gets a
   # descriptor that the loop has stopped reading.
   stop = threading.Event()
@@ -125,11 +114,11 @@ def test_probes_are_answered_while_connections_are_reset(port, grain_elevator_lo
     while not stop.is_set():
       for sent, reset in ENDS.values():
         with contextlib.suppress(OSError):
-          _end(port, sent, reset)
+          _end(lone_health_port, sent, reset)
   thread = threading.Thread(target=resets, daemon=True)
   thread.start()
   try:
-    answers = [_probe(port) for _ in range(PROBES)]
+    answers = [_probe(lone_health_port) for _ in range(PROBES)]
   finally:
     stop.set()
     thread.join()
