@@ -639,10 +639,12 @@ class Server:
       shutil.rmtree(self._crash_dir, ignore_errors=True)
 
   def _await_exits(self, deadline: float) -> None:
-    """Until every worker has exited (its status reported, or no longer
-    running by /proc) or `deadline`."""
+    """Until every worker's exit is reported, or `deadline`. A worker gone
+    by /proc may not be reported yet (its fork server reaps it a moment
+    later), so it is waited for too: a stopped fork server, which never
+    reports, was killed before (its workers then read as lost at once)."""
     while time.monotonic() < deadline:
-      running = [p for p in self._procs.values() if _running(p.pid) and p.is_alive()]
+      running = [p for p in self._procs.values() if p.is_alive()]
       if not running:
         return
       mp.connection.wait([p.sentinel for p in running],
