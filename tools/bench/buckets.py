@@ -791,11 +791,15 @@ def notes(wl: dict[str, Any]) -> list[str]:
   if plan and plan.get("store_gets_per_s"):
     runs = plan["runs"]
     srv = lambda k: _med([(r.get("server") or {}).get(k) for r in runs]) or 0.0  # noqa: E731
+    def ms(fig: str) -> str:  # a short run's store may have timed no read
+      value = _median(plan, fig)
+      return "n/a" if value is None else f"{value * 1e3:.0f} ms"
+
     out.append(
         f"by plan, at the store: {_median(plan, 'store_gets_per_s'):,.0f} requests/s, mean "
-        f"latency {_median(plan, 'store_latency_s') * 1e3:.0f} ms (time to first byte "
-        f"{_median(plan, 'ttfb_mean_s') * 1e3:.0f} ms), {_median(plan, 'refused'):,.0f} refused, "
-        f"the store's CPU {_median(plan, 'store_cores'):.2f} cores; the server's GETs a run: "
+        f"latency {ms('store_latency_s')} (time to first byte "
+        f"{ms('ttfb_mean_s')}), {_median(plan, 'refused') or 0:,.0f} refused, "
+        f"the store's CPU {_median(plan, 'store_cores') or 0:.2f} cores; the server's GETs a run: "
         f"{srv('gets_answered'):,.0f} answered, {srv('gets_refused'):,.0f} refused, "
         f"{srv('gets_retried'):,.0f} retried, {srv('gets_hedged'):,.0f} hedged, "
         f"{srv('gets_failed'):,.0f} failed; CPU "

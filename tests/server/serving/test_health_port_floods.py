@@ -86,8 +86,9 @@ def test_a_churning_address_spends_one_budget(lone_health_port, grain_elevator_l
   else:
     raise AssertionError(f"{MAX_BEFORE_REFUSED} connections of {ATTACKER} admitted")
   print(f"\nrefused after {opened} connections", end=" ")
+  # Another address is answered meanwhile. (Whether the churner is still
+  # refused now depends on how long the probe took: its budget refills.)
   assert _probe(f"{lone_health_port[0]}:{lone_health_port[1]}") == SERVING  # from 127.0.0.1
-  assert not _admitted(lone_health_port, h2peer.PREFACE, ATTACKER)  # still in debt
   assert f"refused a connection of {ATTACKER}" in grain_elevator_logs.text
   assert "Traceback" not in grain_elevator_logs.text
 
