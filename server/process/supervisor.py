@@ -83,6 +83,8 @@ _START_TIMEOUT_S = 120.0
 # The longest the supervise thread sleeps: how soon it sees `stop`, a
 # restarted worker's start-up error and a slot that has become stable.
 _POLL_S = 0.2
+# How often a stop sends SIGTERM again to a worker that has not exited.
+_RESEND_S = 1.0
 
 # Environment of every worker, unless the operator set a variable already:
 # glibc's allocator settings (proto/malloc.py), and numpy's huge-page advice
@@ -615,10 +617,13 @@ class Server:
     for p in self._procs.values():
       if _running(p.pid):
         p.terminate()
-    # Exits are seen from /proc as well as from the fork server's report,
-    # which a stopped or dead fork server never sends.
+    # A worker just forked ignores SIGTERM until its first line runs (the
+    # fork server's own setting, lifeline.start_worker): one that a restart
+    # started as the stop began lost its SIGTERM and served on until the
+    # SIGKILL. So it is sent again while they are awaited; a worker's
+    # handler only sets its stop event, so a second one changes nothing.
     deadline = time.monotonic() + self.options.grace_s + 5.0
-    self._await_exits(deadline)
+    self._await_exits(deadline, resend=signal.SIGTERM)
     for p in self._procs.values():
       if _running(p.pid):
         p.kill()
@@ -638,15 +643,22 @@ class Server:
     if self._crash_dir is not None:
       shutil.rmtree(self._crash_dir, ignore_errors=True)
 
-  def _await_exits(self, deadline: float) -> None:
-    """Until every worker's exit is reported, or `deadline`. A worker gone
+  def _await_exits(self, deadline: float, resend: int | None = None) -> None:
+    """Until every worker's exit is reported, or `deadline`; `resend`: a
+    signal sent again to those still running every _RESEND_S. A worker gone
     by /proc may not be reported yet (its fork server reaps it a moment
     later), so it is waited for too: a stopped fork server, which never
     reports, was killed before (its workers then read as lost at once)."""
+    sent = time.monotonic()
     while time.monotonic() < deadline:
       running = [p for p in self._procs.values() if p.is_alive()]
       if not running:
         return
+      if resend is not None and time.monotonic() - sent >= _RESEND_S:
+        sent = time.monotonic()
+        for p in running:
+          if _running(p.pid):
+            os.kill(p.pid, resend)
       mp.connection.wait([p.sentinel for p in running],
                          timeout=min(_POLL_S, max(0.0, deadline - time.monotonic())))
 
