@@ -241,3 +241,16 @@ def run_fuzzer(fuzzer: pathlib.Path, seconds: int, out: pathlib.Path, *args: str
   assert re.search(r"inputs in \d+ s, 0 findings$", result.stdout.rstrip()), \
       result.stdout[-3000:]
   return result.stdout
+
+
+def probe(target: str, timeout_s: float = 5.0) -> int | None:
+  """A health Check as the kubelet makes one (a fresh connection, one call):
+  its status, or None without an answer within `timeout_s`."""
+  import grpc  # pylint: disable=g-import-not-at-top
+  from grpc_health.v1 import health_pb2, health_pb2_grpc  # pylint: disable=g-import-not-at-top
+  with grpc.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)]) as ch:
+    try:
+      return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(),
+                                                   timeout=timeout_s).status
+    except grpc.RpcError:
+      return None

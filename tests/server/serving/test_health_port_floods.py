@@ -27,16 +27,15 @@ import threading
 import time
 from typing import Iterator
 
-import grpc
 import numpy as np
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
 from grain_elevator.server.serving import health_port as hp
 from grain_elevator.tools.testing import h2peer
 from grain_elevator.tools.testing.h2peer import H2Peer
 from grain_elevator.tools.testing.launcher import LocalServer
-from helpers import SCRIPTS
+from helpers import SCRIPTS, probe
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 CHECK = "/grpc.health.v1.Health/Check"
@@ -66,12 +65,7 @@ def _admitted(address: tuple[str, int], flight: bytes, source: str) -> bool:
 
 
 def _probe(target: str) -> int | None:
-  with grpc.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)]) as ch:
-    try:
-      return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(),
-                                                   timeout=5).status
-    except grpc.RpcError:
-      return None
+  return probe(target)
 
 
 def test_a_churning_address_spends_one_budget(lone_health_port, grain_elevator_logs):

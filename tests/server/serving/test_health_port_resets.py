@@ -23,11 +23,12 @@ import socket
 import struct
 import threading
 
-import grpc
 import h2.config
 import h2.connection
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
+
+from helpers import probe
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 PROBES = 25
@@ -78,13 +79,7 @@ def _end(address: tuple[str, int], sent: bytes, reset: bool, source: str = "127.
 def _probe(address: tuple[str, int]) -> int | None:
   """A probe as the kubelet makes one (a fresh connection, one Check);
   None: no answer within its deadline."""
-  target = f"{address[0]}:{address[1]}"
-  with grpc.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)]) as ch:
-    try:
-      return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(),
-                                                   timeout=5).status
-    except grpc.RpcError:
-      return None
+  return probe(f"{address[0]}:{address[1]}")
 
 
 def _health_port_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
