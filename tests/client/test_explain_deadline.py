@@ -105,3 +105,34 @@ def test_tracing_stops_within_an_element_of_the_deadline(slow_server, summary):
   assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
   assert (f"of at most {G} rows (MAX_STREAM_SUMMARY_ROWS); G={2 * G} is more"
           in info.value.details())
+
+
+# A mixture summary is arithmetic, counted a chunk of positions at a time;
+# MAX_SUMMARY_ROWS of it (2**28 rows) took 12 s past a 3 s deadline before.
+MIX_G = 1 << 12
+MIX_STEPS = limits.MAX_SUMMARY_ROWS // MIX_G
+
+
+@pytest.fixture(scope="module")
+def mixture_server(data_dir: pathlib.Path, tmp_path_factory: pytest.TempPathFactory):
+  shards = data_dir / "shards" / "*.array_record"
+  config = datasets.write_config(
+      tmp_path_factory.mktemp("mix-summary") / "elevator.toml",
+      a=datasets.raw(shards, seed=1), b=datasets.raw(shards, seed=2),
+      mix=datasets.mixture(a=0.7, b=0.3))
+  with Server(config, ServerOptions(port=0, workers=1, metrics_port=0)) as server:
+    yield server
+
+
+@pytest.mark.timeout(300)
+def test_a_mixture_summary_stops_within_a_chunk_of_the_deadline(mixture_server):
+  request = pb.ExplainRequest(summary=True, request=pb.BatchRequest(
+      dataset="mix", global_batch_size=MIX_G, shard_index=0, shard_count=1,
+      num_steps=MIX_STEPS))
+  with grpc.insecure_channel(mixture_server.target) as channel:
+    with pytest.raises(grpc.RpcError) as info:
+      pb_grpc.ElevatorStub(channel).Explain(request, timeout=DEADLINE_S)
+  assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, info.value.details()
+  began = time.monotonic()
+  wait_for(lambda: _inflight(mixture_server) == 0, "the summary to stop", STOPPED_WITHIN_S)
+  print(f"stopped {time.monotonic() - began:.3f} s after the deadline")
