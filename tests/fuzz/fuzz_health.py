@@ -312,13 +312,30 @@ def _end(rng: random.Random) -> str:
   return rng.choices(ENDS, END_WEIGHTS)[0]
 
 
-def answered(data: bytes) -> tuple[set[str], str | None]:
+def table_size(sent: bytes) -> int:
+  """The HPACK table the server may use toward us: the last
+  SETTINGS_HEADER_TABLE_SIZE that `sent` (mutated, it may be any) gives,
+  else HTTP/2's 4,096. A larger one than the decoder's default is the
+  server's right (RFC 7541 4.2), not a finding."""
+  size = 4096
+  for f in split(sent)[1]:
+    if f[3] == 0x4 and not f[4] & 0x1:  # SETTINGS, not an ACK
+      payload = f[9:]
+      for i in range(0, len(payload) - len(payload) % 6, 6):
+        if int.from_bytes(payload[i:i + 2], "big") == 0x1:
+          size = int.from_bytes(payload[i + 2:i + 6], "big")
+  return size
+
+
+def answered(data: bytes, sent: bytes = b"") -> tuple[set[str], str | None]:
   """The gRPC statuses in the server's frames, and what is wrong with them
-  (None: well-formed HTTP/2 whose header blocks decode)."""
+  (None: well-formed HTTP/2 whose header blocks decode); `sent`: what we
+  sent, whose settings bound the server's header table."""
   if not data:
     return set(), None
   _, frames, _ = split(PREFACE + data)  # the server sends no preface
   decoder = hpack.Decoder()
+  decoder.max_allowed_table_size = table_size(sent)
   decoder.max_header_list_size = 1 << 20
   statuses, block = set(), b""
   for f in frames:
@@ -413,9 +430,9 @@ def main(argv: list[str] | None = None) -> int:
   def run(case: dict[str, Any], expect: set[str] | None = None) -> None:
     nonlocal inputs
     inputs += 1
-    got = send(number, [bytes.fromhex(p) for p in case["pieces"]], case["end"],
-               case["source"])
-    statuses, wrong = answered(got)
+    pieces = [bytes.fromhex(p) for p in case["pieces"]]
+    got = send(number, pieces, case["end"], case["source"])
+    statuses, wrong = answered(got, b"".join(pieces))
     counts.update(f"status {s}" for s in statuses)
     counts["silent" if not got else "answered"] += 1
     if wrong is not None:
