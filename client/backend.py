@@ -27,6 +27,9 @@ class Backend(Protocol):
   # Requests in flight that keep the servers busy, once `describe` was
   # given a global batch size (client/window.py sizes the window from it).
   parallelism: int
+  # Whether a step can say how long a server worker took to make it, by
+  # which requests are sized (client/request_size.py): not in embedded mode.
+  times_steps: bool
 
   def describe(self, dataset: str = "", global_batch_size: int = 0) -> list[DatasetInfo]:
     """What is offered; with a global batch size, also ready to fetch it."""

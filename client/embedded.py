@@ -24,6 +24,7 @@ class EmbeddedBackend:
   """Serves a config's datasets in-process, opening each on first use."""
 
   uses_bulk = False
+  times_steps = False  # fetch threads run the pipeline: requests sized by bytes
   retries = fallbacks = 0
   parallelism = EMBEDDED_REQUESTS  # no server workers: fetch threads run the pipeline here
 

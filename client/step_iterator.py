@@ -1,9 +1,10 @@
 """The reader of a dataset that answers for any step (1:1 and mixtures).
 
-Steps are asked for in chunks (requests of `steps_per_request`), several in
-flight over the pool's connections and replicas (client/transport/pool.py),
-up to `prefetch` steps ahead of the trainer, and delivered in step order,
-each as soon as it has arrived. Chunks end at multiples of their size,
+Steps are asked for in chunks (requests of `steps_per_request`: a short
+time of a server worker's work, client/request_size.py), several in flight
+over the pool's connections and replicas (client/transport/pool.py), up to
+`prefetch` steps ahead of the trainer, and delivered in step order, each
+as soon as it has arrived. Chunks end at multiples of their size,
 whatever step the trainer resumed at, so every trainer asks for the same
 chunks and the worker that owns one serves it once. A skip or a restored
 cursor is O(1): the cursor is a step (and the records before step 0).
@@ -19,6 +20,7 @@ import threading
 import time
 from typing import Any
 
+from grain_elevator.client import request_size
 from grain_elevator.client import state as state_lib
 from grain_elevator.client import window as window_lib
 from grain_elevator.client.backend import Backend
@@ -46,12 +48,23 @@ class StepIterator(ClientIterator):
     # Everything that can refuse (G against the dataset) before the skeleton
     # starts: a half-made iterator would reach the closing thread.
     total = spec.require_info().total_steps(spec.global_batch_size)
-    window = window_lib.for_dataset(spec, backend.parallelism)
+    by_bytes = window_lib.for_dataset(spec, backend.parallelism)
+    # Sized by the workers' time unless the trainer fixed it (or no worker says).
+    size = request_size.RequestSize(by_bytes.steps_per_request, timed=backend.times_steps
+                                    and spec.transport.steps_per_request is None)
+    window = window_lib.for_dataset(spec, backend.parallelism, steps_per_request=size.steps)
     # None: a window the user fixed (prefetch given)
     tune = window_lib.Autotune(window) if window.adaptive else None
     super().__init__(spec, backend, (lambda: tune.prefetch) if tune is not None
                      else (lambda: window.prefetch))
-    self._window, self._tune = window, tune
+    self._window, self._tune, self._size = window, tune, size
+    # Fetch threads: the window's requests at its first size (the smallest),
+    # but no more than its requests by bytes or GROWTH for every connection
+    # (requests beyond would only queue for one).
+    def requests(w: window_lib.Window) -> int:
+      return -(-max(w.prefetch, w.most) // w.steps_per_request)
+    self._threads = max(1, min(requests(window), max(
+        requests(by_bytes), window_lib.GROWTH * backend.parallelism)))
     self._offset = 0  # records before step 0: nonzero once G changed at a checkpoint
     self._total = total
     self._requested = 0  # first step not yet requested
@@ -75,9 +88,8 @@ class StepIterator(ClientIterator):
     if self._total is not None:
       limit = min(limit, self._total)
     if self._requested < limit and self._pool is None:
-      workers = max(1, -(-max(prefetch, self._window.most) // per_request))
       self._pool = concurrent.futures.ThreadPoolExecutor(
-          max_workers=workers, thread_name_prefix="grain-elevator-fetch")
+          max_workers=self._threads, thread_name_prefix="grain-elevator-fetch")
     while self._requested < limit:
       # Requests end at multiples of their size, whatever step the trainer
       # resumed at: trainers then ask for the same chunks, which the same
@@ -90,7 +102,8 @@ class StepIterator(ClientIterator):
       token = CancelToken()
       wake = functools.partial(self._wake, self._requested)
       steps = Arrivals(wake)
-      request = self._request(self._requested, n, record_offset=self._offset)
+      request = self._request(self._requested, n, record_offset=self._offset,
+                              timed=self._size.timed)
       future = self._pool.submit(self._backend.fetch, request, token, steps)
       future.add_done_callback(wake)
       self._chunks.append(_Chunk(self._requested, n, steps, future, token))
@@ -104,7 +117,16 @@ class StepIterator(ClientIterator):
       with self._arrived:
         self._arrived.notify_all()
 
-  def _take(self, chunk: _Chunk, i: int) -> list[Any]:
+  def _resize(self, production_s: float) -> None:
+    """A step said how long it took to make: requests follow it
+    (client/request_size.py), and the window with them."""
+    if self._size.observe(production_s):
+      self._window = window_lib.for_dataset(self._spec, self._backend.parallelism,
+                                            steps_per_request=self._size.steps)
+      if self._tune is not None:
+        self._tune.resize(self._window)
+
+  def _take(self, chunk: _Chunk, i: int) -> Step:
     """Step `i` of `chunk` once it has arrived; the fetch's error if it failed first."""
     with self._arrived:
       self._awaited = chunk.start
@@ -115,7 +137,7 @@ class StepIterator(ClientIterator):
       taken = chunk.steps[i]
       # The trainer's now, not the window's; the position stays (a retry continues from it).
       chunk.steps[i] = Step([], taken.next_stream_state)
-      return taken.leaves
+      return taken
     chunk.future.result()  # raises what ended the fetch
     raise ElevatorError(f"{self._spec}: step {chunk.start + i} was not received")
 
@@ -142,7 +164,7 @@ class StepIterator(ClientIterator):
         ready = sum(len(c.steps) for c in self._chunks) - i
         waited = len(chunk.steps) <= i
       try:
-        leaves = self._take(chunk, i)
+        taken = self._take(chunk, i)
       except Cancelled:
         raise Cancelled(f"{self._spec} iterator was closed") from None
       if self._step == chunk.start + chunk.num_steps - 1:
@@ -150,9 +172,10 @@ class StepIterator(ClientIterator):
       self._step += 1
       if self._tune is not None:
         self._tune.observe(waited, ready)
+      self._resize(taken.production_s)
       if self._window.prefetch:
         self._fill()  # keep the window full while the trainer works
-    return self._delivered(called_at, leaves)
+    return self._delivered(called_at, taken.leaves)
 
   def skip(self, num_steps: int) -> None:
     """Drops the next `num_steps` global batches (rollback-and-skip), in

@@ -5,7 +5,9 @@ to the trainer.
 Users run defaults, so the defaults are derived rather than fixed. A request
 costs a round trip, a thread hand-off and the server's pipeline start
 whatever its size, so it should carry about `REQUEST_BYTES` (3-4 steps of a
-3-5 MB batch; dozens of small ones). Every server worker should have
+3-5 MB batch; dozens of small ones), unless that is more than a short time
+of a worker's work (client/request_size.py picks the size; this plans the
+window around it). Every server worker should have
 `REQUESTS_PER_WORKER` requests in flight (one being produced while the
 other's batch is sent), so the window starts at one request per connection
 carrying batches, which a default client opens at that many per worker of
@@ -90,15 +92,17 @@ def plan(step_bytes: int, requests: int, *, prefetch: int | None = None,
   return Window(start, steps_per_request, most, adaptive=adaptive)
 
 
-def for_dataset(spec: ReadSpec, requests: int, *, adaptive: bool = True) -> Window:
+def for_dataset(spec: ReadSpec, requests: int, *, adaptive: bool = True,
+                steps_per_request: int | None = None) -> Window:
   """The window of an iterator reading `spec` (described) with `requests`
   in flight, which keep every worker busy (a stream's reader asks for
   STREAM_REQUESTS, fixed: `adaptive` False); the options the trainer gave
-  are kept."""
+  are kept. `steps_per_request`: the size the reader chose
+  (client/request_size.py), where the trainer gave none."""
   step_bytes = (spec.global_batch_size // spec.shard_count
                 * spec.require_info().element_spec.record_bytes)
   return plan(step_bytes, requests, prefetch=spec.prefetch,
-              steps_per_request=spec.transport.steps_per_request,
+              steps_per_request=spec.transport.steps_per_request or steps_per_request,
               window_bytes=spec.window_bytes, adaptive=adaptive)
 
 
@@ -117,6 +121,11 @@ class Autotune:
   """
 
   def __init__(self, window: Window):
+    self.resize(window)
+
+  def resize(self, window: Window) -> None:
+    """Starts over at `window` (its requests changed size:
+    client/request_size.py)."""
     self.prefetch = window.prefetch
     self._unit = window.steps_per_request
     self._low = min(window.prefetch, self._unit)

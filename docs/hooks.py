@@ -121,6 +121,7 @@ CONSTANTS = {
     "grain_elevator.server.data.provenance": ["EXPLAIN_VERSION"],
     "grain_elevator.client.stream_iterator": ["SKIP_ROWS_PER_CALL"],
     "grain_elevator.client.window": ["REQUEST_BYTES", "MAX_STEPS_PER_REQUEST"],
+    "grain_elevator.client.request_size": ["REQUEST_S", "FIRST_STEPS"],
     "grain_elevator.client.transport.options": ["WINDOW_BYTES"],
     "grain_elevator.tools.convert.text": ["MAX_JSON_VALUES"],
 }

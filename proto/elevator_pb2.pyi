@@ -93,7 +93,7 @@ class LeafSpec(_message.Message):
     def __init__(self, path: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class BatchRequest(_message.Message):
-    __slots__ = ("dataset", "global_batch_size", "shard_index", "shard_count", "start_step", "num_steps", "config_fingerprint", "compression", "record_offset", "stream_state")
+    __slots__ = ("dataset", "global_batch_size", "shard_index", "shard_count", "start_step", "num_steps", "config_fingerprint", "compression", "record_offset", "stream_state", "report_production")
     DATASET_FIELD_NUMBER: _ClassVar[int]
     GLOBAL_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -104,6 +104,7 @@ class BatchRequest(_message.Message):
     COMPRESSION_FIELD_NUMBER: _ClassVar[int]
     RECORD_OFFSET_FIELD_NUMBER: _ClassVar[int]
     STREAM_STATE_FIELD_NUMBER: _ClassVar[int]
+    REPORT_PRODUCTION_FIELD_NUMBER: _ClassVar[int]
     dataset: str
     global_batch_size: int
     shard_index: int
@@ -114,7 +115,8 @@ class BatchRequest(_message.Message):
     compression: Compression
     record_offset: int
     stream_state: str
-    def __init__(self, dataset: _Optional[str] = ..., global_batch_size: _Optional[int] = ..., shard_index: _Optional[int] = ..., shard_count: _Optional[int] = ..., start_step: _Optional[int] = ..., num_steps: _Optional[int] = ..., config_fingerprint: _Optional[str] = ..., compression: _Optional[_Union[Compression, str]] = ..., record_offset: _Optional[int] = ..., stream_state: _Optional[str] = ...) -> None: ...
+    report_production: bool
+    def __init__(self, dataset: _Optional[str] = ..., global_batch_size: _Optional[int] = ..., shard_index: _Optional[int] = ..., shard_count: _Optional[int] = ..., start_step: _Optional[int] = ..., num_steps: _Optional[int] = ..., config_fingerprint: _Optional[str] = ..., compression: _Optional[_Union[Compression, str]] = ..., record_offset: _Optional[int] = ..., stream_state: _Optional[str] = ..., report_production: _Optional[bool] = ...) -> None: ...
 
 class Tensor(_message.Message):
     __slots__ = ("dtype", "shape", "data", "compression")
@@ -129,14 +131,16 @@ class Tensor(_message.Message):
     def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., compression: _Optional[_Union[Compression, str]] = ...) -> None: ...
 
 class Batch(_message.Message):
-    __slots__ = ("step", "leaves", "next_stream_state")
+    __slots__ = ("step", "leaves", "next_stream_state", "production_us")
     STEP_FIELD_NUMBER: _ClassVar[int]
     LEAVES_FIELD_NUMBER: _ClassVar[int]
     NEXT_STREAM_STATE_FIELD_NUMBER: _ClassVar[int]
+    PRODUCTION_US_FIELD_NUMBER: _ClassVar[int]
     step: int
     leaves: _containers.RepeatedCompositeFieldContainer[Tensor]
     next_stream_state: str
-    def __init__(self, step: _Optional[int] = ..., leaves: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., next_stream_state: _Optional[str] = ...) -> None: ...
+    production_us: int
+    def __init__(self, step: _Optional[int] = ..., leaves: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., next_stream_state: _Optional[str] = ..., production_us: _Optional[int] = ...) -> None: ...
 
 class SkipResponse(_message.Message):
     __slots__ = ("next_step", "next_stream_state")

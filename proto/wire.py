@@ -131,6 +131,12 @@ def stream_state_field(state: str) -> bytes:
   return b"\x1a" + varint.encode(len(data)) + data
 
 
+def production_field(us: int) -> bytes:
+  """A Batch's production_us field, as the server writes it (after the
+  stream position); proto3 leaves out a 0."""
+  return b"\x20" + varint.encode(us) if us > 0 else b""
+
+
 def encode_batch_bytes(step: int, leaves: Sequence[np.ndarray | RowStack],
                        compression: int = COMPRESSION_NONE,
                        next_stream_state: str = "") -> bytes:
@@ -211,15 +217,15 @@ def decode_batch_bytes(data: Any, expect: Sequence[LeafSpec] | None = None
                        ) -> tuple[int, list[np.ndarray]]:
   """(step, leaves) of a serialized Batch: `decode_batch_message` without
   the stream position."""
-  step, leaves, _ = decode_batch_message(data, expect)
+  step, leaves, _, _ = decode_batch_message(data, expect)
   return step, leaves
 
 
 def decode_batch_message(data: Any, expect: Sequence[LeafSpec] | None = None
-                         ) -> tuple[int, list[np.ndarray], str]:
-  """(step, leaves, next_stream_state) of a serialized Batch (bytes or any
-  byte buffer); raw leaves are views of `data`, compressed ones own their
-  bytes.
+                         ) -> tuple[int, list[np.ndarray], str, int]:
+  """(step, leaves, next_stream_state, production_us) of a serialized Batch
+  (bytes or any byte buffer); raw leaves are views of `data`, compressed
+  ones own their bytes.
 
   `expect`: the leaves the batch must hold, in order (a client's
   `ElementSpec.batch_leaves`); each Tensor's dtype and shape are checked
@@ -227,7 +233,7 @@ def decode_batch_message(data: Any, expect: Sequence[LeafSpec] | None = None
   message that is malformed or breaks `expect`.
   """
   buf = memoryview(data)
-  pos, step, leaves, state = 0, 0, [], ""
+  pos, step, leaves, state, production_us = 0, 0, [], "", 0
   try:
     while pos < len(buf):
       key, pos = varint.decode(buf, pos)
@@ -256,6 +262,8 @@ def decode_batch_message(data: Any, expect: Sequence[LeafSpec] | None = None
         except UnicodeDecodeError as e:
           raise BadBatchError(f"next_stream_state is not UTF-8: {e}") from None
         pos += n
+      elif field == 4 and wire_type == varint.VARINT:
+        production_us, pos = varint.decode(buf, pos)
       else:
         pos = varint.skip(buf, pos, wire_type)
   except BadBatchError:
@@ -266,7 +274,7 @@ def decode_batch_message(data: Any, expect: Sequence[LeafSpec] | None = None
     raise BadBatchError("truncated Batch message")
   if expect is not None and len(leaves) != len(expect):
     raise BadBatchError(f"{len(leaves)} leaves where the element spec has {len(expect)}")
-  return step, leaves, state
+  return step, leaves, state, production_us
 
 
 def decode_batch(data: Any, structure: tree.Structure) -> tuple[int, Any]:
@@ -308,10 +316,11 @@ class BatchLayout:
       return [step_field(step)]
     return [step_field(step) + self.heads[0], *self.heads[1:]]
 
-  def decode(self, data: Any, step: int) -> tuple[list[np.ndarray], str] | None:
-    """(leaves, next_stream_state) of `data` (bytes or a byte buffer) when
-    it is exactly this layout's encoding of `step` (a stream position may
-    follow); else None. Leaves are views of `data`."""
+  def decode(self, data: Any, step: int) -> tuple[list[np.ndarray], str, int] | None:
+    """(leaves, next_stream_state, production_us) of `data` (bytes or a byte
+    buffer) when it is exactly this layout's encoding of `step` (a stream
+    position and a production time may follow); else None. Leaves are
+    views of `data`."""
     buf = memoryview(data)
     pos, leaves = 0, []
     for i, gap in enumerate(self.gaps(step)):
@@ -325,28 +334,38 @@ class BatchLayout:
           return None
         leaves.append(np.ndarray(leaf.shape, leaf.dtype, buffer=buf, offset=pos))
         pos += size
-    state = canonical_stream_state(buf[pos:])
-    return None if state is None else (leaves, state)
+    tail = canonical_tail(buf[pos:])
+    return None if tail is None else (leaves, *tail)
 
 
-def canonical_stream_state(tail: Any) -> str | None:
-  """The position in the bytes after a Batch's last leaf, when they are
-  exactly what `stream_state_field` writes (nothing at all: ""); else None."""
+def canonical_tail(tail: Any) -> tuple[str, int] | None:
+  """(next_stream_state, production_us) from the bytes after a Batch's last
+  leaf, when they are exactly what `stream_state_field` then
+  `production_field` write, each optional (nothing at all: ("", 0)); else
+  None."""
   tail = memoryview(tail)
-  if not len(tail):
-    return ""
-  if tail[0] != 0x1a:
-    return None
-  try:
-    n, pos = varint.decode(tail, 1)
-  except ValueError:
-    return None
-  if pos + n != len(tail):
-    return None
-  try:
-    return bytes(tail[pos:]).decode()
-  except UnicodeDecodeError:
-    return None
+  state, pos = "", 0
+  if len(tail) and tail[0] == 0x1a:
+    try:
+      n, pos = varint.decode(tail, 1)
+    except ValueError:
+      return None
+    if pos + n > len(tail):
+      return None
+    try:
+      state = bytes(tail[pos:pos + n]).decode()
+    except UnicodeDecodeError:
+      return None
+    pos += n
+  production_us = 0
+  if pos < len(tail):
+    if tail[pos] != 0x20:
+      return None
+    try:
+      production_us, pos = varint.decode(tail, pos + 1)
+    except ValueError:
+      return None
+  return (state, production_us) if pos == len(tail) else None
 
 
 @functools.lru_cache(maxsize=64)

@@ -31,15 +31,19 @@ from grain_elevator.proto.spec import LeafSpec
 
 @dataclasses.dataclass
 class Step:
-  """One step as it arrived: its leaves, and for a stream dataset the
-  position after it (the stream_state a request for the next step names)."""
+  """One step as it arrived: its leaves; for a stream dataset the position
+  after it (the stream_state a request for the next step names); and the
+  seconds a server worker takes to make such a step, where the request
+  asked (0: not said; client/request_size.py sizes requests by it)."""
 
   leaves: list[np.ndarray]
   next_stream_state: str = ""
+  production_s: float = 0.0
 
 
-# What a connection yields per step: (step, leaves, next_stream_state).
-Steps = Iterator[tuple[int, list[np.ndarray], str]]
+# What a connection yields per step: (step, leaves, next_stream_state,
+# production_us).
+Steps = Iterator[tuple[int, list[np.ndarray], str, int]]
 # The longest Describe answer a client accepts (a few KiB is usual), and the
 # limit on batches of a channel opened before any element spec is known.
 MAX_CONTROL_MESSAGE_BYTES = 4 << 20
@@ -75,7 +79,7 @@ class BadReplyError(TransportError):
 
 def decode_step(payload: Any, request: pb.BatchRequest, index: int, max_bytes: int,
                 expect: Sequence[LeafSpec] | None, server: str, *,
-                positions_of: str | None = None) -> tuple[int, list[np.ndarray], str]:
+                positions_of: str | None = None) -> tuple[int, list[np.ndarray], str, int]:
   """Step `index` of `request` from a received Batch, checked against its
   size bound, `expect` (the leaves the spec gives it) and the step it must
   be; for a stream dataset (`positions_of`: its first position), the
@@ -94,7 +98,7 @@ def decode_step(payload: Any, request: pb.BatchRequest, index: int, max_bytes: i
       check_position(exact[1], request, step, server, positions_of)
       return step, *exact
   try:
-    got, leaves, state = wire.decode_batch_message(payload, expect)
+    got, leaves, state, production_us = wire.decode_batch_message(payload, expect)
   except wire.BadBatchError as e:
     raise BadReplyError(f"{server} sent a bad batch for dataset {request.dataset!r} "
                         f"step {step}: {e}") from None
@@ -102,7 +106,7 @@ def decode_step(payload: Any, request: pb.BatchRequest, index: int, max_bytes: i
     raise BadReplyError(f"{server} sent step {got} for dataset {request.dataset!r} "
                         f"step {step}")
   check_position(state, request, step, server, positions_of)
-  return got, leaves, state
+  return got, leaves, state, production_us
 
 
 def check_position(state: str, request: pb.BatchRequest, step: int, server: str,
@@ -160,12 +164,13 @@ class Connection(Protocol):
   def stream(self, request: pb.BatchRequest, *, timeout_s: float, token: CancelToken,
              max_frame_bytes: int, expect: Sequence[LeafSpec] | None = None,
              positions_of: str | None = None) -> Steps:
-    """(step, leaves, next_stream_state) for each step of `request`, in order; TransportError
-    on failure. `timeout_s` bounds the request (bulk: each wait for data). A
-    step message over `max_frame_bytes`, or whose leaves are not those
-    `expect` gives, or (a stream's) whose position is not one of those
-    `positions_of` has, is a BadReplyError before it is decoded; what is
-    allocated before that check is bounded too (bulk: by the frame header,
-    gRPC: by the channel's limits)."""
+    """(step, leaves, next_stream_state, production_us) for each step of
+    `request`, in order; TransportError on failure. `timeout_s` bounds the
+    request (bulk: each wait for data). A step message over
+    `max_frame_bytes`, or whose leaves are not those `expect` gives, or (a
+    stream's) whose position is not one of those `positions_of` has, is a
+    BadReplyError before it is decoded; what is allocated before that check
+    is bounded too (bulk: by the frame header, gRPC: by the channel's
+    limits)."""
 
   def close(self) -> None: ...

@@ -54,8 +54,10 @@ class TransportOptions:
       while the other's batch is sent), one per worker for a stream
       dataset (its requests go one at a time: client/stream_iterator.py).
     steps_per_request: consecutive steps asked for in one request; None
-      (the default): about window.REQUEST_BYTES of steps, from the
-      dataset's step size (client/window.py). The window is topped up a whole request at a
+      (the default): about request_size.REQUEST_S of a server worker's
+      time, as the servers report it, and at most about
+      window.REQUEST_BYTES of steps (client/request_size.py,
+      client/window.py). The window is topped up a whole request at a
       time; each step reaches the trainer as soon as it arrives.
     compression: "none", or "zstd": the server compresses each tensor of
       wire.MIN_COMPRESSED_BYTES or more (proto/wire.py). Costs CPU on both ends; pays only on a network slower

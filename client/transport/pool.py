@@ -104,6 +104,7 @@ class ConnectionPool:
                                max_buffers=_POOLED_BUFFERS,
                                max_bytes=window_bytes + window_bytes // 4)
     self.uses_bulk = False
+    self.times_steps = True  # servers say how long a step takes (Step.production_s)
     self.fallbacks = 0  # bulk requests moved to gRPC, bulk ports given up for gRPC
 
   # -- opening ---------------------------------------------------------------
@@ -428,10 +429,11 @@ class ConnectionPool:
         remaining.stream_state = out[-1].next_stream_state  # a stream: after the last
 
       def stream(slot: Slot) -> None:
-        for _, leaves, state in slot.conn.stream(
+        for _, leaves, state, production_us in slot.conn.stream(
             remaining, timeout_s=self.retry.request_timeout_s, token=token,
             max_frame_bytes=limit, expect=expect, positions_of=positions_of):
-          out.append(Step(leaves, state))  # the step it must be, checked (decode_step)
+          # the step it must be, checked (decode_step)
+          out.append(Step(leaves, state, production_us / 1e6))
           slot.served += 1
 
       try:

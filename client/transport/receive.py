@@ -60,11 +60,12 @@ def placement_of(layout: wire.BatchLayout) -> Placement:
 
 def receive_step(sock: socket.socket, size: int, step: int, layout: wire.BatchLayout,
                  take: Callable[[int], np.ndarray]
-                 ) -> tuple[list[np.ndarray], str] | np.ndarray:
+                 ) -> tuple[list[np.ndarray], str, int] | np.ndarray:
   """The `size`-byte payload of step `step`'s frame (its header read and
-  checked; `size` at least `layout.size(step)`, the rest a stream position):
-  its (leaves, next_stream_state), or the payload in one piece, from
-  `take`, when it is not the layout's exact encoding."""
+  checked; `size` at least `layout.size(step)`, the rest a stream position
+  and a production time): its (leaves, next_stream_state, production_us),
+  or the payload in one piece, from `take`, when it is not the layout's
+  exact encoding."""
   prefix = wire.step_field(step)
   place = placement_of(layout)
   buf = take(place.nbytes)
@@ -79,10 +80,10 @@ def receive_step(sock: socket.socket, size: int, step: int, layout: wire.BatchLa
   pieces.append(scratch[at:])
   framing.recv_into_all(sock, pieces)
   if scratch[:fixed] == prefix + layout.joined_heads:
-    state = wire.canonical_stream_state(scratch[fixed:])
-    if state is not None:
+    tail = wire.canonical_tail(scratch[fixed:])
+    if tail is not None:
       return [np.ndarray(leaf.shape, leaf.dtype, buffer=buf, offset=offset)
-              for leaf, (_, offset, _) in zip(layout.leaves, place.runs)], state
+              for leaf, (_, offset, _) in zip(layout.leaves, place.runs)], *tail
   whole = take(size)  # not the encoder's bytes: in order again, for the parser
   at = 0
   for piece in pieces:

@@ -19,6 +19,7 @@ from grain_elevator.server.data.step_dataset import StepDataset
 from grain_elevator.server.data.streams import cancellation
 from grain_elevator.server.serving import metrics
 from grain_elevator.server.serving.batch_cache import BatchCache
+from grain_elevator.server.serving.production_time import ProductionTimes
 from grain_elevator.server.serving.read_plan import ReadPlanner
 from grain_elevator.server.serving.step_errors import failures, named, where
 
@@ -31,6 +32,7 @@ class StepShape:
   def __init__(self, cache: BatchCache, planner: ReadPlanner):
     self.cache = cache
     self.planner = planner
+    self.times = ProductionTimes()  # said to clients that ask (report_production)
 
   def check(self, ds: StepDataset, r: pb.BatchRequest) -> None:
     ds.check_batch_size(r.global_batch_size)  # a scheduled mixture: G times its steps fit int64
@@ -71,6 +73,9 @@ class StepShape:
           return
         parts, cached = self.cache.get((*stream, step), lambda: wire.encode_batch_parts(
             step, self._produce(ds, r, step, stack=False), r.compression))
+        if r.report_production:  # a new list: the cache's is shared
+          parts = [*parts, wire.production_field(self.times.step_us(
+              info.name, r.global_batch_size // r.shard_count))]
         made = self._made(ds, r, step)
         recorded.served(info.name, cached=cached)
         recorded.cache_bytes(self.cache.bytes)
@@ -119,16 +124,17 @@ class StepShape:
     self.planner.release(ds, r, [step])
     return step + 1
 
-  @staticmethod
-  def _produce(ds: StepDataset, r: pb.BatchRequest, step: int, *,
+  def _produce(self, ds: StepDataset, r: pb.BatchRequest, step: int, *,
                stack: bool) -> list[collate_lib.Leaf]:
-    """Step `step`'s leaves; `stack=False` may leave big rows as RowStacks
-    for the socket to gather."""
+    """Step `step`'s leaves, timed; `stack=False` may leave big rows as
+    RowStacks for the socket to gather."""
     start = time.perf_counter()
     leaves = named(ds.info.name, where(ds.info.name, step), ds.host_batch_leaves, step,
                    r.global_batch_size, r.shard_index, r.shard_count,
                    record_offset=r.record_offset, stack=stack)
-    metrics.current().produced(ds.info.name, time.perf_counter() - start)
+    took = time.perf_counter() - start
+    metrics.current().produced(ds.info.name, took)
+    self.times.made(ds.info.name, r.global_batch_size // r.shard_count, took)
     return leaves
 
 

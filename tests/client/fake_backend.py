@@ -80,6 +80,7 @@ class FakeBackend:
   EndOfDataError, after the batches before it)."""
 
   uses_bulk = False
+  times_steps = False  # its steps say nothing of their making: requests sized by bytes
   retries = fallbacks = 0
 
   def __init__(self, info: DatasetInfo, *, parallelism: int = 2, stream_end: int = 200):

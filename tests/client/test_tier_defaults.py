@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import pathlib
+import threading
 import time
 
 import pytest
@@ -54,11 +55,12 @@ def _workers_of(it) -> collections.Counter:
 
 
 def test_a_default_client_keeps_two_requests_in_flight_on_every_worker(tmp_path, data_dir):
-  """4 workers, each step 160 ms of waiting: the default client opens two
-  connections to each worker and keeps a request on each. The fixed default
-  (4 connections) never had more than 4 requests at the server."""
+  """4 workers, each step 2 s of waiting: the default client opens two
+  connections to each worker and keeps a request on each (of one step:
+  client/request_size.py). The fixed default (4 connections) never had more
+  than 4 requests at the server."""
   workers = 4
-  config = _sleeping_config(tmp_path, data_dir, sleep_us=20_000)
+  config = _sleeping_config(tmp_path, data_dir, sleep_us=250_000)
   with Server(config, ServerOptions(port=0, workers=workers, metrics_port=0)) as server, \
        RemoteDataset(f"127.0.0.1:{server.port}", "slow", G, stats_log_s=0) as ds:
     it = iter(ds)
@@ -69,9 +71,13 @@ def test_a_default_client_keeps_two_requests_in_flight_on_every_worker(tmp_path,
       m = top.scrape(f"127.0.0.1:{server.metrics_port}", timeout_s=10)
       return m.get(("elevator_inflight_requests", ()), 0.0)
 
-    next(it)  # the window's requests go out; the trainer takes nothing more
-    _wait_for(lambda: inflight() >= REQUESTS_PER_WORKER * workers,
-              f"{REQUESTS_PER_WORKER * workers} requests in flight at the server")
+    first = threading.Thread(target=next, args=(it,))  # the window's requests go out
+    first.start()
+    try:  # while the first step is made (the requests of a worker take turns)
+      _wait_for(lambda: inflight() >= REQUESTS_PER_WORKER * workers,
+                f"{REQUESTS_PER_WORKER * workers} requests in flight at the server")
+    finally:
+      first.join()
 
 
 def test_the_window_grows_while_the_trainer_waits_and_shrinks_while_it_does_not(

@@ -325,8 +325,11 @@ def _values(leaves: list[np.ndarray]) -> list[bytes]:
 
 
 def _seed(name: str, dataset: str, expect: tuple[LeafSpec, ...], step: int,
-          leaves: list[np.ndarray], compression: int) -> Seed:
-  data = wire.encode_batch_bytes(step, leaves, compression)
+          leaves: list[np.ndarray], compression: int, production_us: int = 0) -> Seed:
+  """A Batch as the encoder writes it; `production_us`: with the time a
+  server adds after it for a client that asks (report_production)."""
+  data = (wire.encode_batch_bytes(step, leaves, compression)
+          + wire.production_field(production_us))
   seed = Seed(name, dataset, expect, step, data, _values(leaves), parse(data))
   if Writer().message(seed.fields) != data:
     raise HarnessError(f"the fuzzer's protobuf writer does not reproduce seed {name}")
@@ -375,7 +378,8 @@ def synthetic_streams(rng: random.Random) -> list[Stream]:
           raw = rng.randbytes(n) if rng.random() < 0.5 else bytes(n // 2) + rng.randbytes(n - n // 2)
           arrays.append(np.frombuffer(raw, dtype=leaf.dtype).reshape(leaf.shape))
         seed = _seed(f"{name} rows={rows} {'zstd' if compression else 'raw'}", name, expect,
-                     rng.randrange(1000), arrays, compression)
+                     rng.randrange(1000), arrays, compression,
+                     rng.choice((0, 0, 1, 190_000, 2**40)))
         request = pb.BatchRequest(dataset=name, global_batch_size=rows, shard_count=1,
                                   start_step=seed.step, num_steps=1, compression=compression)
         out.append(Stream(seed.name, request, expect, spec.max_batch_bytes(rows), [seed]))
@@ -1518,7 +1522,7 @@ class ClientTarget:
       if len(got) != stream.request.num_steps:
         problems.append(f"{len(got)} steps yielded for a request of "
                         f"{stream.request.num_steps}, without an error")
-    for (step, leaves, _), seed in zip(got, stream.seeds):
+    for (step, leaves, _, _), seed in zip(got, stream.seeds):
       if step != seed.step:
         problems.append(f"step {step} yielded as step {seed.step}")
       problems += check_leaves(leaves, stream.expect, seed.values if unmutated else None)

@@ -32,12 +32,17 @@ def _receive(data: bytes, step: int):
   return got
 
 
-@pytest.mark.parametrize("step,state", [(0, ""), (1, ""), (2**40 + 3, "a position ✓")])
-def test_the_encoders_bytes_land_in_aligned_leaves(step, state):
-  got = _receive(wire.encode_batch_bytes(step, LEAVES, next_stream_state=state), step)
+@pytest.mark.parametrize("step,state,production_us", [
+    (0, "", 0), (1, "", 0), (2**40 + 3, "a position ✓", 0), (5, "", 190_000),
+    (6, "pos", 2**40)])
+def test_the_encoders_bytes_land_in_aligned_leaves(step, state, production_us):
+  """A production time after the leaves (and the position) is read with them."""
+  data = (wire.encode_batch_bytes(step, LEAVES, next_stream_state=state)
+          + wire.production_field(production_us))
+  got = _receive(data, step)
   assert isinstance(got, tuple)
-  leaves, got_state = got
-  assert got_state == state
+  leaves, got_state, got_us = got
+  assert (got_state, got_us) == (state, production_us)
   assert_trees_equal(leaves, LEAVES)
   for leaf in leaves:
     address = leaf.__array_interface__["data"][0]
@@ -55,6 +60,16 @@ def test_other_bytes_are_handed_on_whole_for_the_decoder(where):
   data[where] ^= 0x40
   got = _receive(bytes(data), 7)
   assert isinstance(got, np.ndarray) and got.tobytes() == bytes(data)
+
+
+@pytest.mark.parametrize("tail", [b"\x20", b"\x20\x80", b"\x20\x05\x00", b"\x28\x05",
+                                  b"\x20\x05\x1a\x01p"])
+def test_a_tail_not_the_encoders_is_handed_on_whole(tail):
+  """A production time cut short, followed by anything, or under another
+  tag, or before the position: for the decoder to judge."""
+  data = wire.encode_batch_bytes(7, LEAVES) + tail
+  got = _receive(data, 7)
+  assert isinstance(got, np.ndarray) and got.tobytes() == data
 
 
 def test_another_step_is_handed_on_whole():

@@ -111,7 +111,7 @@ def test_bad_requests_get_grpc_statuses_and_the_connection_lives_on(
     assert info.value.code == code
     assert message in info.value.details
     assert not conn.broken
-    (step, leaves, _), = list(_stream(conn, _request(start=5, steps=1), 30))
+    (step, leaves, _, _), = list(_stream(conn, _request(start=5, steps=1), 30))
     assert step == 5
     assert leaves[1].tobytes() == oracle_batch(oracle, "plain", 5, 16)["image"].tobytes()
   finally:
@@ -356,7 +356,7 @@ def test_sigterm_finishes_in_flight_bulk_requests_and_refuses_new_ones(process_s
     list(_stream(idle, _request(steps=1), 10))
   assert info.value.code == grpc.StatusCode.UNAVAILABLE
   rest = list(stream)  # the in-flight request still completes
-  assert first[0] == 0 and [s for s, _, _ in rest] == list(range(1, 60))
+  assert first[0] == 0 and [s for s, *_ in rest] == list(range(1, 60))
   assert srv.proc.wait(60) == 0
   busy.close()
   idle.close()

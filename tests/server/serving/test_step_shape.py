@@ -84,7 +84,7 @@ def test_encoded_steps_decode_to_the_made_steps_and_are_cached(datasets, shape, 
   first = list(shape.encoded_steps(ds, r, _always))
   assert len(first) == 3 and len(shape.cache) == 3
   for (step, leaves, _), parts in zip(made, first):
-    got_step, got_leaves, state = wire.decode_batch_message(b"".join(bytes(p) for p in parts))
+    got_step, got_leaves, state, _ = wire.decode_batch_message(b"".join(bytes(p) for p in parts))
     assert (got_step, state) == (step, "")
     assert_leaves_equal(got_leaves, leaves, f"step {step}")
   again = list(shape.encoded_steps(ds, r, _always))

@@ -113,7 +113,7 @@ def test_encoded_steps_carry_the_rows_and_the_position_after_each(datasets, shap
   r = _request(16, 0, 2, 0, 3, compression=wire.COMPRESSION_ZSTD)
   for (step, leaves, state), parts in zip(shape.steps(ds, r, _always),
                                           shape.encoded_steps(ds, r, _always)):
-    got_step, got, got_state = wire.decode_batch_message(b"".join(bytes(p) for p in parts))
+    got_step, got, got_state, _ = wire.decode_batch_message(b"".join(bytes(p) for p in parts))
     assert (got_step, got_state) == (step, state)
     assert_leaves_equal(got, leaves, f"step {step}")
 
