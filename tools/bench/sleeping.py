@@ -34,13 +34,17 @@ import numpy as np
 
 from grain_elevator.pipelines import examples
 from grain_elevator.pipelines import images as images_lib
+from grain_elevator.tools.bench import costly
 
 # Microseconds each record waits when the bench is not told otherwise: 16
 # such workers produce about 100 MB/s of the workload's batches (its
 # delivered bytes per record x 16 / 100 MB/s), well under what the client
 # and the server's own work (decode, send) manage on a share of this
 # machine's 2 busy cores, so that the requests in flight decide the rate.
-DEFAULT_SLEEP_US = {"small": 2_000, "large": 25_000, "image": 24_000, "text": 5_000}
+# The costly workload's records are cheap bytes that cost their worker
+# time: they wait as long as its real pipeline computes.
+DEFAULT_SLEEP_US = {"small": 2_000, "large": 25_000, "image": 24_000, "text": 5_000,
+                    "costly": costly.WORK_US_PER_RECORD}
 
 # A worker has one core: its requests wait in turn, as they would compute in
 # turn, so a second request in flight hides a round trip and a send but
@@ -106,7 +110,8 @@ def config(root: pathlib.Path, name: str, sleep_us_per_record: float, *,
   """Writes root/NAME-sleeping.toml: dataset NAME over root/NAME's shards
   through the sleeping pipeline of its kind; returns its path."""
   module = "grain_elevator.tools.bench.sleeping"
-  kind = {"small": "pixels", "large": "pixels", "image": "image", "text": "tokenize"}[name]
+  kind = {"small": "pixels", "large": "pixels", "image": "image", "text": "tokenize",
+          "costly": "pixels"}[name]
   lines = [f"[datasets.{name}]", f'paths = ["{name}/*.array_record"]',
            f'pipeline = "{module}:{kind}"']
   if kind == "pixels":

@@ -6,6 +6,8 @@ large: 150 KiB incompressible images (160x320x3 uint8), G=32 (~4.9 MB batches).
 image: ImageNet-like JPEGs (~500x375, ~114 KB at quality 90) in pipelines/images.py's
        record format, through its train_pipeline (decode, random resized crop to
        224x224, flip), G=64 (9.6 MB batches of uint8 pixels).
+costly: 1,024 B records (16 B header + 12x28x3 uint8), each costing its worker
+       costly.WORK_US_PER_RECORD of CPU (tools/bench/costly.py), G=64: 64 KiB steps.
 All repeat forever, so any step (10^6 included) exists.
 """
 
@@ -21,6 +23,7 @@ from typing import TypeVar
 import numpy as np
 
 from grain_elevator.pipelines import examples
+from grain_elevator.tools.bench import costly
 from grain_elevator.tools.bench import defaults
 
 
@@ -36,6 +39,9 @@ class Workload:
   # "pixels": examples.py's fixed-size records; "image": pipelines/images.py's
   # encoded images, height x width being the pipeline's output size.
   kind: str = "pixels"
+  # CPU microseconds a pixels record's pipeline spends beyond its decode
+  # (tools/bench/costly.py); 0: examples.py's decode alone.
+  work_us_per_record: int = 0
 
   @property
   def record_bytes(self) -> int:
@@ -50,6 +56,22 @@ class Workload:
       return {"size": self.height}
     return {"height": self.height, "width": self.width, "channels": self.channels,
             "normalize": self.normalize}
+
+  @property
+  def pipeline(self) -> tuple[str, str]:
+    """A pixels workload's server pipeline and batch_transform."""
+    if self.work_us_per_record:
+      return ("grain_elevator.tools.bench.costly:pixels",
+              "grain_elevator.tools.bench.costly:pixels_batch")
+    return ("grain_elevator.pipelines.examples:decode_images",
+            "grain_elevator.pipelines.examples:decode_images_batch")
+
+  @property
+  def pipeline_options(self) -> dict[str, object]:
+    """`options`, and the work a costly pipeline takes."""
+    if self.work_us_per_record:
+      return {**self.options, "work_us_per_record": self.work_us_per_record}
+    return self.options
 
   @property
   def delivered_bytes_per_record(self) -> int:
@@ -70,6 +92,8 @@ WORKLOADS = {
     "large": Workload("large", 160, 320, 3, False, 32, defaults.RECORDS["large"]),
     "image": Workload("image", 224, 224, 3, False, 64, defaults.RECORDS["image"],
                       kind="image"),
+    "costly": Workload("costly", 12, 28, 3, False, 64, costly.RECORDS,
+                       work_us_per_record=costly.WORK_US_PER_RECORD),
 }
 
 
@@ -113,12 +137,13 @@ def prepare(root: pathlib.Path, w: Workload, num_records: int, num_shards: int =
         """))
     return str(config)
   opts = "\n".join(f"{k} = {str(v).lower() if isinstance(v, bool) else v}"
-                   for k, v in w.options.items())
+                   for k, v in w.pipeline_options.items())
+  pipeline, batch_transform = w.pipeline
   body = textwrap.dedent(f"""\
       [datasets.{w.name}]
       paths = ["{w.name}/*.array_record"]
-      pipeline = "grain_elevator.pipelines.examples:decode_images"
-      batch_transform = "grain_elevator.pipelines.examples:decode_images_batch"
+      pipeline = "{pipeline}"
+      batch_transform = "{batch_transform}"
       seed = 1
       num_epochs = 0
       [datasets.{w.name}.options]
@@ -126,7 +151,7 @@ def prepare(root: pathlib.Path, w: Workload, num_records: int, num_shards: int =
   body += textwrap.dedent(f"""
       [datasets.{w.name}_per_record]
       paths = ["{w.name}/*.array_record"]
-      pipeline = "grain_elevator.pipelines.examples:decode_images"
+      pipeline = "{pipeline}"
       seed = 1
       num_epochs = 0
       [datasets.{w.name}_per_record.options]
