@@ -46,9 +46,15 @@ _SLACK = 64 << 10
 _MIN_POOLED_BYTES = 64 << 10
 
 
+def _start(buf: np.ndarray) -> int:
+  """The offset of `buf`'s first page boundary (computed once per buffer:
+  `ctypes.data` costs microseconds, on every step's path)."""
+  return -buf.ctypes.data % PAGE
+
+
 def _aligned(buf: np.ndarray, size: int) -> np.ndarray:
   """`size` bytes of `buf` from its first page boundary."""
-  start = -buf.ctypes.data % PAGE
+  start = _start(buf)
   return buf[start:start + size]
 
 
@@ -63,6 +69,7 @@ class BufferPool:
     self._max_bytes = max_bytes
     self.memory = memory
     self._buffers: list[np.ndarray] = []  # least recently lent first
+    self._starts: list[int] = []  # each buffer's first page boundary (`_start`)
     self._lock = threading.Lock()
     self.unpooled = 0  # frames that got ordinary memory of their own (over the bounds)
 
@@ -73,11 +80,16 @@ class BufferPool:
     need = size + PAGE
     with self._lock:
       # The most recently lent free buffer: the likeliest still in cache.
-      for i in reversed(range(len(self._buffers))):
-        if need <= len(self._buffers[i]) <= 2 * need and self._free(i):
+      bufs = self._buffers
+      for i in reversed(range(len(bufs))):
+        # free (`_free`, inlined: this runs per step): only the list and
+        # getrefcount's argument refer to it
+        if sys.getrefcount(bufs[i]) <= 2 and need <= len(bufs[i]) <= 2 * need:
           buf = self._buffers.pop(i)
+          start = self._starts.pop(i)
           self._buffers.append(buf)
-          return _aligned(buf, size)
+          self._starts.append(start)
+          return buf[start:start + size]
       nbytes = need + _SLACK
       while not self._room_for(nbytes) and self._evict_free():
         pass
@@ -89,6 +101,7 @@ class BufferPool:
           self.memory = PAGEABLE
           buf = PAGEABLE.allocate(nbytes)
         self._buffers.append(buf)
+        self._starts.append(_start(buf))
         return _aligned(buf, size)
       self.unpooled += 1
     return _aligned(PAGEABLE.allocate(need), size)
@@ -110,6 +123,6 @@ class BufferPool:
     """Drops the least recently lent buffer nothing refers to; False if none."""
     for i in range(len(self._buffers)):
       if self._free(i):
-        del self._buffers[i]
+        del self._buffers[i], self._starts[i]
         return True
     return False

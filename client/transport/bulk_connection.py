@@ -71,6 +71,9 @@ class BulkConnection:
     self.broken = False
     self._timeout_s: float | None = None  # set on the socket by the first request
     self._buffers = buffers or BufferPool()
+    # The leaves of the last request and their layout (None: no scatter read)
+    self._expect: Sequence[LeafSpec] | None = None
+    self._exact: wire.BatchLayout | None = None
     try:
       self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
       framing.exchange_magic(self._sock)
@@ -96,8 +99,10 @@ class BulkConnection:
       framing.send_frame(self._sock, framing.REQUEST, [message.SerializeToString()])
       exact = None  # the layout of the encoder's bytes, where a scatter read can take them
       if expect is not None and request.compression == wire.COMPRESSION_NONE:
-        exact = wire.layout_of(tuple(expect))
-        exact = exact if placement_of(exact).scatters else None
+        if expect is not self._expect:  # the pool passes one tuple per dataset and rows
+          layout = wire.layout_of(tuple(expect))
+          self._expect, self._exact = expect, layout if placement_of(layout).scatters else None
+        exact = self._exact
       for index in range(request.num_steps):
         step = request.start_step + index
         try:

@@ -92,6 +92,11 @@ class ConnectionPool:
     self._batch_cap = 0
     self._bulk_ports: dict[str, int] = {}
     self._infos: dict[str, DatasetInfo] = {}
+    # (dataset, G, shard count) -> (its info, `_expect`'s limit and leaves,
+    # a whole global batch's limit), derived from that info; written by
+    # fetch threads, a race at worst deriving one twice
+    self._expected: dict[tuple[str, int, int],
+                         tuple[DatasetInfo, int, tuple[LeafSpec, ...], int]] = {}
     self._refresh_lock = threading.Lock()
     self._resolved_at: dict[str, float] = {}
     self._next_refresh = 0.0
@@ -504,12 +509,19 @@ class ConnectionPool:
     info = self._infos.get(request.dataset)
     if info is None:
       (info,) = self.describe(request.dataset)
-    spec = info.element_spec
     rows = request.global_batch_size // max(1, request.shard_count)
-    limit = spec.max_batch_bytes(rows)
+    # Once per dataset and G, not per request: the same tuple each time, so
+    # a bulk connection reuses its layout (bulk_connection.py).
+    key = (request.dataset, request.global_batch_size, request.shard_count)
+    known = self._expected.get(key)
+    if known is None or known[0] is not info:  # described again: derive again
+      spec = info.element_spec
+      known = self._expected[key] = (info, spec.max_batch_bytes(rows), spec.batch_leaves(rows),
+                                     spec.max_batch_bytes(request.global_batch_size))
+    _, limit, leaves, whole = known
     if self._batch_cap < limit:
-      self._open_data(spec.max_batch_bytes(request.global_batch_size))
-    return limit, spec.batch_leaves(rows)
+      self._open_data(whole)
+    return limit, leaves
 
   def _reconnect(self, slot: Slot) -> None:
     """Replaces a broken bulk connection, asking DNS first whether its

@@ -56,6 +56,9 @@ class Slots:
     self._free = threading.Condition()
     self._next = itertools.count()
     self._closed = False
+    # owners_by_turn of the live slots, and the connections it was derived from (`_owner`)
+    self._turns: list[list[Slot]] = []
+    self._turns_of: tuple[Connection, ...] = ()
 
   def __bool__(self) -> bool:
     return bool(self._slots)
@@ -75,7 +78,7 @@ class Slots:
           return None
         now = time.monotonic()
         live = [s for s in self._slots if not s.retired]
-        owners = owner_of(live, route) if route is not None else []
+        owners = self._owner(live, route) if route is not None else []
         if owners and all(s.shunned_until <= now for s in owners):
           free = [s for s in owners if s.in_use < s.conn.capacity]
         else:
@@ -86,6 +89,15 @@ class Slots:
           chosen.in_use += 1
           return chosen
         self._free.wait(0.1)
+
+  def _owner(self, live: list[Slot], route: int) -> list[Slot]:
+    """`owner_of(live, route)`, the turns derived once per set of live
+    connections (a reconnect replaces a slot's connection, which may reach
+    another worker): checkout asks per request, and at each wake-up."""
+    conns = tuple([s.conn for s in live])  # held, so no new one can take an old one's id
+    if conns != self._turns_of:
+      self._turns, self._turns_of = owners_by_turn(live), conns
+    return self._turns[route % len(self._turns)] if self._turns else []
 
   def release(self, slot: Slot, *, failed: bool, lied: bool = False) -> None:
     """Returns `slot`. A failure shuns its whole replica (RetryPolicy.shun_s):
@@ -157,6 +169,13 @@ def owner_of(slots: Sequence[Slot], chunk: int) -> list[Slot]:
   first, chunk c going to the (c mod total)th: consecutive chunks spread
   over all, each replica getting its share of the workers (replicas of
   equal size: replica c mod R, there worker (c // R) mod W)."""
+  turns = owners_by_turn(slots)
+  return turns[chunk % len(turns)] if turns else []
+
+
+def owners_by_turn(slots: Sequence[Slot]) -> list[list[Slot]]:
+  """`owner_of` for every chunk at once: item t holds the slots of the
+  worker owning chunks c with c mod len == t (none: no slot knows its worker)."""
   workers: dict[tuple[str, str], int] = {}
   for s in slots:
     if getattr(s.conn, "server", None):
@@ -164,11 +183,8 @@ def owner_of(slots: Sequence[Slot], chunk: int) -> list[Slot]:
   replicas = sorted(workers)
   pairs = [(r, w) for w in range(max(workers.values(), default=0))
            for r in replicas if w < workers[r]]
-  if not pairs:
-    return []
-  replica, worker = pairs[chunk % len(pairs)]
-  return [s for s in slots if s.replica == replica and getattr(s.conn, "server", None)
-          and s.conn.server.worker_index == worker]
+  return [[s for s in slots if s.replica == replica and getattr(s.conn, "server", None)
+           and s.conn.server.worker_index == worker] for replica, worker in pairs]
 
 
 def spread_over_workers(open_one: Callable[[], Any | None], per_target: int | None,

@@ -66,6 +66,7 @@ from grain_elevator.tools.bench import workloads as workloads_lib
 from grain_elevator.tools.testing.launcher import LocalServer
 
 EXPLORE: dict[str, dict[str, Any]] = {}  # more label -> client settings (--explore)
+TCP_BUFFERS = 0  # > 1: a plain TCP row receiving into that many buffers in turn (--tcp-buffers)
 WORKLOADS = ("small", "large", "image", "text", "costly")
 TUNED = "tuned"  # the rows "× best tuned" divides by: their labels start so
 GOAL = 0.85  # the default's least "× best tuned" at any W
@@ -232,7 +233,9 @@ def _block(name: str, key: str, server: LocalServer, systems: dict[str, dict[str
            base_spec: dict[str, Any], tcp_port: int, step_bytes: int, rounds: int,
            seconds: float, warmup_s: float) -> dict[str, Any]:
   """Every setting against one server, and plain TCP, `rounds` times interleaved."""
-  runs: dict[str, list[dict[str, Any]]] = {k: [] for k in [*systems, "plain TCP"]}
+  rotating = f"plain TCP, {TCP_BUFFERS} buffers in turn"
+  sockets = ["plain TCP"] + ([rotating] if TCP_BUFFERS > 1 else [])
+  runs: dict[str, list[dict[str, Any]]] = {k: [] for k in [*systems, *sockets]}
   base = {"workload": name, **base_spec, "seconds": seconds, "warmup_s": warmup_s}
   with server:
     for rnd in range(rounds):
@@ -240,8 +243,10 @@ def _block(name: str, key: str, server: LocalServer, systems: dict[str, dict[str
         runs[label].append(harness.consume({
             **base, "system": "service", "target": server.target, "dataset": name,
             "client": s["client"], "tune_malloc": s.get("tune_malloc", False)}))
-      runs["plain TCP"].append(harness.consume({
-          **base, "system": "tcp", "tcp_port": tcp_port, "batch_bytes": step_bytes}))
+      for label in sockets:
+        runs[label].append(harness.consume({
+            **base, "system": "tcp", "tcp_port": tcp_port, "batch_bytes": step_bytes,
+            "tcp_buffers": TCP_BUFFERS if label == rotating else 1}))
       harness.log(f"[{name} {key}] round {rnd + 1}/{rounds}, steps/s: " + ", ".join(
           f"{k} {v[-1]['records_per_s'] / base_spec['global_batch_size']:.1f}"
           for k, v in runs.items()))
@@ -347,6 +352,9 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--glibc", action="store_true",
                  help="also each setting with glibc's allocator tunables (proto/malloc.py)")
   p.add_argument("--json", default=None)
+  p.add_argument("--tcp-buffers", type=int, default=0,
+                 help="also a plain TCP socket receiving into this many buffers in turn, as "
+                 "a client's window does (tools/bench/tcp.py)")
   p.add_argument("--explore", default=None,
                  help='more settings, JSON: {"label": {"prefetch": 16, "transport": {...}, '
                  '"tune_malloc": false}}')
@@ -360,6 +368,8 @@ def main(argv: list[str] | None = None) -> int:
       p.error(f"{flag}: every value must be at least 1, got {values}")
   if not a.sweep_connections:
     p.error("--sweep-connections: at least one value")
+  global TCP_BUFFERS
+  TCP_BUFFERS = a.tcp_buffers
   if a.explore:
     EXPLORE.update(json.loads(a.explore))
   def save(report: dict[str, Any]) -> None:

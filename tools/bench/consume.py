@@ -150,7 +150,8 @@ def _receiver(spec: dict[str, Any]) -> _Received:
   from grain_elevator.tools.bench import floor, tcp  # pylint: disable=g-import-not-at-top
   if spec["system"] == "floor":
     return _Received(floor.Receiver(spec["ports"], spec["batch_bytes"]))
-  return _Received(tcp.Receiver(spec["tcp_port"], spec["batch_bytes"]))
+  return _Received(tcp.Receiver(spec["tcp_port"], spec["batch_bytes"],
+                                spec.get("tcp_buffers", 1)))
 
 
 def _resume(make: Callable[[], Any]) -> float | None:

@@ -4,12 +4,14 @@ worker by default, and chunks dealt over the workers of every replica."""
 from __future__ import annotations
 
 import collections
+import time
 
 import pytest
 
 from grain_elevator.client import TransportOptions
 from grain_elevator.client.transport.pool import ConnectionPool
-from grain_elevator.client.transport.slots import Slot, owner_of
+from grain_elevator.client.transport.options import RetryPolicy
+from grain_elevator.client.transport.slots import Slot, Slots, owner_of
 from grain_elevator.client.window import REQUESTS_PER_WORKER
 from grain_elevator.proto import elevator_pb2 as pb
 
@@ -110,7 +112,10 @@ def test_replicas_of_different_sizes_get_connections_for_their_workers(server, s
 
 
 class _Conn:
-  """What owner_of reads of a connection: its replica and its worker."""
+  """What owner_of reads of a connection: its replica and its worker (and
+  Slots its capacity, a bulk connection's)."""
+
+  capacity = 1
 
   def __init__(self, target: str, worker: int, workers: int):
     self.target = self.host = target
@@ -139,3 +144,18 @@ def test_replicas_of_one_size_deal_chunks_as_before():
     owner = owner_of(slots, chunk)[0]
     assert owner.replica[0] == ["a:1", "b:1"][chunk % 2]
     assert owner.conn.server.worker_index == chunk // 2 % 3
+
+
+def test_checkout_routes_by_the_connections_the_slots_hold_now():
+  """Slots derive owner_of's answer once per set of connections (checkout
+  runs per request): a reconnect that reached another worker routes the
+  next chunk anew."""
+  slots = _slots({"a:1": 2})  # two slots to worker 0, then two to worker 1
+  pool = Slots(slots, RetryPolicy())
+  deadline = time.monotonic() + 5  # a checkout that would wait fails instead
+  given_up = lambda: time.monotonic() > deadline  # noqa: E731
+  pool.release(pool.checkout(given_up, route=0), failed=False)  # worker 0's turn derived
+  slots[2].conn = _Conn("a:1", 0, 2)  # reconnected: the kernel handed it to worker 0
+  taken = [pool.checkout(given_up, route=0) for _ in range(3)]
+  assert set(map(id, taken)) == {id(s) for s in slots[:3]}
+  assert pool.checkout(given_up, route=1) is slots[3]
