@@ -1,12 +1,13 @@
 """Two server builds against each other, interleaved, read by one client.
 
     python -m grain_elevator.tools.bench.versus OLD_ELEVATOR NEW_ELEVATOR [--rounds 2]
-        [--kind auto|grpc] [--clients OLD_PYTHON NEW_PYTHON]
+        [--kind auto|grpc] [--clients OLD_PYTHON NEW_PYTHON] [--workloads small,large]
 
 OLD_ELEVATOR and NEW_ELEVATOR are `elevator` executables (e.g. one in a
 virtualenv made from `git worktree add /tmp/old <commit>`). For each
-workload (the benchmark's small and large, at 50,000 and 2,000 records)
-and round, each build serves with 2 workers, alternating which goes first,
+workload (by default the benchmark's small and large, at 50,000 and 2,000
+records; `--workloads` names others of tools/bench/workloads.py, at their
+default record counts) and round, each build serves with 2 workers, alternating which goes first,
 and a client reads for 8 s after 2 s of warm-up, with default
 and with the benchmark's tuned settings. Prints the median steps/s of each
 and their ratio. A server-side change is judged by this, on one machine in
@@ -54,7 +55,7 @@ _MEASURE = """
 import sys, time
 from grain_elevator.client import RemoteDataset, TransportOptions
 target, name, g, tuned, kind = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == "1", sys.argv[5]
-steps = 4 if name == "small" else 3
+steps = {"small": 4, "costly": 2}.get(name, 3)
 kwargs = ({"prefetch": 4 * steps, "transport": TransportOptions(
     kind=kind, steps_per_request=steps, connections_per_target=4)} if tuned
           else {"transport": TransportOptions(kind=kind)})
@@ -101,14 +102,21 @@ def main() -> int:
                       help="the client's transport (default: auto, bulk where offered)")
   parser.add_argument("--clients", nargs=2, metavar=("OLD_PYTHON", "NEW_PYTHON"),
                       help="measure each build with its own client, run by this Python")
+  parser.add_argument("--workloads", default=",".join(RECORDS),
+                      help=f"comma-separated, of {', '.join(workloads.WORKLOADS)}")
   parser.add_argument("--old-name", action="append", default=[], metavar="FROM=TO",
                       help="module name FROM is TO in the old build (a moved pipeline)")
   args = parser.parse_args()
   renames = [tuple(r.split("=", 1)) for r in args.old_name]
+  names = [n for n in args.workloads.split(",") if n]
+  unknown = [n for n in names if n not in workloads.WORKLOADS]
+  if unknown or not names:
+    parser.error(f"--workloads: unknown {', '.join(unknown) or '(none given)'}; "
+                 f"known: {', '.join(workloads.WORKLOADS)}")
   with tempfile.TemporaryDirectory() as tmp:
     root = pathlib.Path(args.data_dir or tmp)
-    configs = {name: workloads.prepare(root, workloads.WORKLOADS[name], n)
-               for name, n in RECORDS.items()}
+    configs = {name: workloads.prepare(root, workloads.WORKLOADS[name], RECORDS.get(
+        name, workloads.WORKLOADS[name].default_records)) for name in names}
     old_configs = {name: _renamed(config, name, renames) for name, config in configs.items()}
     got: dict[tuple[str, bool, str], list[float]] = {}
     for r in range(args.rounds):
