@@ -25,14 +25,18 @@ G = 8  # rows of 4x4x3 images: tiny steps
 SLEEPING = "grain_elevator.tools.bench.sleeping"
 
 
-def _sleeping_config(root: pathlib.Path, data_dir: pathlib.Path, sleep_us: int) -> str:
+def _sleeping_config(root: pathlib.Path, data_dir: pathlib.Path, sleep_us: int,
+                     batch: bool = True) -> str:
   """"slow": the conftest's shards through tools/bench/sleeping.py's pixels,
-  each record waiting `sleep_us`, repeating forever."""
+  each record waiting `sleep_us`, repeating forever. `batch`: with its
+  batch transform, which a server checks at start against the pipeline on
+  a few dozen records (seconds, at long waits: leave it out there)."""
+  batch_transform = {"batch_transform": f"{SLEEPING}:pixels_batch"} if batch else {}
   return datasets.write_config(
       root / "sleeping.toml",
       slow=datasets.images(data_dir / datasets.SHARDS, pipeline=f"{SLEEPING}:pixels",
-                           batch_transform=f"{SLEEPING}:pixels_batch", seed=3, num_epochs=0,
-                           options={"sleep_us_per_record": sleep_us}))
+                           seed=3, num_epochs=0, options={"sleep_us_per_record": sleep_us},
+                           **batch_transform))
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +64,7 @@ def test_a_default_client_keeps_two_requests_in_flight_on_every_worker(tmp_path,
   client/request_size.py). The fixed default (4 connections) never had more
   than 4 requests at the server."""
   workers = 4
-  config = _sleeping_config(tmp_path, data_dir, sleep_us=250_000)
+  config = _sleeping_config(tmp_path, data_dir, sleep_us=250_000, batch=False)
   with Server(config, ServerOptions(port=0, workers=workers, metrics_port=0)) as server, \
        RemoteDataset(f"127.0.0.1:{server.port}", "slow", G, stats_log_s=0) as ds:
     it = iter(ds)
