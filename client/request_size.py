@@ -19,8 +19,11 @@ worker's recent average per row scaled to the step
 request asks for one step; a server that says nothing (an older one)
 leaves requests sized by bytes. Sizes are powers of two, changed only when
 the time moves well past the current one's range, so that a size does not
-flap between two values and the hosts of a job, told the same times, cut
-the same chunks (client/step_iterator.py routes a chunk by its number).
+flap between two values and trainers told the same times cut the same
+chunks (client/step_iterator.py routes a chunk by its number, so that the
+worker that made it serves it from its cache). Two trainers whose sizes
+differ for a while (their first steps, a time at the edge between two
+sizes) may have a step made twice: work, never different data.
 Embedded mode (no server workers to wait on) and a size the trainer set
 keep the bytes rule; stream datasets have their own (client/window.py).
 """

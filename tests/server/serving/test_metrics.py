@@ -32,10 +32,16 @@ def scrape(server: Server) -> top.Samples:
   return top.scrape(f"127.0.0.1:{server.metrics_port}", timeout_s=60)
 
 
+STEPS_PER_REQUEST = 4
+
+
 def read_all(server: Server, dataset: str, g: int, kind: str) -> int:
-  """Reads the whole (finite) stream; returns the bytes of its arrays."""
+  """Reads the whole (finite) stream; returns the bytes of its arrays. Every
+  reader asks for the same chunks (a default client's size follows the
+  times it is told, which two readers may hear differently: client/request_size.py)."""
   total = 0
-  with RemoteDataset(server.target, dataset, g, transport=TransportOptions(kind=kind)) as ds:
+  with RemoteDataset(server.target, dataset, g, transport=TransportOptions(
+      kind=kind, steps_per_request=STEPS_PER_REQUEST)) as ds:
     for batch in ds:
       total += sum(np.asarray(leaf).nbytes for leaf in batch.values())
   return total
