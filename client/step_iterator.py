@@ -5,8 +5,8 @@ time of a server worker's work, client/request_size.py), several in flight
 over the pool's connections and replicas (client/transport/pool.py), up to
 `prefetch` steps ahead of the trainer, and delivered in step order, each
 as soon as it has arrived. Chunks end at multiples of their size,
-whatever step the trainer resumed at, so every trainer asks for the same
-chunks and the worker that owns one serves it once. A skip or a restored
+whatever step the trainer resumed at, so trainers of one request size ask
+for the same chunks and the worker that owns one serves it once. A skip or a restored
 cursor is O(1): the cursor is a step (and the records before step 0).
 """
 
