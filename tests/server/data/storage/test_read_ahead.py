@@ -38,6 +38,9 @@ BIG = {"height": 32, "width": 32, "channels": 3}
 # Reads of the bucket give up after 3 s of faults: one that storage must
 # serve during an outage fails fast.
 FAIL_FAST = {"retry_s": 3}
+# Reads that ride out a busy emulator: the outage after the planned reads
+# is never waited for (the batches come from what was planned).
+PATIENT = {"retry_s": 60}
 
 
 @pytest.fixture(scope="module")
@@ -188,8 +191,12 @@ def test_a_streams_head_reads_its_next_blocks_before_it_computes_them(
   arrived storage goes down, and the 11 batches after the first are made
   exact from what was planned. Without a read-ahead, storage is needed."""
   paths = {}
+  # Storage fails this test only where it expects a failure (no read-ahead):
+  # with one, a busy emulator's brief 503s before the outage are retried
+  # (a full suite on the 2-core machine saw them outlast 3 s).
+  storage_then = FAIL_FAST if not budget_mb else PATIENT
   for name, where, storage in (("local", str(shards), None),
-                               ("bucket", bucket.url("ahead"), FAIL_FAST)):
+                               ("bucket", bucket.url("ahead"), storage_then)):
     # a stream (a batch_fn) whose head keeps the length
     paths[name] = datasets.write_config(tmp_path / f"{name}.toml", st=datasets.images(
         f"{where}/*.array_record", image=BIG,
