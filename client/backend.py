@@ -38,9 +38,10 @@ class Backend(Protocol):
             out: list[Step] | None = None) -> list[Step]:
     """The steps of `request`, in order, each appended to `out` as it arrives."""
 
-  def skip(self, request: pb.BatchRequest, token: Any) -> str:
+  def skip(self, request: pb.BatchRequest, token: Any) -> pb.SkipResponse:
     """A stream dataset's position after the steps of `request` (at most
-    limits.skip_steps(G)), none of them sent."""
+    limits.skip_steps(G)), none of them sent, and whether its sub-stream
+    ended on the way (evaluation mode: SkipResponse.stream_ended)."""
 
   def explain(self, request: pb.ExplainRequest) -> dict[str, Any]:
     """Where each row of one step came from, or a summary of steps

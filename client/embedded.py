@@ -55,12 +55,12 @@ class EmbeddedBackend:
       raise Cancelled(f"dataset {request.dataset!r}: cancelled")
     return out
 
-  def skip(self, request: pb.BatchRequest, token: Any = None) -> str:
+  def skip(self, request: pb.BatchRequest, token: Any = None) -> pb.SkipResponse:
     """Like ConnectionPool.skip: the position after the request's steps."""
     cancelled = (lambda: token.cancelled) if token is not None else (lambda: False)
     with self._path.admitted(None) as ticket:
       answer = self._path.skip(ticket, request, lambda: not cancelled())
-    return answer.next_stream_state
+    return answer
 
   def explain(self, request: pb.ExplainRequest) -> dict[str, Any]:
     """Like ConnectionPool.explain: what one step held."""

@@ -78,12 +78,16 @@ class ReadSpec:
 
   def request(self, start_step: int, num_steps: int, *, record_offset: int = 0,
               stream_state: str = "", compressed: bool = False,
-              whole: bool = False, timed: bool = False) -> pb.BatchRequest:
+              whole: bool = False, timed: bool = False,
+              stream_shard: int = 0) -> pb.BatchRequest:
     """The request for steps [start_step, start_step + num_steps): this
     host's rows of them, or with `whole` the whole global batches (a
     summary counts them all). `compressed`: batches come back in the
     transport's compression (a fetch; skips and explains send none);
-    `timed`: each says how long it takes to make (client/request_size.py)."""
+    `timed`: each says how long it takes to make (client/request_size.py);
+    `stream_shard`: the sub-stream it reads, of a stream of several
+    (stream_state is then that sub-stream's position)."""
+    shards = self.require_info().stream_shards
     return pb.BatchRequest(
         dataset=self.dataset, global_batch_size=self.global_batch_size,
         shard_index=0 if whole else self.shard_index,
@@ -91,7 +95,8 @@ class ReadSpec:
         num_steps=num_steps, config_fingerprint=self.require_info().config_fingerprint,
         record_offset=record_offset, stream_state=stream_state,
         compression=wire.COMPRESSIONS[self.transport.compression if compressed else "none"],
-        report_production=timed)
+        report_production=timed, stream_shard=stream_shard,
+        stream_shards=shards if shards > 1 else 0)
 
   def __str__(self) -> str:
     """How errors and logs name what is read: as the RemoteDataset it is."""

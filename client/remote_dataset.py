@@ -20,6 +20,7 @@ import grain
 
 from grain_elevator.client import layout
 from grain_elevator.client import stats as stats_lib
+from grain_elevator.client import stream_explain
 from grain_elevator.client import stream_summary
 from grain_elevator.client.backend import Backend, make_backend
 from grain_elevator.client.iterator import ClientIterator, no_parent
@@ -202,7 +203,7 @@ class RemoteDataset(grain.IterDataset):
     return it
 
   def explain(self, step: int, *, record_offset: int = 0,
-              stream_state: dict[str, Any] | None = None) -> dict[str, Any]:
+              stream_state: dict[str, Any] | list[Any] | None = None) -> dict[str, Any]:
     """What global batch `step` held: for each row of this host's slice, the
     record position, epoch, source record, shard and record index in it (a
     mixture: also the component), or that it is evaluation padding. The
@@ -211,6 +212,9 @@ class RemoteDataset(grain.IterDataset):
     A stream dataset's rows list their packed segments, traced from the
     position where `step` starts: `stream_state` (a cursor's, saved at
     `step`), or found from the stream's start by the servers (O(step)).
+    A stream of N sub-streams: `stream_state` is the list of their N
+    positions, and each sub-stream this host has rows of is explained from
+    its own (client/stream_explain.py), each row naming its `stream_shard`.
 
     Raises:
       InvalidRequestError: a negative step, or one whose records lie past int64.
@@ -226,6 +230,9 @@ class RemoteDataset(grain.IterDataset):
     try:
       (info,) = backend.describe(self.dataset)
       spec = self._spec.described(info)
+      if spec.kind is Kind.STREAM and info.stream_shards > 1:
+        positions = _positions(backend, spec, step, stream_state)
+        return stream_explain.explain(backend, spec, step, positions)
       position = (_position(backend, spec, step, stream_state) if spec.kind is Kind.STREAM
                   else "")
       return backend.explain(pb.ExplainRequest(request=spec.request(
@@ -234,7 +241,7 @@ class RemoteDataset(grain.IterDataset):
       backend.close()
 
   def summary(self, start: int, end: int, *, record_offset: int = 0,
-              stream_state: dict[str, Any] | None = None,
+              stream_state: dict[str, Any] | list[Any] | None = None,
               progress: Callable[[int], None] | None = None) -> dict[str, Any]:
     """Counts per mixture component (or of the dataset) over the whole
     global batches [start, end), computed, not logged: the JSON of
@@ -244,7 +251,9 @@ class RemoteDataset(grain.IterDataset):
     position where `start` begins: `stream_state` (a cursor's, saved at
     `start`), or found from the stream's start by the servers (O(start)),
     in calls of at most MAX_STREAM_SUMMARY_ROWS rows (`progress(steps)`
-    after each).
+    after each). A stream of N sub-streams: `stream_state` is the list of
+    their N positions, each sub-stream's sub-batches are counted from its
+    own, and the counts added up.
     """
     for name, value in (("start", start), ("end", end)):
       if not isinstance(value, int) or isinstance(value, bool) or value < 0:
@@ -259,6 +268,9 @@ class RemoteDataset(grain.IterDataset):
     try:
       (info,) = backend.describe(self.dataset)
       spec = self._spec.described(info)
+      if spec.kind is Kind.STREAM and info.stream_shards > 1:
+        positions = _positions(backend, spec, start, stream_state)
+        return stream_summary.summarize(backend, spec, start, end, positions, progress)
       if spec.kind is Kind.STREAM:
         position = _position(backend, spec, start, stream_state)
         return stream_summary.summarize(backend, spec, start, end, position, progress)
@@ -297,7 +309,40 @@ def _position(backend: Backend, spec: ReadSpec, step: int,
   """Where stream step `step` begins: `stream_state`'s position (a cursor
   saved there), or fast-forwarded to from the stream's start."""
   if stream_state is not None:
+    if not isinstance(stream_state, dict):
+      raise InvalidRequestError(
+          f"{spec}: stream_state is a position (a Grain iterator state, a JSON object), "
+          f"got {type(stream_state).__name__}")
     return contract.position_text(stream_state)
   if not step:
     return ""
-  return fast_forward(backend, spec, 0, "", step, CancelToken())
+  (position,) = fast_forward(backend, spec, 0, [""], step, CancelToken())
+  return position
+
+
+def _positions(backend: Backend, spec: ReadSpec, step: int,
+               stream_state: list[Any] | None) -> list[str]:
+  """Where each of a stream's N sub-streams starts step `step`:
+  `stream_state`'s N positions (a cursor saved there; null: at its start),
+  or each fast-forwarded to from its start, at once."""
+  info = spec.require_info()
+  n = info.stream_shards
+  contract.check_stream_shards(spec.global_batch_size, n, info.name)
+  if stream_state is not None:
+    if not isinstance(stream_state, list) or len(stream_state) != n:
+      got = (f"a list of {len(stream_state)}" if isinstance(stream_state, list)
+             else type(stream_state).__name__)
+      raise InvalidRequestError(
+          f"{spec}: dataset {info.name!r} has {n} sub-streams: stream_state is a list of "
+          f"their {n} positions (a cursor's), got {got}")
+    for j, p in enumerate(stream_state):
+      if p is not None and not isinstance(p, dict):
+        raise InvalidRequestError(
+            f"{spec}: stream_state[{j}] must be a Grain iterator state (a JSON object) or "
+            f"null, got {type(p).__name__}")
+    given = [contract.position_text(p) if p else "" for p in stream_state]
+  elif not step:
+    given = [""] * n
+  else:
+    given = fast_forward(backend, spec, 0, info.starts, step, CancelToken())
+  return [p or start for p, start in zip(given, info.starts)]

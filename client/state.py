@@ -14,7 +14,10 @@ A stream dataset (server/data/streams/stream.py) has no arithmetic from steps to
 records: its state also holds "stream_state", the position of its Grain
 pipeline where the next global batch starts (Grain's own iterator state,
 JSON: an upstream position and a few counters, never elements; at step 0
-the dataset's first position, DatasetInfo.stream_start). A new G continues from that position, steps counted afresh.
+the dataset's first position, DatasetInfo.stream_start). A new G continues
+from that position, steps counted afresh. A stream of N sub-streams
+(server/data/streams/sub_streams.py) holds the list of their N positions
+there, and a new G must be a multiple of N.
 
 Skips (rollback-and-skip after a loss spike): "skips" lists the ranges of
 global steps [a, b) a job skipped, oldest first, so that a resume from any
@@ -84,6 +87,9 @@ class Cursor:
   record_offset: int = 0
   stream_state: str = ""
   skips: Skips = ()  # ranges [a, b) of steps skipped; the last may still be to make
+  # A stream of N sub-streams: each one's position ("" at its start), in
+  # place of stream_state.
+  stream_states: tuple[str, ...] = ()
 
   @property
   def pending(self) -> int | None:
@@ -227,7 +233,10 @@ def make(cursor: Cursor, spec: ReadSpec) -> dict[str, Any]:
     state["skips"] = [list(r) for r in cursor.skips]
   if cursor.record_offset:
     state["record_offset"] = cursor.record_offset
-  if spec.kind is Kind.STREAM:
+  if spec.kind is Kind.STREAM and info.stream_shards > 1:
+    positions = cursor.stream_states or ("",) * info.stream_shards
+    state["stream_state"] = [json.loads(p) if p else None for p in positions]
+  elif spec.kind is Kind.STREAM:
     state["stream_state"] = json.loads(cursor.stream_state) if cursor.stream_state else None
   return state
 
@@ -344,12 +353,19 @@ def _stream_cursor(state: dict[str, Any], info: DatasetInfo, saved_g: int,
   if "stream_state" not in state:
     raise InvalidRequestError(f"not a state of stream dataset {info.name!r}: it has no "
                               "stream_state (saved for the dataset before it was a stream?)")
-  position = state["stream_state"]
-  if position is not None and not isinstance(position, dict):
-    raise InvalidRequestError(f"state stream_state must be a Grain iterator state (a JSON "
-                              f"object) or null, got {type(position).__name__}")
-  text = contract.position_text(position) if position else ""
-  cursor = Cursor(step, stream_state=text, skips=skips)
+  n = info.stream_shards
+  if n > 1:
+    contract.check_stream_shards(global_batch_size, n, info.name)
+    positions = state["stream_state"]
+    if not isinstance(positions, list) or len(positions) != n:
+      raise InvalidRequestError(
+          f"dataset {info.name!r} has {n} sub-streams: a state's stream_state is a list of "
+          f"their {n} positions, got {_shape_of(positions)}")
+    texts = tuple(_position(p, f"stream_state[{j}]") for j, p in enumerate(positions))
+    cursor = Cursor(step, stream_states=texts, skips=skips)
+  else:
+    text = _position(state["stream_state"], "stream_state")
+    cursor = Cursor(step, stream_state=text, skips=skips)
   if cursor.pending is not None:
     _check_stream_skip(state, step, cursor.pending, saved_g)
   if saved_g == global_batch_size:
@@ -359,4 +375,17 @@ def _stream_cursor(state: dict[str, Any], info: DatasetInfo, saved_g: int,
         f"this state of stream dataset {info.name!r} holds a skip still to be made, of "
         f"batches of {saved_g}: resume it under global_batch_size {saved_g} first (a "
         "stream's batches depend on G), then change G at a later checkpoint")
-  return Cursor(0, stream_state=text)  # a new G: steps count afresh from the position
+  # A new G: steps count afresh from the position(s).
+  return Cursor(0, stream_state=cursor.stream_state, stream_states=cursor.stream_states)
+
+
+def _position(position: Any, where: str) -> str:
+  """One saved position as canonical text ("" for null: the start)."""
+  if position is not None and not isinstance(position, dict):
+    raise InvalidRequestError(f"state {where} must be a Grain iterator state (a JSON "
+                              f"object) or null, got {type(position).__name__}")
+  return contract.position_text(position) if position else ""
+
+
+def _shape_of(value: Any) -> str:
+  return f"a list of {len(value)}" if isinstance(value, list) else type(value).__name__

@@ -60,7 +60,7 @@ CONSTANTS = {
     "grain_elevator.proto.limits": ["MAX_REQUEST_BYTES", "LONG_STREAM_STEPS",
                                    "MAX_STREAM_STATE_BYTES", "MAX_SKIP_STEPS",
                                    "MAX_EXPLAIN_ROWS", "MAX_SUMMARY_ROWS",
-                                   "MAX_STREAM_SUMMARY_ROWS", "MAX_SKIP_ROWS"],
+                                   "MAX_STREAM_SUMMARY_ROWS", "MAX_SKIP_ROWS", "MAX_STREAM_SHARDS"],
     "grain_elevator.proto.rows": ["MIN_ROW_BYTES"],
     "grain_elevator.proto.wire": ["MIN_COMPRESSED_BYTES", "ZSTD_LEVEL"],
     "grain_elevator.proto.framing": ["MAGIC"],

@@ -60,6 +60,29 @@ def host_rows(global_batch_size: int, shard_index: int, shard_count: int) -> ran
   return range(shard_index * rows, (shard_index + 1) * rows)
 
 
+def sub_stream_rows(global_batch_size: int, shard_index: int, shard_count: int,
+                    stream_shard: int, stream_shards: int) -> range:
+  """Rows of sub-batch k of sub-stream j that host h receives (possibly
+  none), in the sub-batch's own numbering: global batch k of a stream of N
+  sub-streams is their N sub-batches k, G/N rows each, one after another,
+  and host h takes its rows [h*G/H, (h+1)*G/H) of that, as of any batch."""
+  host = host_rows(global_batch_size, shard_index, shard_count)
+  rows = global_batch_size // stream_shards
+  first = stream_shard * rows
+  start, stop = max(host.start, first), min(host.stop, first + rows)
+  return range(start - first, max(start, stop) - first)
+
+
+def check_stream_shards(global_batch_size: int, stream_shards: int, dataset: str) -> None:
+  """Raises InvalidRequestError unless G splits into N sub-batches: a
+  stream of N sub-streams takes G/N rows a step from each."""
+  if stream_shards > 1 and global_batch_size % stream_shards:
+    raise InvalidRequestError(
+        f"dataset {dataset!r} has {stream_shards} sub-streams (stream_shards), each "
+        f"giving G/{stream_shards} rows a step: global_batch_size must be a multiple of "
+        f"{stream_shards}, got {global_batch_size}")
+
+
 def host_positions(step: int, global_batch_size: int, shard_index: int,
                    shard_count: int, record_offset: int = 0) -> range:
   """Record positions of host h's rows of global batch `step`."""

@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#grain_elevator/proto/elevator.proto\x12\x11grain_elevator.v1\"=\n\x0f\x44\x65scribeRequest\x12\x0f\n\x07\x64\x61taset\x18\x01 \x01(\t\x12\x19\n\x11global_batch_size\x18\x02 \x01(\x03\"s\n\x10\x44\x65scribeResponse\x12\x30\n\x08\x64\x61tasets\x18\x01 \x03(\x0b\x32\x1e.grain_elevator.v1.DatasetInfo\x12-\n\x06server\x18\x02 \x01(\x0b\x32\x1d.grain_elevator.v1.ServerInfo\"J\n\nServerInfo\x12\x14\n\x0cworker_index\x18\x01 \x01(\x05\x12\x13\n\x0bnum_workers\x18\x02 \x01(\x05\x12\x11\n\tbulk_port\x18\x03 \x01(\x05\"\xf0\x02\n\x0b\x44\x61tasetInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0bnum_records\x18\x02 \x01(\x03\x12\x12\n\nnum_epochs\x18\x03 \x01(\x03\x12\x0f\n\x07shuffle\x18\x04 \x01(\x08\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12\x1a\n\x12\x63onfig_fingerprint\x18\x06 \x01(\t\x12\x34\n\x0c\x65lement_spec\x18\x07 \x01(\x0b\x32\x1e.grain_elevator.v1.ElementSpec\x12\x19\n\x11global_batch_size\x18\x08 \x01(\x03\x12\x17\n\x0fsteps_per_epoch\x18\t \x01(\x03\x12\x13\n\x0btotal_steps\x18\n \x01(\x03\x12\x15\n\rpad_remainder\x18\x0b \x01(\x08\x12\x15\n\rsegment_steps\x18\x0c \x03(\x03\x12\x1c\n\x14segment_fingerprints\x18\r \x03(\t\x12\x0e\n\x06stream\x18\x0e \x01(\x08\x12\x14\n\x0cstream_start\x18\x0f \x01(\t\"M\n\x0b\x45lementSpec\x12\x11\n\tstructure\x18\x01 \x01(\t\x12+\n\x06leaves\x18\x02 \x03(\x0b\x32\x1b.grain_elevator.v1.LeafSpec\"6\n\x08LeafSpec\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\"\xa4\x02\n\x0c\x42\x61tchRequest\x12\x0f\n\x07\x64\x61taset\x18\x01 \x01(\t\x12\x19\n\x11global_batch_size\x18\x02 \x01(\x03\x12\x13\n\x0bshard_index\x18\x03 \x01(\x05\x12\x13\n\x0bshard_count\x18\x04 \x01(\x05\x12\x12\n\nstart_step\x18\x05 \x01(\x03\x12\x11\n\tnum_steps\x18\x06 \x01(\x03\x12\x1a\n\x12\x63onfig_fingerprint\x18\x07 \x01(\t\x12\x33\n\x0b\x63ompression\x18\x08 \x01(\x0e\x32\x1e.grain_elevator.v1.Compression\x12\x15\n\rrecord_offset\x18\t \x01(\x03\x12\x14\n\x0cstream_state\x18\n \x01(\t\x12\x19\n\x11report_production\x18\x0b \x01(\x08\"i\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x33\n\x0b\x63ompression\x18\x04 \x01(\x0e\x32\x1e.grain_elevator.v1.Compression\"r\n\x05\x42\x61tch\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12)\n\x06leaves\x18\x02 \x03(\x0b\x32\x19.grain_elevator.v1.Tensor\x12\x19\n\x11next_stream_state\x18\x03 \x01(\t\x12\x15\n\rproduction_us\x18\x04 \x01(\x04\"<\n\x0cSkipResponse\x12\x11\n\tnext_step\x18\x01 \x01(\x03\x12\x19\n\x11next_stream_state\x18\x02 \x01(\t\"S\n\x0e\x45xplainRequest\x12\x30\n\x07request\x18\x01 \x01(\x0b\x32\x1f.grain_elevator.v1.BatchRequest\x12\x0f\n\x07summary\x18\x02 \x01(\x08\"\x1f\n\x0f\x45xplainResponse\x12\x0c\n\x04json\x18\x01 \x01(\t\"S\n\x0b\x42ulkRequest\x12\x30\n\x07request\x18\x01 \x01(\x0b\x32\x1f.grain_elevator.v1.BatchRequest\x12\x12\n\nauth_token\x18\x02 \x01(\t\"?\n\nBulkStatus\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x12\n\nerror_type\x18\x03 \x01(\t*9\n\x0b\x43ompression\x12\x14\n\x10\x43OMPRESSION_NONE\x10\x00\x12\x14\n\x10\x43OMPRESSION_ZSTD\x10\x01\x32\xc6\x02\n\x08\x45levator\x12S\n\x08\x44\x65scribe\x12\".grain_elevator.v1.DescribeRequest\x1a#.grain_elevator.v1.DescribeResponse\x12I\n\nGetBatches\x12\x1f.grain_elevator.v1.BatchRequest\x1a\x18.grain_elevator.v1.Batch0\x01\x12H\n\x04Skip\x12\x1f.grain_elevator.v1.BatchRequest\x1a\x1f.grain_elevator.v1.SkipResponse\x12P\n\x07\x45xplain\x12!.grain_elevator.v1.ExplainRequest\x1a\".grain_elevator.v1.ExplainResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#grain_elevator/proto/elevator.proto\x12\x11grain_elevator.v1\"=\n\x0f\x44\x65scribeRequest\x12\x0f\n\x07\x64\x61taset\x18\x01 \x01(\t\x12\x19\n\x11global_batch_size\x18\x02 \x01(\x03\"s\n\x10\x44\x65scribeResponse\x12\x30\n\x08\x64\x61tasets\x18\x01 \x03(\x0b\x32\x1e.grain_elevator.v1.DatasetInfo\x12-\n\x06server\x18\x02 \x01(\x0b\x32\x1d.grain_elevator.v1.ServerInfo\"J\n\nServerInfo\x12\x14\n\x0cworker_index\x18\x01 \x01(\x05\x12\x13\n\x0bnum_workers\x18\x02 \x01(\x05\x12\x11\n\tbulk_port\x18\x03 \x01(\x05\"\x9e\x03\n\x0b\x44\x61tasetInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0bnum_records\x18\x02 \x01(\x03\x12\x12\n\nnum_epochs\x18\x03 \x01(\x03\x12\x0f\n\x07shuffle\x18\x04 \x01(\x08\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12\x1a\n\x12\x63onfig_fingerprint\x18\x06 \x01(\t\x12\x34\n\x0c\x65lement_spec\x18\x07 \x01(\x0b\x32\x1e.grain_elevator.v1.ElementSpec\x12\x19\n\x11global_batch_size\x18\x08 \x01(\x03\x12\x17\n\x0fsteps_per_epoch\x18\t \x01(\x03\x12\x13\n\x0btotal_steps\x18\n \x01(\x03\x12\x15\n\rpad_remainder\x18\x0b \x01(\x08\x12\x15\n\rsegment_steps\x18\x0c \x03(\x03\x12\x1c\n\x14segment_fingerprints\x18\r \x03(\t\x12\x0e\n\x06stream\x18\x0e \x01(\x08\x12\x14\n\x0cstream_start\x18\x0f \x01(\t\x12\x15\n\rstream_shards\x18\x10 \x01(\x05\x12\x15\n\rstream_starts\x18\x11 \x03(\t\"M\n\x0b\x45lementSpec\x12\x11\n\tstructure\x18\x01 \x01(\t\x12+\n\x06leaves\x18\x02 \x03(\x0b\x32\x1b.grain_elevator.v1.LeafSpec\"6\n\x08LeafSpec\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\"\xd1\x02\n\x0c\x42\x61tchRequest\x12\x0f\n\x07\x64\x61taset\x18\x01 \x01(\t\x12\x19\n\x11global_batch_size\x18\x02 \x01(\x03\x12\x13\n\x0bshard_index\x18\x03 \x01(\x05\x12\x13\n\x0bshard_count\x18\x04 \x01(\x05\x12\x12\n\nstart_step\x18\x05 \x01(\x03\x12\x11\n\tnum_steps\x18\x06 \x01(\x03\x12\x1a\n\x12\x63onfig_fingerprint\x18\x07 \x01(\t\x12\x33\n\x0b\x63ompression\x18\x08 \x01(\x0e\x32\x1e.grain_elevator.v1.Compression\x12\x15\n\rrecord_offset\x18\t \x01(\x03\x12\x14\n\x0cstream_state\x18\n \x01(\t\x12\x19\n\x11report_production\x18\x0b \x01(\x08\x12\x14\n\x0cstream_shard\x18\x0c \x01(\x05\x12\x15\n\rstream_shards\x18\r \x01(\x05\"i\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x33\n\x0b\x63ompression\x18\x04 \x01(\x0e\x32\x1e.grain_elevator.v1.Compression\"r\n\x05\x42\x61tch\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12)\n\x06leaves\x18\x02 \x03(\x0b\x32\x19.grain_elevator.v1.Tensor\x12\x19\n\x11next_stream_state\x18\x03 \x01(\t\x12\x15\n\rproduction_us\x18\x04 \x01(\x04\"R\n\x0cSkipResponse\x12\x11\n\tnext_step\x18\x01 \x01(\x03\x12\x19\n\x11next_stream_state\x18\x02 \x01(\t\x12\x14\n\x0cstream_ended\x18\x03 \x01(\x08\"S\n\x0e\x45xplainRequest\x12\x30\n\x07request\x18\x01 \x01(\x0b\x32\x1f.grain_elevator.v1.BatchRequest\x12\x0f\n\x07summary\x18\x02 \x01(\x08\"\x1f\n\x0f\x45xplainResponse\x12\x0c\n\x04json\x18\x01 \x01(\t\"S\n\x0b\x42ulkRequest\x12\x30\n\x07request\x18\x01 \x01(\x0b\x32\x1f.grain_elevator.v1.BatchRequest\x12\x12\n\nauth_token\x18\x02 \x01(\t\"?\n\nBulkStatus\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x12\n\nerror_type\x18\x03 \x01(\t*9\n\x0b\x43ompression\x12\x14\n\x10\x43OMPRESSION_NONE\x10\x00\x12\x14\n\x10\x43OMPRESSION_ZSTD\x10\x01\x32\xc6\x02\n\x08\x45levator\x12S\n\x08\x44\x65scribe\x12\".grain_elevator.v1.DescribeRequest\x1a#.grain_elevator.v1.DescribeResponse\x12I\n\nGetBatches\x12\x1f.grain_elevator.v1.BatchRequest\x1a\x18.grain_elevator.v1.Batch0\x01\x12H\n\x04Skip\x12\x1f.grain_elevator.v1.BatchRequest\x1a\x1f.grain_elevator.v1.SkipResponse\x12P\n\x07\x45xplain\x12!.grain_elevator.v1.ExplainRequest\x1a\".grain_elevator.v1.ExplainResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'grain_elevator.proto.elevator_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_COMPRESSION']._serialized_start=1668
-  _globals['_COMPRESSION']._serialized_end=1725
+  _globals['_COMPRESSION']._serialized_start=1781
+  _globals['_COMPRESSION']._serialized_end=1838
   _globals['_DESCRIBEREQUEST']._serialized_start=58
   _globals['_DESCRIBEREQUEST']._serialized_end=119
   _globals['_DESCRIBERESPONSE']._serialized_start=121
@@ -40,27 +40,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SERVERINFO']._serialized_start=238
   _globals['_SERVERINFO']._serialized_end=312
   _globals['_DATASETINFO']._serialized_start=315
-  _globals['_DATASETINFO']._serialized_end=683
-  _globals['_ELEMENTSPEC']._serialized_start=685
-  _globals['_ELEMENTSPEC']._serialized_end=762
-  _globals['_LEAFSPEC']._serialized_start=764
-  _globals['_LEAFSPEC']._serialized_end=818
-  _globals['_BATCHREQUEST']._serialized_start=821
-  _globals['_BATCHREQUEST']._serialized_end=1113
-  _globals['_TENSOR']._serialized_start=1115
-  _globals['_TENSOR']._serialized_end=1220
-  _globals['_BATCH']._serialized_start=1222
-  _globals['_BATCH']._serialized_end=1336
-  _globals['_SKIPRESPONSE']._serialized_start=1338
-  _globals['_SKIPRESPONSE']._serialized_end=1398
-  _globals['_EXPLAINREQUEST']._serialized_start=1400
-  _globals['_EXPLAINREQUEST']._serialized_end=1483
-  _globals['_EXPLAINRESPONSE']._serialized_start=1485
-  _globals['_EXPLAINRESPONSE']._serialized_end=1516
-  _globals['_BULKREQUEST']._serialized_start=1518
-  _globals['_BULKREQUEST']._serialized_end=1601
-  _globals['_BULKSTATUS']._serialized_start=1603
-  _globals['_BULKSTATUS']._serialized_end=1666
-  _globals['_ELEVATOR']._serialized_start=1728
-  _globals['_ELEVATOR']._serialized_end=2054
+  _globals['_DATASETINFO']._serialized_end=729
+  _globals['_ELEMENTSPEC']._serialized_start=731
+  _globals['_ELEMENTSPEC']._serialized_end=808
+  _globals['_LEAFSPEC']._serialized_start=810
+  _globals['_LEAFSPEC']._serialized_end=864
+  _globals['_BATCHREQUEST']._serialized_start=867
+  _globals['_BATCHREQUEST']._serialized_end=1204
+  _globals['_TENSOR']._serialized_start=1206
+  _globals['_TENSOR']._serialized_end=1311
+  _globals['_BATCH']._serialized_start=1313
+  _globals['_BATCH']._serialized_end=1427
+  _globals['_SKIPRESPONSE']._serialized_start=1429
+  _globals['_SKIPRESPONSE']._serialized_end=1511
+  _globals['_EXPLAINREQUEST']._serialized_start=1513
+  _globals['_EXPLAINREQUEST']._serialized_end=1596
+  _globals['_EXPLAINRESPONSE']._serialized_start=1598
+  _globals['_EXPLAINRESPONSE']._serialized_end=1629
+  _globals['_BULKREQUEST']._serialized_start=1631
+  _globals['_BULKREQUEST']._serialized_end=1714
+  _globals['_BULKSTATUS']._serialized_start=1716
+  _globals['_BULKSTATUS']._serialized_end=1779
+  _globals['_ELEVATOR']._serialized_start=1841
+  _globals['_ELEVATOR']._serialized_end=2167
 # @@protoc_insertion_point(module_scope)

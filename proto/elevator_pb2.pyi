@@ -41,7 +41,7 @@ class ServerInfo(_message.Message):
     def __init__(self, worker_index: _Optional[int] = ..., num_workers: _Optional[int] = ..., bulk_port: _Optional[int] = ...) -> None: ...
 
 class DatasetInfo(_message.Message):
-    __slots__ = ("name", "num_records", "num_epochs", "shuffle", "seed", "config_fingerprint", "element_spec", "global_batch_size", "steps_per_epoch", "total_steps", "pad_remainder", "segment_steps", "segment_fingerprints", "stream", "stream_start")
+    __slots__ = ("name", "num_records", "num_epochs", "shuffle", "seed", "config_fingerprint", "element_spec", "global_batch_size", "steps_per_epoch", "total_steps", "pad_remainder", "segment_steps", "segment_fingerprints", "stream", "stream_start", "stream_shards", "stream_starts")
     NAME_FIELD_NUMBER: _ClassVar[int]
     NUM_RECORDS_FIELD_NUMBER: _ClassVar[int]
     NUM_EPOCHS_FIELD_NUMBER: _ClassVar[int]
@@ -57,6 +57,8 @@ class DatasetInfo(_message.Message):
     SEGMENT_FINGERPRINTS_FIELD_NUMBER: _ClassVar[int]
     STREAM_FIELD_NUMBER: _ClassVar[int]
     STREAM_START_FIELD_NUMBER: _ClassVar[int]
+    STREAM_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    STREAM_STARTS_FIELD_NUMBER: _ClassVar[int]
     name: str
     num_records: int
     num_epochs: int
@@ -72,7 +74,9 @@ class DatasetInfo(_message.Message):
     segment_fingerprints: _containers.RepeatedScalarFieldContainer[str]
     stream: bool
     stream_start: str
-    def __init__(self, name: _Optional[str] = ..., num_records: _Optional[int] = ..., num_epochs: _Optional[int] = ..., shuffle: _Optional[bool] = ..., seed: _Optional[int] = ..., config_fingerprint: _Optional[str] = ..., element_spec: _Optional[_Union[ElementSpec, _Mapping]] = ..., global_batch_size: _Optional[int] = ..., steps_per_epoch: _Optional[int] = ..., total_steps: _Optional[int] = ..., pad_remainder: _Optional[bool] = ..., segment_steps: _Optional[_Iterable[int]] = ..., segment_fingerprints: _Optional[_Iterable[str]] = ..., stream: _Optional[bool] = ..., stream_start: _Optional[str] = ...) -> None: ...
+    stream_shards: int
+    stream_starts: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., num_records: _Optional[int] = ..., num_epochs: _Optional[int] = ..., shuffle: _Optional[bool] = ..., seed: _Optional[int] = ..., config_fingerprint: _Optional[str] = ..., element_spec: _Optional[_Union[ElementSpec, _Mapping]] = ..., global_batch_size: _Optional[int] = ..., steps_per_epoch: _Optional[int] = ..., total_steps: _Optional[int] = ..., pad_remainder: _Optional[bool] = ..., segment_steps: _Optional[_Iterable[int]] = ..., segment_fingerprints: _Optional[_Iterable[str]] = ..., stream: _Optional[bool] = ..., stream_start: _Optional[str] = ..., stream_shards: _Optional[int] = ..., stream_starts: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ElementSpec(_message.Message):
     __slots__ = ("structure", "leaves")
@@ -93,7 +97,7 @@ class LeafSpec(_message.Message):
     def __init__(self, path: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class BatchRequest(_message.Message):
-    __slots__ = ("dataset", "global_batch_size", "shard_index", "shard_count", "start_step", "num_steps", "config_fingerprint", "compression", "record_offset", "stream_state", "report_production")
+    __slots__ = ("dataset", "global_batch_size", "shard_index", "shard_count", "start_step", "num_steps", "config_fingerprint", "compression", "record_offset", "stream_state", "report_production", "stream_shard", "stream_shards")
     DATASET_FIELD_NUMBER: _ClassVar[int]
     GLOBAL_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -105,6 +109,8 @@ class BatchRequest(_message.Message):
     RECORD_OFFSET_FIELD_NUMBER: _ClassVar[int]
     STREAM_STATE_FIELD_NUMBER: _ClassVar[int]
     REPORT_PRODUCTION_FIELD_NUMBER: _ClassVar[int]
+    STREAM_SHARD_FIELD_NUMBER: _ClassVar[int]
+    STREAM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     dataset: str
     global_batch_size: int
     shard_index: int
@@ -116,7 +122,9 @@ class BatchRequest(_message.Message):
     record_offset: int
     stream_state: str
     report_production: bool
-    def __init__(self, dataset: _Optional[str] = ..., global_batch_size: _Optional[int] = ..., shard_index: _Optional[int] = ..., shard_count: _Optional[int] = ..., start_step: _Optional[int] = ..., num_steps: _Optional[int] = ..., config_fingerprint: _Optional[str] = ..., compression: _Optional[_Union[Compression, str]] = ..., record_offset: _Optional[int] = ..., stream_state: _Optional[str] = ..., report_production: _Optional[bool] = ...) -> None: ...
+    stream_shard: int
+    stream_shards: int
+    def __init__(self, dataset: _Optional[str] = ..., global_batch_size: _Optional[int] = ..., shard_index: _Optional[int] = ..., shard_count: _Optional[int] = ..., start_step: _Optional[int] = ..., num_steps: _Optional[int] = ..., config_fingerprint: _Optional[str] = ..., compression: _Optional[_Union[Compression, str]] = ..., record_offset: _Optional[int] = ..., stream_state: _Optional[str] = ..., report_production: _Optional[bool] = ..., stream_shard: _Optional[int] = ..., stream_shards: _Optional[int] = ...) -> None: ...
 
 class Tensor(_message.Message):
     __slots__ = ("dtype", "shape", "data", "compression")
@@ -143,12 +151,14 @@ class Batch(_message.Message):
     def __init__(self, step: _Optional[int] = ..., leaves: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., next_stream_state: _Optional[str] = ..., production_us: _Optional[int] = ...) -> None: ...
 
 class SkipResponse(_message.Message):
-    __slots__ = ("next_step", "next_stream_state")
+    __slots__ = ("next_step", "next_stream_state", "stream_ended")
     NEXT_STEP_FIELD_NUMBER: _ClassVar[int]
     NEXT_STREAM_STATE_FIELD_NUMBER: _ClassVar[int]
+    STREAM_ENDED_FIELD_NUMBER: _ClassVar[int]
     next_step: int
     next_stream_state: str
-    def __init__(self, next_step: _Optional[int] = ..., next_stream_state: _Optional[str] = ...) -> None: ...
+    stream_ended: bool
+    def __init__(self, next_step: _Optional[int] = ..., next_stream_state: _Optional[str] = ..., stream_ended: _Optional[bool] = ...) -> None: ...
 
 class ExplainRequest(_message.Message):
     __slots__ = ("request", "summary")

@@ -32,6 +32,11 @@ message (client/transport/connection.py MAX_CONTROL_MESSAGE_BYTES).
 MAX_SUMMARY_ROWS: the most records one Explain summary counts (steps times
 G), arithmetic in chunks on the worker that answers it.
 
+MAX_STREAM_SHARDS: the most sub-streams a stream dataset splits into (its
+config's stream_shards): a client runs a fetch loop per sub-stream, and its
+cursor holds a position per sub-stream (32 of MAX_STREAM_STATE_BYTES fit a
+saved state's MAX_STATE_BYTES, client/state.py, with room to spare).
+
 MAX_STREAM_SUMMARY_ROWS: the most rows one Explain summary of a stream
 dataset traces (each step is made twice, served and traced: seconds per
 call, within a request's deadline); a client splits a longer range into
@@ -42,6 +47,7 @@ summary refuse a stream whose G is more: its one global batch would be too.
 MAX_REQUEST_BYTES = 64 << 10
 LONG_STREAM_STEPS = 64
 MAX_STREAM_STATE_BYTES = MAX_REQUEST_BYTES // 4
+MAX_STREAM_SHARDS = 32
 MAX_SKIP_STEPS = 1 << 16
 MAX_SKIP_ROWS = 1 << 12
 MAX_EXPLAIN_ROWS = 8192

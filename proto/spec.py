@@ -92,6 +92,15 @@ class DatasetInfo:
   # num_records counts its source's records per epoch.
   stream: bool = False
   stream_start: str = ""  # a stream dataset's first position (JSON), where step 0 starts
+  # A stream of N sub-streams (contract.sub_stream_rows): N > 1, and each
+  # one's first position (stream_start is the first's).
+  stream_shards: int = 1
+  stream_starts: tuple[str, ...] = ()
+
+  @property
+  def starts(self) -> tuple[str, ...]:
+    """Each sub-stream's first position: one for a stream of one."""
+    return self.stream_starts if self.stream_shards > 1 else (self.stream_start,)
 
   def cursor_fingerprint(self, step: int) -> str:
     """What a cursor at `step` names: the whole config's fingerprint, or for a
@@ -126,7 +135,9 @@ class DatasetInfo:
         element_spec=self.element_spec.to_proto(),
         global_batch_size=global_batch_size, pad_remainder=not self.drop_remainder,
         segment_steps=self.segment_steps, segment_fingerprints=self.segment_fingerprints,
-        stream=self.stream, stream_start=self.stream_start)
+        stream=self.stream, stream_start=self.stream_start,
+        stream_shards=self.stream_shards if self.stream_shards > 1 else 0,
+        stream_starts=self.stream_starts if self.stream_shards > 1 else ())
     if global_batch_size > 0 and not self.stream:
       msg.steps_per_epoch = self.steps_per_epoch(global_batch_size)
       total = self.total_steps(global_batch_size)
@@ -143,5 +154,6 @@ class DatasetInfo:
                config_fingerprint=msg.config_fingerprint, element_spec=spec,
                stream_length=length, drop_remainder=not msg.pad_remainder,
                segment_steps=tuple(msg.segment_steps), stream=msg.stream,
-               stream_start=msg.stream_start,
+               stream_start=msg.stream_start, stream_shards=max(1, msg.stream_shards),
+               stream_starts=tuple(msg.stream_starts),
                segment_fingerprints=tuple(msg.segment_fingerprints))

@@ -47,6 +47,7 @@ from grain_elevator.client.transport.retry import REFUSED, RETRIABLE, Retrier
 from grain_elevator.client.transport.slots import (Slot, Slots, interleave,
                                                    spread_over_workers)
 from grain_elevator.client.transport.targets import bulk_hosts
+from grain_elevator.proto import contract
 from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.proto import errors
 from grain_elevator.proto.spec import DatasetInfo, LeafSpec
@@ -149,10 +150,14 @@ class ConnectionPool:
 
   def _per_worker(self) -> int:
     """Connections per worker of a default client (connections_per_target
-    None): REQUESTS_PER_WORKER, or one where it reads only streams, whose
-    requests go one at a time to the worker that owns the stream."""
-    streams = bool(self._infos) and all(self._stream(name) is not None for name in self._infos)
-    return 1 if streams else REQUESTS_PER_WORKER
+    None): REQUESTS_PER_WORKER, or where it reads only streams, whose
+    requests go one at a time to the worker that owns the stream, one per
+    sub-stream a worker may own (two where N sub-streams are more than
+    the workers, up to REQUESTS_PER_WORKER)."""
+    streams = [self._stream(name) for name in self._infos]
+    if not streams or None in streams:
+      return REQUESTS_PER_WORKER
+    return min(REQUESTS_PER_WORKER, max(info.stream_shards for info in streams if info))
 
   def _stream(self, dataset: str) -> DatasetInfo | None:
     """`dataset`'s Describe answer if it is a stream dataset, else None (read
@@ -419,11 +424,14 @@ class ConnectionPool:
     if stream is not None:
       # A stream's chunks all go to one worker, whose live iterator continues
       # from each chunk's end (server/serving/stream_sessions.py).
+      # Sub-stream j (of a stream of several) to the worker after: N
+      # sub-streams keep N workers busy, one per replica first (owner_of).
       route = zlib.crc32(f"{request.dataset}/{stream.config_fingerprint}".encode())
+      route += request.stream_shard
     else:
       route = request.start_step // max(1, request.num_steps)
     liars: set[tuple[str, str]] = set()
-    positions_of = stream.stream_start if stream is not None else None
+    positions_of = _first_position(stream, request) if stream is not None else None
 
     def attempt(slots: Slots | None) -> list[Step]:
       assert slots is not None
@@ -457,7 +465,7 @@ class ConnectionPool:
         attempt, self._data, cancelled=lambda: token.cancelled, progress=lambda: len(out),
         after_full=self._after_full)
 
-  def skip(self, request: pb.BatchRequest, token: CancelToken) -> str:
+  def skip(self, request: pb.BatchRequest, token: CancelToken) -> pb.SkipResponse:
     """The position after the steps of `request` (a stream dataset's; at
     most limits.skip_steps(G)), none of them sent, from any replica; checked to be
     one of its stream's."""
@@ -466,7 +474,7 @@ class ConnectionPool:
     if info is None:
       (info,) = self.describe(request.dataset)
 
-    def attempt(slots: Slots | None) -> str:
+    def attempt(slots: Slots | None) -> pb.SkipResponse:
       assert slots is not None
       answer = self._with_slot(slots, lambda s: s.conn.skip(
           request, timeout_s=self.retry.request_timeout_s, token=token),
@@ -476,8 +484,8 @@ class ConnectionPool:
         raise BadReplyError(f"a Skip of dataset {request.dataset!r} to step {end} was "
                             f"answered for step {answer.next_step}")
       check_position(answer.next_stream_state, request, end - 1, "a Skip answer",
-                     info.stream_start)
-      return answer.next_stream_state
+                     _first_position(info, request))
+      return answer
 
     return self._retrier.run(
         lambda: f"Skip of dataset {request.dataset!r} from step {request.start_step}",
@@ -509,10 +517,11 @@ class ConnectionPool:
     info = self._infos.get(request.dataset)
     if info is None:
       (info,) = self.describe(request.dataset)
-    rows = request.global_batch_size // max(1, request.shard_count)
+    rows = len(_rows(request))
     # Once per dataset and G, not per request: the same tuple each time, so
     # a bulk connection reuses its layout (bulk_connection.py).
-    key = (request.dataset, request.global_batch_size, request.shard_count)
+    key = (request.dataset, request.global_batch_size, request.shard_count,
+           request.shard_index if request.stream_shards > 1 else 0, request.stream_shard)
     known = self._expected.get(key)
     if known is None or known[0] is not info:  # described again: derive again
       spec = info.element_spec
@@ -552,3 +561,24 @@ class ConnectionPool:
                            f"replica {target} no longer offers the bulk transport")
     return self._open_bulk(target, host, self._bulk_ports[target])
 
+
+def _rows(request: pb.BatchRequest) -> range:
+  """The rows of each step of `request`: this host's of its global batches,
+  or of its sub-stream's sub-batches (proto/contract.py)."""
+  if request.stream_shards > 1:
+    return contract.sub_stream_rows(request.global_batch_size, request.shard_index,
+                                    request.shard_count, request.stream_shard,
+                                    request.stream_shards)
+  return contract.host_rows(request.global_batch_size, request.shard_index,
+                            max(1, request.shard_count))
+
+
+def _first_position(info: DatasetInfo, request: pb.BatchRequest) -> str:
+  """The first position of the stream `request` reads (its sub-stream's),
+  by whose shape the positions it gets back are checked; BadReplyError if
+  the servers described no such sub-stream."""
+  starts = info.starts
+  if not 0 <= request.stream_shard < len(starts):
+    raise BadReplyError(f"dataset {info.name!r} was described with {len(starts)} sub-stream "
+                        f"first positions, and sub-stream {request.stream_shard} is read")
+  return starts[request.stream_shard]

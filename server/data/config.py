@@ -44,6 +44,7 @@ paths = ["text/*.array_record"]          # or tfds = ..., or source = "mix":
 pipeline = "lm.pipes:tokenize"           # MapDataset -> MapDataset (holes allowed)
 iter_pipeline = "lm.pipes:pack"          # IterDataset -> IterDataset, optional
 batch_fn = "lm.pipes:collate"            # Grain's batch_fn, optional
+stream_shards = 4                        # optional: sub-streams made apart (default 1)
 [datasets.lm.iter_options]               # keyword arguments for `iter_pipeline`
 ```
 
@@ -62,6 +63,7 @@ import pathlib
 import tomllib
 from typing import TYPE_CHECKING, Any, Callable
 
+from grain_elevator.proto import limits
 from grain_elevator.proto.errors import ConfigError
 from grain_elevator.server.data.storage import settings as storage_settings
 from grain_elevator.server.data.storage import urls
@@ -101,7 +103,7 @@ _quiet_grain_without_jax()
 
 _KEYS = {"paths", "tfds", "split", "data_dir", "source", "pipeline", "batch_transform",
          "iter_pipeline", "batch_fn", "seed", "shuffle", "num_epochs", "drop_remainder",
-         "options", "iter_options", "mixture", "schedule", "storage"}
+         "options", "iter_options", "mixture", "schedule", "storage", "stream_shards"}
 # What a dataset reads: exactly one of these.
 _SOURCE_KEYS = ("paths", "tfds", "source")
 _TFDS_KEYS = {"split", "data_dir"}
@@ -136,6 +138,9 @@ class DatasetConfig:
   iter_pipeline: str | None = None
   batch_fn: str | None = None
   iter_options: dict[str, Any] = dataclasses.field(default_factory=dict)
+  # Sub-streams (server/data/streams/sub_streams.py): N > 1 splits the
+  # stream into N made apart, each over every N-th record, G/N rows a step.
+  stream_shards: int = 1
   # The config file's folder: where relative paths in options are taken from
   # (grain_elevator.pipelines.config_path).
   base_dir: str = ""
@@ -147,7 +152,7 @@ class DatasetConfig:
   def names_a_stream(self) -> bool:
     """Whether the config alone makes it a stream dataset (a pipeline that
     filters or flat-maps makes it one too, found when it is opened)."""
-    return bool(self.iter_pipeline or self.batch_fn or self.source)
+    return bool(self.iter_pipeline or self.batch_fn or self.source or self.stream_shards > 1)
 
   def option_paths(self) -> list[tuple[str, str]]:
     """(where, absolute path) for every string in `options` and
@@ -479,10 +484,17 @@ def parse_dataset(name: str, table: Any, base_dir: pathlib.Path) -> DatasetConfi
   if iter_options and iter_pipeline is None:
     raise ConfigError(f"dataset {name!r}: key 'iter_options' given without an "
                       "'iter_pipeline'")
-  if batch_transform is not None and (iter_pipeline or batch_fn or source):
+  stream_shards = table.get("stream_shards", 1)
+  _expect(name, "stream_shards", stream_shards, int,
+          f"an integer in [1, {limits.MAX_STREAM_SHARDS}]")
+  if not 1 <= stream_shards <= limits.MAX_STREAM_SHARDS:
+    raise ConfigError(f"dataset {name!r}: key 'stream_shards' must be in "
+                      f"[1, {limits.MAX_STREAM_SHARDS}] (MAX_STREAM_SHARDS), got {stream_shards}")
+  if batch_transform is not None and (iter_pipeline or batch_fn or source
+                                      or stream_shards > 1):
     raise ConfigError(f"dataset {name!r}: 'batch_transform' is a whole-batch fast path for "
                       "a 1:1 pipeline; a stream dataset ('iter_pipeline', 'batch_fn', "
-                      "'source') batches with Grain ('batch_fn')")
+                      "'source', 'stream_shards') batches with Grain ('batch_fn')")
 
   config = DatasetConfig(
       name=name, files=tuple(sorted(files)), pipeline=pipeline,
@@ -490,7 +502,7 @@ def parse_dataset(name: str, table: Any, base_dir: pathlib.Path) -> DatasetConfi
       shuffle=shuffle, num_epochs=num_epochs, drop_remainder=drop_remainder,
       options=dict(options), tfds=tfds_split, source=source,
       iter_pipeline=iter_pipeline, batch_fn=batch_fn, iter_options=dict(iter_options),
-      base_dir=str(base_dir), storage=storage,
+      base_dir=str(base_dir), storage=storage, stream_shards=stream_shards,
   )
   config.pipeline_fn()  # Fail at start-up, not on the first request.
   config.batch_transform_fn()

@@ -118,25 +118,42 @@ def mixture_origins(ds: Any, positions: list[int], global_batch_size: int
 
 
 def explain_stream(ds: Any, global_batch_size: int, shard_index: int, shard_count: int,
-                   step: int, position: str, check: Check = _always) -> dict[str, Any]:
+                   step: int, position: str, check: Check = _always, *,
+                   stream_shard: int = 0, stream_shards: int = 1) -> dict[str, Any]:
   """Host h's rows of a stream dataset's global batch `step`, which starts
   at `position`: each row's segments (module docstring). `ds`: a
-  StreamDataset; `check` raises once the request is no longer wanted."""
+  StreamDataset; `check` raises once the request is no longer wanted.
+
+  A stream of N > 1 sub-streams (server/data/streams/sub_streams.py): `ds`
+  is sub-stream `stream_shard`, and the rows are host h's of its sub-batch
+  `step` (contract.sub_stream_rows, maybe none), numbered as in the host
+  slice ("row") and the global batch ("global_row"), each naming its
+  sub-stream. In evaluation mode a sub-stream that has ended gives padding
+  rows (`stream_ended`): the global batch goes on while any has a batch."""
   info = ds.info
   g = global_batch_size
-  rows = contract.host_rows(g, shard_index, shard_count)
-  if len(rows) > MAX_EXPLAIN_ROWS:
+  host = contract.host_rows(g, shard_index, shard_count)
+  if len(host) > MAX_EXPLAIN_ROWS:
     raise InvalidRequestError(
-        f"dataset {info.name!r}: a host slice of {len(rows)} rows is more than one "
+        f"dataset {info.name!r}: a host slice of {len(host)} rows is more than one "
         f"explanation holds ({MAX_EXPLAIN_ROWS}); explain it in parts with more hosts")
-  traced = next(_traced_steps(ds, g, position, check), None)
-  if traced is None:
-    raise InvalidRequestError(f"dataset {info.name!r}: the stream ends before step {step}")
-  leaf, _, codes, mask, ids = traced
+  several = stream_shards > 1
+  part = g // stream_shards  # the rows of each traced batch: G, or a sub-batch's G/N
+  first = stream_shard * part  # its first row in the global batch
+  rows = (contract.sub_stream_rows(g, shard_index, shard_count, stream_shard, stream_shards)
+          if several else host)
+  traced = next(_traced_steps(ds, part, position, check), None)
+  ended = traced is None
+  if ended and (not several or info.drop_remainder):
+    which = f"sub-stream {stream_shard} of {stream_shards}" if several else "the stream"
+    raise InvalidRequestError(f"dataset {info.name!r}: {which} ends before step {step}")
+  leaf, _, codes, mask, ids = traced if traced is not None else (None, None, None, None, None)
   out_rows = []
-  for i, r in enumerate(rows):
-    row: dict[str, Any] = {"row": i, "global_row": r}
-    if mask is not None and not mask[r]:
+  for r in rows:
+    row: dict[str, Any] = {"row": first + r - host.start, "global_row": first + r}
+    if several:
+      row["stream_shard"] = stream_shard
+    if ended or (mask is not None and not mask[r]):
       row["padding"] = True
     else:
       row["segments"] = _segments(codes[r], None if ids is None else ids[r])
@@ -147,15 +164,18 @@ def explain_stream(ds: Any, global_batch_size: int, shard_index: int, shard_coun
     for row in out_rows:
       for s in row.get("segments", ()):
         s.update(found[s["element"]])
+  shards = ({"stream_shard": stream_shard, "stream_shards": stream_shards,
+             "stream_ended": ended} if several else {})
   return {
       "version": EXPLAIN_VERSION, "dataset": info.name,
       "config_fingerprint": info.config_fingerprint, "kind": "stream", "step": step,
       "global_batch_size": g, "shard_index": shard_index, "shard_count": shard_count,
-      "stream_state": position, "traced_leaf": leaf, "rows": out_rows}
+      **shards, "stream_state": position, "traced_leaf": leaf, "rows": out_rows}
 
 
 def summary_stream(ds: Any, start: int, num_steps: int, global_batch_size: int,
-                   position: str, check: Check = _always) -> dict[str, Any]:
+                   position: str, check: Check = _always, *,
+                   stream_shard: int = 0, stream_shards: int = 1) -> dict[str, Any]:
   """Tokens, segments and documents per source in a stream dataset's whole
   global batches [start, start + num_steps), which begin at `position`:
   each step traced as `explain_stream` traces one, counted with numpy. A
@@ -163,9 +183,15 @@ def summary_stream(ds: Any, start: int, num_steps: int, global_batch_size: int,
   segments as `explain_stream` lists them (one segment id's run). Sources are the mixture's components where
   the stream's elements are the mixture's records (the pipeline keeps its
   length), else the dataset. At most MAX_STREAM_SUMMARY_ROWS rows a call;
-  `next_stream_state` is where the next call goes on."""
+  `next_stream_state` is where the next call goes on.
+
+  A stream of N > 1 sub-streams: `ds` is sub-stream `stream_shard`, whose
+  sub-batches (G/N rows) are counted; in evaluation mode, once it has
+  ended, its sub-batches count as padding, and `steps_made` says how many
+  it made (the global range passes the end if no sub-stream made them all)."""
   info = ds.info
-  g = global_batch_size
+  several = stream_shards > 1
+  g = global_batch_size // stream_shards  # the rows traced a step: G, or G/N
   if num_steps > limits.stream_summary_steps(g):
     raise InvalidRequestError(
         f"dataset {info.name!r}: a stream summary traces every row, at most "
@@ -202,16 +228,21 @@ def summary_stream(ds: Any, start: int, num_steps: int, global_batch_size: int,
     tokens += np.bincount(source, minlength=len(names))
     segments += np.bincount(source[starts], minlength=len(names))
     documents += np.bincount(source[first], minlength=len(names))
-  if done < num_steps:
+  if done < num_steps and several and not info.drop_remainder:
+    padding += (num_steps - done) * g  # evaluation mode: an ended sub-stream's padding
+  elif done < num_steps:
+    which = f"sub-stream {stream_shard} of {stream_shards}" if several else "the stream"
     raise EndOfDataError(
         f"dataset {info.name!r}: a summary of steps [{start}, {start + num_steps}) passes the "
-        f"end of the stream, which ends after step {start + done - 1}")
+        f"end of {which}, which ends after step {start + done - 1}")
   total = int(tokens.sum())
+  shards = ({"stream_shard": stream_shard, "stream_shards": stream_shards,
+             "steps_made": done} if several else {})
   return {
       "version": EXPLAIN_VERSION, "dataset": info.name,
       "config_fingerprint": info.config_fingerprint, "kind": "stream",
-      "steps": [start, start + num_steps], "global_batch_size": g,
-      "stream_state": position, "next_stream_state": after, "rows": rows,
+      "steps": [start, start + num_steps], "global_batch_size": global_batch_size,
+      **shards, "stream_state": position, "next_stream_state": after, "rows": rows,
       "padding_rows": padding, "tokens": total,
       "components": {name: {"tokens": int(t), "segments": int(n), "documents": int(d),
                             "share": int(t) / total if total else 0.0}

@@ -30,6 +30,7 @@ from grain_elevator.server.data.storage import cache_fill
 from grain_elevator.server.data.storage import read_ahead
 from grain_elevator.server.data.streams import parallel_head
 from grain_elevator.server.data.streams.stream import StreamDataset
+from grain_elevator.server.data.streams.sub_streams import SubStreams
 from grain_elevator.server.process import descriptors
 from grain_elevator.server.process import lifeline
 from grain_elevator.server.process import logs
@@ -235,9 +236,10 @@ def run(config_path: str, opts: ServerOptions, index: int, num_workers: int,
     if head_peers is not None:
       heads = parallel_head.HeadService(head_peers, index, datasets, metrics.current())
       for name, ds in datasets.opened().items():  # not those refused
-        if isinstance(ds, StreamDataset):
-          ds.use_head(heads.factory(name, ds.info.config_fingerprint),
-                      elements_held=heads.elements_held)
+        for part in (ds.parts if isinstance(ds, SubStreams)
+                     else [ds] if isinstance(ds, StreamDataset) else []):
+          part.use_head(heads.factory(name, part.info.config_fingerprint),
+                        elements_held=heads.elements_held)
   except (ElevatorError, OSError) as e:
     _report(ready, (index, str(e)))
     return

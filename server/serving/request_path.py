@@ -42,6 +42,7 @@ from grain_elevator.server.data.registry import Dataset
 from grain_elevator.server.data.registry import Datasets
 from grain_elevator.server.data.streams import cancellation
 from grain_elevator.server.data.streams.stream import StreamDataset
+from grain_elevator.server.data.streams.sub_streams import SubStreams
 from grain_elevator.server.serving.options import (DEFAULT_MAX_MESSAGE_BYTES,
                                                    DEFAULT_MAX_STREAM_BATCH_BYTES)
 from grain_elevator.server.serving.admission import Admission, Ticket
@@ -91,7 +92,8 @@ class RequestPath:
 
   def shape(self, ds: Dataset) -> Shape:
     """The one place the request path tells the two kinds apart."""
-    return self._stream_shape if isinstance(ds, StreamDataset) else self._step_shape
+    return (self._stream_shape if isinstance(ds, (StreamDataset, SubStreams))
+            else self._step_shape)
 
   # 1. authentication -------------------------------------------------------
 

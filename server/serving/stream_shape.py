@@ -21,11 +21,13 @@ from grain_elevator.server.data.streams import cancellation
 from grain_elevator.server.data import provenance
 from grain_elevator.server.data.streams import stream as stream_lib
 from grain_elevator.server.data.streams.stream import StreamDataset
+from grain_elevator.server.data.streams.sub_streams import SubStreams
 from grain_elevator.server.serving import metrics
 from grain_elevator.server.serving.stream_sessions import StreamSessions
 from grain_elevator.server.serving.step_errors import failures, named, where
 
 Step = tuple[int, list[np.ndarray], str]
+Stream = StreamDataset | SubStreams  # one stream, or several (server/data/streams/sub_streams.py)
 
 
 class StreamShape:
@@ -35,13 +37,16 @@ class StreamShape:
     self.sessions = sessions
     self._max_stream_batch_bytes = max_stream_batch_bytes
 
-  def check(self, ds: StreamDataset, r: pb.BatchRequest) -> None:
+  def check(self, ds: Stream, r: pb.BatchRequest) -> None:
     info = ds.info
-    global_bytes = r.global_batch_size * info.element_spec.record_bytes
+    _, g, _ = part_of(ds, r)
+    global_bytes = g * info.element_spec.record_bytes
     if global_bytes > self._max_stream_batch_bytes:  # made whole, whatever rows are asked for
+      made = ("global batches" if info.stream_shards == 1
+              else f"sub-batches (G/{info.stream_shards} rows)")
       raise InvalidRequestError(
-          f"dataset {info.name!r} is a stream dataset, whose global batches are made "
-          f"whole: {r.global_batch_size} rows of {info.element_spec.record_bytes} bytes "
+          f"dataset {info.name!r} is a stream dataset, whose {made} are made "
+          f"whole: {g} rows of {info.element_spec.record_bytes} bytes "
           f"is {global_bytes} bytes, over the server's --max-stream-batch-bytes of "
           f"{self._max_stream_batch_bytes}; use a smaller global_batch_size")
     contract.check_steps(r.start_step, r.num_steps, info.stream_length,
@@ -51,14 +56,15 @@ class StreamShape:
           f"dataset {info.name!r} is a stream dataset: it continues from stream_state, "
           f"not from a record_offset ({r.record_offset})")
 
-  def steps(self, ds: StreamDataset, r: pb.BatchRequest,
+  def steps(self, whole: Stream, r: pb.BatchRequest,
             is_active: Callable[[], bool]) -> Iterator[Step]:
-    """Host rows of global batches produced once for every host. Fewer than
-    asked if the stream ends, then EndOfDataError (OUT_OF_RANGE)."""
+    """Host rows of global batches produced once for every host (of one
+    sub-stream's sub-batches, for a stream of several). Fewer than asked
+    if the stream ends, then EndOfDataError (OUT_OF_RANGE)."""
+    ds, g, rows = part_of(whole, r)
     name = ds.info.name
-    batches = self.sessions.batches(ds, r.global_batch_size, _start(ds, r), r.num_steps,
+    batches = self.sessions.batches(ds, g, _start(ds, r), r.num_steps,
                                     (r.shard_count, r.shard_index), is_active)
-    rows = contract.host_rows(r.global_batch_size, r.shard_index, r.shard_count)
     recorded = metrics.current()
     step = r.start_step
     at = where(name, step)  # a position is shown once it is the server's own
@@ -87,56 +93,101 @@ class StreamShape:
       raise EndOfDataError(f"dataset {name!r}: the stream ends before step {step} "
                            f"(asked for steps up to {r.start_step + r.num_steps - 1})")
 
-  def encoded_steps(self, ds: StreamDataset, r: pb.BatchRequest,
+  def encoded_steps(self, ds: Stream, r: pb.BatchRequest,
                     is_active: Callable[[], bool]) -> Iterator[list[Any]]:
     for step, leaves, state in self.steps(ds, r, is_active):
       yield wire.encode_batch_parts(step, leaves, r.compression, state)
 
-  def skip(self, ds: StreamDataset, r: pb.BatchRequest,
+  def skip(self, whole: Stream, r: pb.BatchRequest,
            is_active: Callable[[], bool]) -> pb.SkipResponse:
-    """The position after steps [start, start+num) of `r`, with none of
-    them sent (at most limits.skip_steps(G): MAX_SKIP_ROWS rows, or one
-    step). EndOfDataError if the stream ends first."""
+    """The position after steps [start, start+num) of `r` (of its
+    sub-stream, for a stream of several), with none of them sent (at most
+    limits.skip_steps(G): MAX_SKIP_ROWS rows, or one step).
+    EndOfDataError if the stream ends first."""
+    ds, g, _ = part_of(whole, r)
     name = ds.info.name
     if r.num_steps > MAX_SKIP_STEPS:
       raise InvalidRequestError(
           f"dataset {name!r}: a Skip moves at most {MAX_SKIP_STEPS} steps per call, "
           f"asked for {r.num_steps}; split it")
-    most = limits.skip_steps(r.global_batch_size)
+    most = limits.skip_steps(g)
     if r.num_steps > most:
       raise InvalidRequestError(
           f"dataset {name!r}: a Skip computes at most {MAX_SKIP_ROWS} rows per call "
-          f"(MAX_SKIP_ROWS), {most} steps of G={r.global_batch_size}; asked for "
-          f"{r.num_steps} steps ({r.num_steps * r.global_batch_size} rows): split it "
-          "(the client does)")
+          f"(MAX_SKIP_ROWS), {most} steps of {_rows_label(whole)}={g}; asked for "
+          f"{r.num_steps} steps ({r.num_steps * g} rows): split it (the client does)")
     start = _start(ds, r)
     with cancellation.producing_for(is_active):
       done, position = named(name, where(name, r.start_step, start), ds.fast_forward,
-                             r.global_batch_size, start, r.num_steps)
+                             g, start, r.num_steps)
+    if done < r.num_steps and whole.info.stream_shards > 1 and not whole.info.drop_remainder:
+      # Evaluation mode: this sub-stream pads from its end while others go on.
+      return pb.SkipResponse(next_step=r.start_step + r.num_steps,
+                             next_stream_state=position, stream_ended=True)
     if done < r.num_steps:
       raise EndOfDataError(
           f"dataset {name!r}: a skip of {r.num_steps} steps from step {r.start_step} "
           f"passes the end of the stream, which ends after step {r.start_step + done - 1}")
     return pb.SkipResponse(next_step=r.start_step + r.num_steps, next_stream_state=position)
 
-  def explain(self, ds: StreamDataset, r: pb.BatchRequest) -> Any:
+  def explain(self, whole: Stream, r: pb.BatchRequest) -> Any:
     """Traced from the position where the step starts, stopped when the
-    request the caller produces for goes (cancellation.producing_for)."""
+    request the caller produces for goes (cancellation.producing_for); of a
+    stream of several, the sub-batch of the sub-stream `r` names, this
+    host's rows of it (the client merges the sub-streams')."""
+    ds, _, _ = part_of(whole, r)
     name = ds.info.name
     start = _start(ds, r)
     return named(name, where(name, r.start_step, start), provenance.explain_stream, ds,
                  r.global_batch_size, r.shard_index, r.shard_count, r.start_step, start,
-                 cancellation.check)
+                 cancellation.check, stream_shard=r.stream_shard,
+                 stream_shards=whole.info.stream_shards)
 
-  def summary(self, ds: StreamDataset, r: pb.BatchRequest,
+  def summary(self, whole: Stream, r: pb.BatchRequest,
               is_active: Callable[[], bool]) -> Any:
     """Every step of the range traced from the position where it starts
-    (at most MAX_STREAM_SUMMARY_ROWS rows), stopped when the caller goes."""
+    (at most MAX_STREAM_SUMMARY_ROWS rows), stopped when the caller goes;
+    of a stream of several, the sub-batches of the sub-stream `r` names."""
+    ds, _, _ = part_of(whole, r)
     name = ds.info.name
     start = _start(ds, r)
     with cancellation.producing_for(is_active):
       return named(name, where(name, r.start_step, start), provenance.summary_stream, ds,
-                   r.start_step, r.num_steps, r.global_batch_size, start, cancellation.check)
+                   r.start_step, r.num_steps, r.global_batch_size, start, cancellation.check,
+                   stream_shard=r.stream_shard, stream_shards=whole.info.stream_shards)
+
+
+def part_of(ds: Stream, r: pb.BatchRequest) -> tuple[StreamDataset, int, range]:
+  """What `r` reads: the stream, or the sub-stream it names; the rows of
+  its batches (G, or G/N); and the rows of each that are this host's
+  (proto/contract.py). InvalidRequestError if it reads the stream as
+  another number of sub-streams than the dataset has."""
+  info = ds.info
+  n, asked = info.stream_shards, max(1, r.stream_shards)
+  if asked != n:
+    has = f"{n} sub-streams" if n > 1 else "one stream (no sub-streams)"
+    raise InvalidRequestError(
+        f"dataset {info.name!r} is {has}, and this request reads it as {asked} "
+        "(stream_shards): describe it again (its config changed, or this client "
+        "predates sub-streams)")
+  if n == 1:
+    if r.stream_shard:
+      raise InvalidRequestError(f"dataset {info.name!r} has no sub-streams, and this request "
+                                f"names sub-stream {r.stream_shard}")
+    return ds, r.global_batch_size, contract.host_rows(
+        r.global_batch_size, r.shard_index, r.shard_count)
+  if not 0 <= r.stream_shard < n:
+    raise InvalidRequestError(f"dataset {info.name!r}: stream_shard must be in [0, {n}), "
+                              f"got {r.stream_shard}")
+  contract.check_stream_shards(r.global_batch_size, n, info.name)
+  return (ds.part(r.stream_shard), r.global_batch_size // n, contract.sub_stream_rows(
+      r.global_batch_size, r.shard_index, r.shard_count, r.stream_shard, n))
+
+
+def _rows_label(ds: Stream) -> str:
+  """What a step's rows are called: G, or a sub-stream's G/N."""
+  n = ds.info.stream_shards
+  return "G" if n == 1 else f"G/{n}"
 
 
 def _start(ds: StreamDataset, r: pb.BatchRequest) -> str:

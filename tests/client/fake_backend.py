@@ -150,7 +150,7 @@ class FakeBackend:
                       else ""))
     return out
 
-  def skip(self, request: pb.BatchRequest, token: Any = None) -> str:
+  def skip(self, request: pb.BatchRequest, token: Any = None) -> pb.SkipResponse:
     self._check(request)
     assert self.info.stream, "a skip of a dataset read by step"
     assert not request.compression, "a skip sends no batches to compress"
@@ -161,7 +161,8 @@ class FakeBackend:
       if at >= self.stream_end:
         raise EndOfDataError(f"the stream ended at step {step}")
       _, at = self.global_batch(step, request.global_batch_size, at=at)
-    return position(at)
+    return pb.SkipResponse(next_step=request.start_step + request.num_steps,
+                           next_stream_state=position(at))
 
   def explain(self, request: pb.ExplainRequest) -> dict[str, Any]:
     """A summary of a stream's steps: per step, rows and tokens (its values'

@@ -4,8 +4,9 @@ as one of two kinds (`Dataset`).
 A step dataset (step_dataset.py: a 1:1 dataset whose steps map to records
 in O(1), elevator_dataset.py, or a mixture of them, mixture.py), or a
 stream dataset (streams/stream.py: a pipeline that is not 1:1, one the
-config makes so, or one over a mixture's records), each built from its
-config and the records records.py opens.
+config makes so, or one over a mixture's records; split into sub-streams
+by streams/sub_streams.py), each built from its config and the records
+records.py opens.
 """
 
 from __future__ import annotations
@@ -25,10 +26,11 @@ from grain_elevator.server.data.shards.identity import ShardIdentity
 from grain_elevator.server.data.shards.option_files import OptionFiles
 from grain_elevator.server.data.step_dataset import StepDataset
 from grain_elevator.server.data.streams.stream import StreamDataset, StreamRecords
+from grain_elevator.server.data.streams.sub_streams import SubStreams
 
 # What the registry holds, and the request path serves, each by its shape
 # (server/serving/request_path.py): one of the two kinds, named once.
-Dataset = StepDataset | StreamDataset
+Dataset = StepDataset | StreamDataset | SubStreams
 
 
 def open_dataset(config: DatasetConfig,
@@ -46,9 +48,8 @@ def open_dataset(config: DatasetConfig,
   if config.source is not None:  # a mixture's records, mixed by Grain itself
     mixture = open_named(config.source)
     records = mixture.fixed_records()
-    head = apply_pipeline(config, records, one_to_one=False)
     fields = {"option_files": files.fingerprint_fields()} if files.files else {}
-    return StreamDataset(config, StreamRecords(
+    return _stream(config, StreamRecords(
         records, num_records=mixture.info.num_records,
         fingerprint=contract.stream_fingerprint({
             **fields,
@@ -57,11 +58,11 @@ def open_dataset(config: DatasetConfig,
             "drop_remainder": config.drop_remainder,
             "iter_pipeline": config.iter_pipeline,
             "batch_fn": config.batch_fn,
-            "iter_options": config.iter_options}),
+            "iter_options": config.iter_options, **_shards_field(config)}),
         origins=functools.partial(provenance.mixture_origins, mixture, global_batch_size=1),
         component_names=tuple(mixture.names),
         component_of=lambda positions: mixture.locate(positions, 1)[0]),
-        head, check_files=_iter_files_check(files))
+        _iter_files_check(files))
   opened = OpenedSource.open(config, identities)
   head = apply_pipeline(config, opened.raw_records, one_to_one=False)
   if config.names_a_stream or is_stream_pipeline(opened.raw_records, head):
@@ -73,14 +74,32 @@ def open_dataset(config: DatasetConfig,
     index = shuffle_lib.SourceIndexMap(build_raw_records(config, range(opened.num_records)),
                                        opened.num_records)
     needs = getattr(opened.source, "needs", None)  # in a bucket
-    return StreamDataset(config, StreamRecords(
+    records = StreamRecords(
         opened.raw_records, num_records=opened.num_records,
         fingerprint=_stream_fingerprint(config, opened, files),
         identities=opened.identities,
         origins=functools.partial(record_origins, opened.source, index),
-        needs=None if needs is None else lambda positions: needs(index(positions))),
-        head, check_files=_iter_files_check(files))
+        needs=None if needs is None else lambda positions: needs(index(positions)))
+    if config.stream_shards == 1:  # the head built above, whose length decided the kind
+      return StreamDataset(config, records, head, check_files=_iter_files_check(files))
+    return _stream(config, records, _iter_files_check(files))
   return ElevatorDataset(config, identities, opened=opened, records=head, files=files)
+
+
+def _stream(config: DatasetConfig, records: StreamRecords,
+            check_files: Callable[[], None] | None) -> StreamDataset | SubStreams:
+  """A stream dataset over `records`: one stream, or the config's
+  `stream_shards` sub-streams, each the pipeline over its own records."""
+  head_of = lambda ds: apply_pipeline(config, ds, one_to_one=False)
+  if config.stream_shards == 1:
+    return StreamDataset(config, records, head_of(records.records), check_files=check_files)
+  return SubStreams(config, records, head_of, check_files)
+
+
+def _shards_field(config: DatasetConfig) -> dict[str, int]:
+  """What sub-streams add to a stream's fingerprint: nothing for one stream
+  (its cursors stay valid), N for N > 1 (every row depends on it)."""
+  return {"stream_shards": config.stream_shards} if config.stream_shards > 1 else {}
 
 
 def _iter_files_check(files: OptionFiles) -> Callable[[], None] | None:
@@ -99,4 +118,5 @@ def _stream_fingerprint(config: DatasetConfig, opened: OpenedSource,
   base = fingerprint(config, opened.num_records, opened.identities, files)
   return contract.stream_fingerprint({
       "records": base, "stream": True, "iter_pipeline": config.iter_pipeline,
-      "batch_fn": config.batch_fn, "iter_options": config.iter_options})
+      "batch_fn": config.batch_fn, "iter_options": config.iter_options,
+      **_shards_field(config)})

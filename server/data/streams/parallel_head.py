@@ -175,7 +175,7 @@ class HeadService:
       if future is not None:
         worker = j
         break
-    reads = self._reads(dataset)
+    reads = self._reads(dataset, fingerprint)
     if future is None:
       if reads is not None:  # its reads go out while the tasks before it compute
         reads.plan(start, count)
@@ -196,12 +196,23 @@ class HeadService:
     self._counts.head_task(self._index, self._index)
     return elements
 
-  def _reads(self, dataset: str) -> head_reads.HeadReads | None:
-    """The dataset's planner of head reads: None where nothing is in a bucket."""
+  def _reads(self, dataset: str, fingerprint: str) -> head_reads.HeadReads | None:
+    """The stream's planner of head reads: None where nothing is in a bucket."""
     try:
-      return getattr(self._datasets.get(dataset), "head_reads", None)
+      return getattr(self._stream(dataset, fingerprint), "head_reads", None)
     except Exception:  # pylint: disable=broad-except
       return None  # refused here: the task's computation meets that
+
+  def _stream(self, dataset: str, fingerprint: str) -> Any:
+    """The stream of `dataset` whose fingerprint is `fingerprint`: the
+    dataset, or one of its sub-streams (sub_streams.py); RuntimeError if
+    none has it here (another config)."""
+    ds = self._datasets.get(dataset)
+    for stream in getattr(ds, "parts", [ds]):
+      if stream.info.config_fingerprint == fingerprint:
+        return stream
+    raise RuntimeError(f"dataset {dataset!r} has no stream of fingerprint {fingerprint} "
+                       f"here (its fingerprint is {ds.info.config_fingerprint})")
 
   def _answer(self, conn: mpc.Connection) -> None:
     """Computes one other worker's tasks, in the order they come, with a
@@ -226,10 +237,7 @@ class HeadService:
         elements, error = None, ""
         sent = time.monotonic()
         try:
-          ds = self._datasets.get(dataset)
-          if ds.info.config_fingerprint != fingerprint:
-            raise RuntimeError(f"dataset {dataset!r} has fingerprint "
-                               f"{ds.info.config_fingerprint} here, {fingerprint} asked")
+          ds = self._stream(dataset, fingerprint)
           elements = _elements(ds.head, start, count, note, getattr(ds, "head_reads", None))
         except _OwnerGone:
           return  # a progress note could not be sent: the owner is gone or hung
