@@ -66,6 +66,8 @@ def _describe(args: argparse.Namespace) -> int:
             for l in info.element_spec.leaves],
         "stream": info.stream,
     }
+    if info.stream_shards > 1:
+      row["stream_shards"] = info.stream_shards
     if args.global_batch_size and info.stream:  # steps are not known ahead
       row["total_steps"] = "forever" if info.repeats_forever else "unknown (a stream dataset)"
     elif args.global_batch_size:

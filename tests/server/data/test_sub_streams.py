@@ -346,6 +346,15 @@ def test_each_sub_streams_head_is_computed_by_every_worker(config):
     assert {owner for owner, _ in tasks()} == {0, 1}
 
 
+def test_describe_names_the_sub_streams(config, servers, elevator):
+  code, out, err = elevator("describe", servers[0].target, "--dataset", "lm4", "-G", "8")
+  assert code == 0, err
+  (info,) = json.loads(out)
+  assert (info["stream"], info["stream_shards"]) == (True, 4)
+  code, out, err = elevator("describe", servers[0].target, "--dataset", "lm1")
+  assert code == 0 and "stream_shards" not in json.loads(out)[0], err
+
+
 # -- refused, precisely ---------------------------------------------------------
 
 def test_a_batch_size_not_a_multiple_of_n_is_refused(config, servers):
