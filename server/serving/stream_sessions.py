@@ -18,9 +18,12 @@ What a worker holds is bounded by construction:
   * batches and live iterators (each estimated by
     StreamDataset.iterator_bytes) count against a byte budget, and sessions
     against MAX_STREAM_SESSIONS; past either, least recently used first:
-    sessions nobody reads, then sessions being read; of the session used
-    last, its batches go but never its live iterator, which the next chunk
-    needs;
+    sessions nobody reads, then sessions being read; of the session each
+    stream used last (each sub-stream of a stream of several is a stream
+    here: server/data/streams/sub_streams.py), its batches go but never its
+    live iterator, which that stream's next chunk needs, so N sub-streams
+    served by one worker do not restore each other's positions over and
+    over;
   * a session is registered only once its iterator stands at its start, so
     a refused position leaves nothing behind, and one whose production
     fails is dropped.
@@ -397,25 +400,34 @@ class StreamSessions:
   def _fit(self) -> None:
     """Evicts, least recently used first, until within the budget and the
     count (hold _lock): sessions nobody reads, then sessions being read,
-    then the batches of the one used last; never its live iterator."""
+    then the batches of each stream's session used last; never their live
+    iterators."""
     sessions = self._sessions
     total = sum(s.nbytes for s in sessions.values())
     if total > self.budget_bytes or len(sessions) > self.max_sessions:
-      last = next(reversed(sessions.values()))
+      last: dict[Stream, Session] = {}  # each stream's session used last
+      for session in sessions.values():
+        last[session.key[0]] = session
+      kept = set(map(id, last.values()))
       for reading in (False, True):
         for session in [s for s in sessions.values() if bool(s.readers) == reading]:
           if total <= self.budget_bytes and len(sessions) <= self.max_sessions:
             break
-          if session is last:
+          if id(session) in kept:
             continue
           total -= session.nbytes
           self._unregister(session)
           session.evict()
           self.evictions += 1
           metrics.current().stream_session_evicted()
-      if total > self.budget_bytes and last.drop_batches():
-        self.evictions += 1
-        metrics.current().stream_session_evicted()
+      for session in [s for s in sessions.values() if id(s) in kept]:  # LRU first
+        if total <= self.budget_bytes:
+          break
+        dropped = session.batch_bytes
+        if session.drop_batches():
+          total -= dropped
+          self.evictions += 1
+          metrics.current().stream_session_evicted()
     self._publish()
 
   def _publish(self) -> None:

@@ -193,7 +193,7 @@ class StreamDataset:
     stream's first position."""
     name = self.config.name
     try:
-      it = iter(self.pipeline(1))
+      it = iter(self.pipeline(1, head=self._head_factory))  # no read threads left behind
       start = dumps(it.get_state())
       batch = next(it)
     except StopIteration:

@@ -26,6 +26,7 @@ from grain_elevator.proto.errors import ConfigError
 from grain_elevator.server.data import config as config_lib
 from grain_elevator.server import Server, ServerOptions
 from grain_elevator.server.data import registry
+from grain_elevator.server.serving.stream_sessions import StreamSessions
 from grain_elevator.tools import text_corpus
 from grain_elevator.tools import top
 from grain_elevator.tools.testing.launcher import LocalServer
@@ -291,6 +292,24 @@ def test_an_evaluation_skip_passes_a_sub_streams_end_but_not_the_streams(config,
       with pytest.raises(InvalidRequestError, match="passes the end of the stream"):
         it.skip(last)
       assert assert_streams_equal(_take(it, 2), want[1:3]) == 2
+
+
+def test_one_worker_keeps_each_sub_streams_place(config, monkeypatch):
+  """A worker serving several sub-streams with no bytes for sessions (as
+  embedded mode has) keeps each one's live iterator: chunk after chunk of
+  each, in turns, continue without restoring a position."""
+  ds = registry.Datasets(config_lib.load_config(config), open_now=False).get("lm4")
+  opened = []
+  for part in ds.parts:
+    monkeypatch.setattr(part, "open", lambda g, state, _open=part.open: (
+        opened.append(state), _open(g, state))[1])
+  sessions = StreamSessions(0)
+  positions = [part.info.stream_start for part in ds.parts]
+  for _ in range(3):
+    for j, part in enumerate(ds.parts):
+      for (_, after), _ in sessions.batches(part, 2, positions[j], 2, (1, 0)):
+        positions[j] = after
+  assert len(opened) == len(ds.parts), "each sub-stream opened once, at its first chunk"
 
 
 # -- spread over servers, and one dies ---------------------------------------
