@@ -86,6 +86,22 @@ def scheduled(schedule: Mapping[int, Mapping[str, float]]) -> dict[str, Any]:
   return {"schedule": [{"step": step, "weights": dict(w)} for step, w in schedule.items()]}
 
 
+def text_root(root: pathlib.Path, *, docs: int, seed: int = 3, vocab_size: int = 512,
+              images: pathlib.Path | None = None) -> pathlib.Path:
+  """`root` ready for `packed_text` datasets: text/ (`docs` synthetic
+  documents in two shards), tokenizer.json trained on them and, given the
+  conftest's data folder as `images`, shards/ linked to its image shards.
+  Returns `root`."""
+  # pylint: disable=g-import-not-at-top
+  from grain_elevator.tools import text_corpus
+  from grain_elevator.tools import tokenizer as tokenizer_lib
+  if images is not None:
+    (root / "shards").symlink_to(images / "shards")
+  text_corpus.write_jsonl_shards(str(root / "text"), docs, num_shards=2, seed=seed)
+  tokenizer_lib.train(root / "tokenizer.json", vocab_size=vocab_size)
+  return root
+
+
 def config_text(**datasets: Mapping[str, Any]) -> str:
   """The TOML of a config serving these datasets, by name."""
   return tomli_w.dumps({"datasets": {name: dict(table) for name, table in datasets.items()}})

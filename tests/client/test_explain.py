@@ -22,8 +22,6 @@ from grain_elevator.pipelines import examples, text
 from grain_elevator.proto import contract
 from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.tools import cli
-from grain_elevator.tools import text_corpus
-from grain_elevator.tools import tokenizer as tokenizer_lib
 from grain_elevator.server import Server, ServerOptions
 import datasets
 from helpers import wait_for
@@ -69,10 +67,8 @@ PIXEL_TOKENS = textwrap.dedent("""\
 
 @pytest.fixture(scope="module")
 def explain_config(data_dir: pathlib.Path, tmp_path_factory) -> pathlib.Path:
-  root = tmp_path_factory.mktemp("explain")
-  (root / "shards").symlink_to(data_dir / "shards")
-  text_corpus.write_jsonl_shards(str(root / "text"), 40, num_shards=2, seed=7)
-  tokenizer_lib.train(root / "tokenizer.json", vocab_size=384)
+  root = datasets.text_root(tmp_path_factory.mktemp("explain"), docs=40, seed=7,
+                            vocab_size=384, images=data_dir)
   (root / "pixel_tokens.py").write_text(PIXEL_TOKENS)
   path = pathlib.Path(datasets.write_config(root / "elevator.toml", **DATASETS))
   # pixel_tokens, for embedded mode and an in-process server's workers (a

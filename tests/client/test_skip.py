@@ -20,8 +20,6 @@ from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.proto import elevator_pb2_grpc as pb_grpc
 from grain_elevator.proto import limits
 from grain_elevator.tools import cli
-from grain_elevator.tools import text_corpus
-from grain_elevator.tools import tokenizer as tokenizer_lib
 import datasets
 from helpers import assert_streams_equal
 
@@ -44,10 +42,8 @@ SHAPES = ("forever", "mix", "lm")
 
 @pytest.fixture(scope="module")
 def skip_config(data_dir: pathlib.Path, tmp_path_factory) -> pathlib.Path:
-  root = tmp_path_factory.mktemp("skips")
-  (root / "shards").symlink_to(data_dir / "shards")
-  text_corpus.write_jsonl_shards(str(root / "text"), 60, num_shards=2, seed=5)
-  tokenizer_lib.train(root / "tokenizer.json", vocab_size=384)
+  root = datasets.text_root(tmp_path_factory.mktemp("skips"), docs=60, seed=5,
+                            vocab_size=384, images=data_dir)
   return pathlib.Path(datasets.write_config(root / "elevator.toml", **DATASETS))
 
 

@@ -18,8 +18,6 @@ from grain_elevator.client import (InvalidRequestError, RemoteDataset, StreamMis
                                    TransportOptions)
 from grain_elevator.pipelines import examples, text
 from grain_elevator.proto import contract
-from grain_elevator.tools import text_corpus
-from grain_elevator.tools import tokenizer as tokenizer_lib
 import datasets
 from helpers import assert_streams_equal
 
@@ -70,9 +68,7 @@ CONFIG = datasets.config_text(
 @pytest.fixture(scope="module")
 def stream_config(data_dir: pathlib.Path, tmp_path_factory) -> pathlib.Path:
   root = tmp_path_factory.mktemp("streams")
-  (root / "shards").symlink_to(data_dir / "shards")
-  text_corpus.write_jsonl_shards(str(root / "text"), TEXT_DOCS, num_shards=2, seed=3)
-  tokenizer_lib.train(root / "tokenizer.json", vocab_size=512)
+  datasets.text_root(root, docs=TEXT_DOCS, images=data_dir)
   (root / "elevator.toml").write_text(CONFIG)
   return root / "elevator.toml"
 

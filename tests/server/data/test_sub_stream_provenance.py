@@ -23,8 +23,6 @@ from grain_elevator.pipelines import text
 from grain_elevator.proto import contract
 from grain_elevator.proto import limits
 from grain_elevator.tools import cli
-from grain_elevator.tools import text_corpus
-from grain_elevator.tools import tokenizer as tokenizer_lib
 import datasets
 
 LENGTH, BINS = 32, 8
@@ -48,9 +46,7 @@ CONFIG = datasets.config_text(
 
 @pytest.fixture(scope="module")
 def config(tmp_path_factory) -> pathlib.Path:
-  root = tmp_path_factory.mktemp("sub-stream-provenance")
-  text_corpus.write_jsonl_shards(str(root / "text"), 60, num_shards=2, seed=3)
-  tokenizer_lib.train(root / "tokenizer.json", vocab_size=512)
+  root = datasets.text_root(tmp_path_factory.mktemp("sub-stream-provenance"), docs=60)
   (root / "elevator.toml").write_text(CONFIG)
   return root / "elevator.toml"
 

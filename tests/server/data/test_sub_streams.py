@@ -27,10 +27,8 @@ from grain_elevator.server.data import config as config_lib
 from grain_elevator.server import Server, ServerOptions
 from grain_elevator.server.data import registry
 from grain_elevator.server.serving.stream_sessions import StreamSessions
-from grain_elevator.tools import text_corpus
 from grain_elevator.tools import top
 from grain_elevator.tools.testing.launcher import LocalServer
-from grain_elevator.tools import tokenizer as tokenizer_lib
 import datasets
 from helpers import assert_streams_equal, wait_for, worker_pids
 
@@ -66,10 +64,7 @@ CONFIG = datasets.config_text(
 
 @pytest.fixture(scope="module")
 def config(data_dir: pathlib.Path, tmp_path_factory) -> pathlib.Path:
-  root = tmp_path_factory.mktemp("sub-streams")
-  (root / "shards").symlink_to(data_dir / "shards")
-  text_corpus.write_jsonl_shards(str(root / "text"), 160, num_shards=2, seed=3)
-  tokenizer_lib.train(root / "tokenizer.json", vocab_size=512)
+  root = datasets.text_root(tmp_path_factory.mktemp("sub-streams"), docs=160, images=data_dir)
   (root / "elevator.toml").write_text(CONFIG)
   return root / "elevator.toml"
 
