@@ -1,7 +1,9 @@
 """How the request path serves a stream dataset (server/data/streams/stream.py):
 steps continue from a position (stream_state), each global batch made once
 for all its hosts (stream_sessions.py), a skip fast-forwards without sending,
-and rows and tokens are counted as they go. Its sibling is step_shape.py;
+and rows and tokens are counted as they go. A stream of several sub-streams
+(server/data/streams/sub_streams.py) is served a sub-stream per request, as
+a stream of its own with G/N rows (`part_of`). Its sibling is step_shape.py;
 request_path.py picks one per dataset and calls nothing else of either."""
 
 from __future__ import annotations
