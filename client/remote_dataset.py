@@ -19,6 +19,7 @@ from typing import Any, Callable, Sequence
 import grain
 
 from grain_elevator.client import layout
+from grain_elevator.client import state as state_lib
 from grain_elevator.client import stats as stats_lib
 from grain_elevator.client import stream_explain
 from grain_elevator.client import stream_summary
@@ -230,11 +231,12 @@ class RemoteDataset(grain.IterDataset):
     try:
       (info,) = backend.describe(self.dataset)
       spec = self._spec.described(info)
-      if spec.kind is Kind.STREAM and info.stream_shards > 1:
+      position = ""
+      if spec.kind is Kind.STREAM:
         positions = _positions(backend, spec, step, stream_state)
-        return stream_explain.explain(backend, spec, step, positions)
-      position = (_position(backend, spec, step, stream_state) if spec.kind is Kind.STREAM
-                  else "")
+        if info.stream_shards > 1:
+          return stream_explain.explain(backend, spec, step, positions)
+        (position,) = positions
       return backend.explain(pb.ExplainRequest(request=spec.request(
           step, 1, record_offset=record_offset, stream_state=position)))
     finally:
@@ -268,12 +270,9 @@ class RemoteDataset(grain.IterDataset):
     try:
       (info,) = backend.describe(self.dataset)
       spec = self._spec.described(info)
-      if spec.kind is Kind.STREAM and info.stream_shards > 1:
+      if spec.kind is Kind.STREAM:
         positions = _positions(backend, spec, start, stream_state)
         return stream_summary.summarize(backend, spec, start, end, positions, progress)
-      if spec.kind is Kind.STREAM:
-        position = _position(backend, spec, start, stream_state)
-        return stream_summary.summarize(backend, spec, start, end, position, progress)
       return backend.explain(pb.ExplainRequest(summary=True, request=spec.request(
           start, end - start, record_offset=record_offset, whole=True)))
     finally:
@@ -304,45 +303,17 @@ class RemoteDataset(grain.IterDataset):
     return str(self._spec)
 
 
-def _position(backend: Backend, spec: ReadSpec, step: int,
-              stream_state: dict[str, Any] | None) -> str:
-  """Where stream step `step` begins: `stream_state`'s position (a cursor
-  saved there), or fast-forwarded to from the stream's start."""
-  if stream_state is not None:
-    if not isinstance(stream_state, dict):
-      raise InvalidRequestError(
-          f"{spec}: stream_state is a position (a Grain iterator state, a JSON object), "
-          f"got {type(stream_state).__name__}")
-    return contract.position_text(stream_state)
-  if not step:
-    return ""
-  (position,) = fast_forward(backend, spec, 0, [""], step, CancelToken())
-  return position
-
-
 def _positions(backend: Backend, spec: ReadSpec, step: int,
-               stream_state: list[Any] | None) -> list[str]:
-  """Where each of a stream's N sub-streams starts step `step`:
-  `stream_state`'s N positions (a cursor saved there; null: at its start),
-  or each fast-forwarded to from its start, at once."""
+               stream_state: dict[str, Any] | list[Any] | None) -> list[str]:
+  """Where each sub-stream (the stream, for one) starts step `step`:
+  `stream_state`'s positions (a cursor saved there; null: at its start),
+  or each fast-forwarded to from its start by the servers, at once."""
   info = spec.require_info()
-  n = info.stream_shards
-  contract.check_stream_shards(spec.global_batch_size, n, info.name)
+  contract.check_stream_shards(spec.global_batch_size, info.stream_shards, info.name)
   if stream_state is not None:
-    if not isinstance(stream_state, list) or len(stream_state) != n:
-      got = (f"a list of {len(stream_state)}" if isinstance(stream_state, list)
-             else type(stream_state).__name__)
-      raise InvalidRequestError(
-          f"{spec}: dataset {info.name!r} has {n} sub-streams: stream_state is a list of "
-          f"their {n} positions (a cursor's), got {got}")
-    for j, p in enumerate(stream_state):
-      if p is not None and not isinstance(p, dict):
-        raise InvalidRequestError(
-            f"{spec}: stream_state[{j}] must be a Grain iterator state (a JSON object) or "
-            f"null, got {type(p).__name__}")
-    given = [contract.position_text(p) if p else "" for p in stream_state]
-  elif not step:
-    given = [""] * n
-  else:
+    given = state_lib.saved_positions(stream_state, info, "stream_state")
+  elif step:
     given = fast_forward(backend, spec, 0, info.starts, step, CancelToken())
+  else:
+    given = info.starts
   return [p or start for p, start in zip(given, info.starts)]

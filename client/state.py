@@ -81,15 +81,12 @@ Skips = tuple[tuple[int, int], ...]
 class Cursor:
   """Next global step, counted from `record_offset` records into the stream;
   for a stream dataset, the position where that step starts (its JSON text,
-  "" at the stream's start)."""
+  "" at the stream's start), one per sub-stream (one for a stream of one)."""
 
   step: int
   record_offset: int = 0
-  stream_state: str = ""
   skips: Skips = ()  # ranges [a, b) of steps skipped; the last may still be to make
-  # A stream of N sub-streams: each one's position ("" at its start), in
-  # place of stream_state.
-  stream_states: tuple[str, ...] = ()
+  positions: tuple[str, ...] = ()  # a stream dataset's; () at its start
 
   @property
   def pending(self) -> int | None:
@@ -233,11 +230,10 @@ def make(cursor: Cursor, spec: ReadSpec) -> dict[str, Any]:
     state["skips"] = [list(r) for r in cursor.skips]
   if cursor.record_offset:
     state["record_offset"] = cursor.record_offset
-  if spec.kind is Kind.STREAM and info.stream_shards > 1:
-    positions = cursor.stream_states or ("",) * info.stream_shards
-    state["stream_state"] = [json.loads(p) if p else None for p in positions]
-  elif spec.kind is Kind.STREAM:
-    state["stream_state"] = json.loads(cursor.stream_state) if cursor.stream_state else None
+  if spec.kind is Kind.STREAM:  # a Grain state, or a list of N for N sub-streams
+    n = info.stream_shards
+    saved = [json.loads(p) if p else None for p in cursor.positions or ("",) * n]
+    state["stream_state"] = saved if n > 1 else saved[0]
   return state
 
 
@@ -353,19 +349,9 @@ def _stream_cursor(state: dict[str, Any], info: DatasetInfo, saved_g: int,
   if "stream_state" not in state:
     raise InvalidRequestError(f"not a state of stream dataset {info.name!r}: it has no "
                               "stream_state (saved for the dataset before it was a stream?)")
-  n = info.stream_shards
-  if n > 1:
-    contract.check_stream_shards(global_batch_size, n, info.name)
-    positions = state["stream_state"]
-    if not isinstance(positions, list) or len(positions) != n:
-      raise InvalidRequestError(
-          f"dataset {info.name!r} has {n} sub-streams: a state's stream_state is a list of "
-          f"their {n} positions, got {_shape_of(positions)}")
-    texts = tuple(_position(p, f"stream_state[{j}]") for j, p in enumerate(positions))
-    cursor = Cursor(step, stream_states=texts, skips=skips)
-  else:
-    text = _position(state["stream_state"], "stream_state")
-    cursor = Cursor(step, stream_state=text, skips=skips)
+  contract.check_stream_shards(global_batch_size, info.stream_shards, info.name)
+  positions = saved_positions(state["stream_state"], info, "a state's stream_state")
+  cursor = Cursor(step, skips=skips, positions=positions)
   if cursor.pending is not None:
     _check_stream_skip(state, step, cursor.pending, saved_g)
   if saved_g == global_batch_size:
@@ -375,17 +361,30 @@ def _stream_cursor(state: dict[str, Any], info: DatasetInfo, saved_g: int,
         f"this state of stream dataset {info.name!r} holds a skip still to be made, of "
         f"batches of {saved_g}: resume it under global_batch_size {saved_g} first (a "
         "stream's batches depend on G), then change G at a later checkpoint")
-  # A new G: steps count afresh from the position(s).
-  return Cursor(0, stream_state=cursor.stream_state, stream_states=cursor.stream_states)
+  return Cursor(0, positions=positions)  # a new G: steps count afresh from the positions
+
+
+def saved_positions(value: Any, info: DatasetInfo, where: str) -> tuple[str, ...]:
+  """A saved `stream_state` (`where` names it in errors) as canonical
+  position texts, one per sub-stream ("" for null: its start): a Grain
+  state or null for one stream, a list of N of them for N sub-streams;
+  InvalidRequestError naming what is wrong otherwise. Only its shape is
+  checked: the server refuses a position of another pipeline."""
+  n = info.stream_shards
+  if n == 1:
+    return (_position(value, where),)
+  if not isinstance(value, list) or len(value) != n:
+    got = f"a list of {len(value)}" if isinstance(value, list) else type(value).__name__
+    raise InvalidRequestError(
+        f"dataset {info.name!r} has {n} sub-streams: {where} is a list of their {n} "
+        f"positions (one a sub-stream), got {got}")
+  return tuple(_position(p, f"{where}[{j}]") for j, p in enumerate(value))
 
 
 def _position(position: Any, where: str) -> str:
   """One saved position as canonical text ("" for null: the start)."""
   if position is not None and not isinstance(position, dict):
-    raise InvalidRequestError(f"state {where} must be a Grain iterator state (a JSON "
-                              f"object) or null, got {type(position).__name__}")
+    raise InvalidRequestError(
+        f"{where} must be a Grain iterator state (a JSON object) or null: it is a "
+        f"position of the stream, got {type(position).__name__}")
   return contract.position_text(position) if position else ""
-
-
-def _shape_of(value: Any) -> str:
-  return f"a list of {len(value)}" if isinstance(value, list) else type(value).__name__

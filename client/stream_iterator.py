@@ -237,20 +237,14 @@ class StreamIterator(ClientIterator):
   # -- checkpointing --------------------------------------------------------
 
   def get_state(self) -> dict[str, Any]:
-    if self._shards == 1:
-      cursor = state_lib.Cursor(self._step, stream_state=self._positions[0],
-                                skips=self._skips)
-    else:
-      cursor = state_lib.Cursor(self._step, stream_states=tuple(self._positions),
-                                skips=self._skips)
-    return self._state(cursor)
+    return self._state(state_lib.Cursor(self._step, skips=self._skips,
+                                        positions=tuple(self._positions)))
 
   def set_state(self, state: dict[str, Any]) -> None:
     cursor = self._cursor(state)
     self._stop()
     step = cursor.step
-    saved = cursor.stream_states if self._shards > 1 else (cursor.stream_state,)
-    positions = [p or start for p, start in zip(saved, self._info.starts)]
+    positions = [p or start for p, start in zip(cursor.positions, self._info.starts)]
     if cursor.pending is not None:  # a skip written into the state: make it now
       positions = self._fast_forward(step, positions, cursor.pending - step)
       step = cursor.pending

@@ -28,15 +28,15 @@ _PER_SOURCE = ("tokens", "segments", "documents")
 
 
 def summarize(backend: Backend, spec: ReadSpec, start: int, end: int,
-              position: str | Sequence[str],
+              positions: Sequence[str],
               progress: Callable[[int], None] | None = None) -> dict[str, Any]:
-  """Steps [start, end) of the stream `spec` reads (described), `position`
-  being where `start` begins (of N sub-streams: a list of their N
-  positions): the servers' calls, merged; `progress(steps)` after each
-  call (each round of N calls)."""
+  """Steps [start, end) of the stream `spec` reads (described), `positions`
+  being where `start` begins in each sub-stream (one for a stream of one):
+  the servers' calls, merged; `progress(steps)` after each call (each
+  round of N calls)."""
   n = spec.require_info().stream_shards
   several = n > 1
-  positions = list(position) if several else [position]
+  positions = list(positions)
   per_call = limits.stream_summary_steps(spec.global_batch_size // n)
   rounds: list[list[dict[str, Any]]] = []
   step = start

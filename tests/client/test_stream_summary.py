@@ -22,7 +22,7 @@ G = limits.MAX_STREAM_SUMMARY_ROWS // 2
 def _summarize(start: int, end: int, at: int = 0, **kwargs):
   backend = FakeBackend(stream_info(), stream_end=1 << 40)
   spec = read_spec(backend.info, G, 1, 2)  # a host's spec: the summary counts whole batches
-  return backend, stream_summary.summarize(backend, spec, start, end, position(at), **kwargs)
+  return backend, stream_summary.summarize(backend, spec, start, end, [position(at)], **kwargs)
 
 
 @pytest.mark.parametrize("start,end,calls", [
@@ -73,7 +73,7 @@ class _Misanswering(FakeBackend):
 def test_an_answer_for_other_steps_is_an_internal_error():
   backend = _Misanswering(stream_info(), stream_end=1 << 40)
   with pytest.raises(InternalError, match=r"steps \[0, 2\) answered for \[1, 3\]"):
-    stream_summary.summarize(backend, read_spec(backend.info, G), 0, 4, position(0))
+    stream_summary.summarize(backend, read_spec(backend.info, G), 0, 4, [position(0)])
 
 
 def test_merge_adds_counts_and_takes_shares_of_the_whole():

@@ -384,7 +384,8 @@ def test_a_batch_size_not_a_multiple_of_n_is_refused(config, servers):
       iter(ds).set_state(saved)
   bad = {**saved, "stream_state": saved["stream_state"][:3]}
   with RemoteDataset(servers[0].target, "lm4", G) as ds:
-    with pytest.raises(InvalidRequestError, match="list of their 4 positions, got a list of 3"):
+    with pytest.raises(InvalidRequestError,
+                       match=r"list of their 4 positions \(one a sub-stream\), got a list of 3"):
       iter(ds).set_state(bad)
 
 
