@@ -69,9 +69,6 @@ class StreamIterator(ClientIterator):
     info = self._info
     self._shards = n = info.stream_shards
     contract.check_stream_shards(spec.global_batch_size, n, spec.dataset)
-    if len(info.starts) != n:
-      raise ElevatorError(f"{spec}: the servers describe {n} sub-streams with "
-                          f"{len(info.starts)} first positions")
     self._window = window
     self._ahead = ahead  # steps each fetch thread keeps ahead of the trainer
     self._positions = list(info.starts)  # where each sub-stream's next step starts

@@ -50,6 +50,7 @@ from grain_elevator.client.transport.targets import bulk_hosts
 from grain_elevator.proto import contract
 from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.proto import errors
+from grain_elevator.proto import limits
 from grain_elevator.proto.spec import DatasetInfo, LeafSpec
 
 log = logging.getLogger("grain_elevator.client")
@@ -396,11 +397,19 @@ class ConnectionPool:
     connections that will carry its batches (sized from the spec)."""
     self._open_control()
     request = pb.DescribeRequest(dataset=dataset, global_batch_size=global_batch_size)
-    response = self._retrier.run(
-        lambda: f"Describe({dataset!r})",
-        lambda slots: self._with_slot(slots, lambda s: s.conn.describe(
-            request, timeout_s=self.retry.request_timeout_s)),
-        self._control, after_full=self._after_full)
+    liars: set[tuple[str, str]] = set()
+
+    def attempt(slots: Slots | None) -> pb.DescribeResponse:
+      assert slots is not None
+      try:
+        return self._with_slot(slots, lambda s: _checked_describe(s.conn.describe(
+            request, timeout_s=self.retry.request_timeout_s), s.conn.target))
+      except BadReplyError as e:  # DataLossError once every replica has lied
+        self._retrier.lied(e, liars, {s.replica for s in slots if not s.retired})
+        raise
+
+    response = self._retrier.run(lambda: f"Describe({dataset!r})", attempt, self._control,
+                                 after_full=self._after_full)
     infos = [DatasetInfo.from_proto(d) for d in response.datasets]
     self._infos.update((i.name, i) for i in infos)
     if global_batch_size > 0 and infos:
@@ -431,7 +440,7 @@ class ConnectionPool:
     else:
       route = request.start_step // max(1, request.num_steps)
     liars: set[tuple[str, str]] = set()
-    positions_of = _first_position(stream, request) if stream is not None else None
+    positions_of = stream.starts[request.stream_shard] if stream is not None else None
 
     def attempt(slots: Slots | None) -> list[Step]:
       assert slots is not None
@@ -484,7 +493,7 @@ class ConnectionPool:
         raise BadReplyError(f"a Skip of dataset {request.dataset!r} to step {end} was "
                             f"answered for step {answer.next_step}")
       check_position(answer.next_stream_state, request, end - 1, "a Skip answer",
-                     _first_position(info, request))
+                     info.starts[request.stream_shard])
       return answer
 
     return self._retrier.run(
@@ -562,6 +571,20 @@ class ConnectionPool:
     return self._open_bulk(target, host, self._bulk_ports[target])
 
 
+def _checked_describe(answer: pb.DescribeResponse, server: str) -> pb.DescribeResponse:
+  """`answer`, unless it describes a stream of more sub-streams than a
+  client runs fetch threads for (MAX_STREAM_SHARDS), or not one first
+  position each: BadReplyError, before any thread or request is made."""
+  for d in answer.datasets:
+    n = max(1, d.stream_shards)
+    if n > limits.MAX_STREAM_SHARDS or (n > 1 and len(d.stream_starts) != n):
+      raise BadReplyError(
+          f"{server} describes dataset {d.name!r} as {d.stream_shards} sub-streams with "
+          f"{len(d.stream_starts)} first positions; a stream has at most "
+          f"{limits.MAX_STREAM_SHARDS} (MAX_STREAM_SHARDS), each with its own")
+  return answer
+
+
 def _rows(request: pb.BatchRequest) -> range:
   """The rows of each step of `request`: this host's of its global batches,
   or of its sub-stream's sub-batches (proto/contract.py)."""
@@ -571,14 +594,3 @@ def _rows(request: pb.BatchRequest) -> range:
                                     request.stream_shards)
   return contract.host_rows(request.global_batch_size, request.shard_index,
                             max(1, request.shard_count))
-
-
-def _first_position(info: DatasetInfo, request: pb.BatchRequest) -> str:
-  """The first position of the stream `request` reads (its sub-stream's),
-  by whose shape the positions it gets back are checked; BadReplyError if
-  the servers described no such sub-stream."""
-  starts = info.starts
-  if not 0 <= request.stream_shard < len(starts):
-    raise BadReplyError(f"dataset {info.name!r} was described with {len(starts)} sub-stream "
-                        f"first positions, and sub-stream {request.stream_shard} is read")
-  return starts[request.stream_shard]

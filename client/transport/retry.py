@@ -119,14 +119,14 @@ class Retrier(Generic[S]):
         raise errors.Cancelled(f"{what()}: cancelled")
 
   def lied(self, e: BadReplyError, liars: set[Replica], replicas: Collection[Replica]) -> None:
-    """Notes that the replica behind `e` sent a bad batch for this request
-    (the slot has shunned it); DataLossError once every one of `replicas`
-    has."""
+    """Notes that the replica behind `e` sent a bad reply to this request
+    (a batch, or a Describe; the slot has shunned it); DataLossError once
+    every one of `replicas` has."""
     liars.add(e.replica)
     if set(replicas) <= liars:
       raise errors.DataLossError(
-          f"{e.details} (every replica of {', '.join(self._targets)} sent a batch that "
-          "breaks the element spec or its size bound)") from e
+          f"{e.details} (every replica of {', '.join(self._targets)} sent a reply that "
+          "breaks the element spec, its size bound or the protocol)") from e
     replica = replica_name(e.replica)
     self._lie_log.warning(replica, "%s; shunning %s and asking another replica",
                           e.details, replica)

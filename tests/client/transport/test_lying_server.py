@@ -40,6 +40,7 @@ from grain_elevator.proto import dtypes
 from grain_elevator.proto import elevator_pb2 as pb
 from grain_elevator.proto import elevator_pb2_grpc as pb_grpc
 from grain_elevator.proto import framing
+from grain_elevator.proto.limits import MAX_STREAM_SHARDS
 from helpers import assert_streams_equal
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Elevator"].full_name
@@ -162,11 +163,14 @@ class Liar:
   corruption of the true one (from `oracle`), over gRPC and bulk."""
 
   def __init__(self, honest: str, oracle, lie: Lie,
-               position: Callable[[str], str] | None = None):
+               position: Callable[[str], str] | None = None,
+               describe: Callable[[pb.DescribeResponse], None] = lambda _: None):
     """`position`: for a stream dataset, the lie told of the position after
-    each step (the true batch goes with it)."""
+    each step (the true batch goes with it); `describe`: the lie told in
+    Describe's answer (made in place)."""
     self.requests = 0
     self._oracle, self._lie, self._position = oracle, lie, position
+    self._describe_lie = describe
     self._honest = grpc.insecure_channel(honest)
     self._stub = pb_grpc.ElevatorStub(self._honest)
     self._bulk = _BulkLiar(self._step)
@@ -186,6 +190,7 @@ class Liar:
     response = self._stub.Describe(request, timeout=10)
     response.server.CopyFrom(pb.ServerInfo(worker_index=0, num_workers=1,
                                            bulk_port=self._bulk.port))
+    self._describe_lie(response)
     return response
 
   def _step(self, request: pb.BatchRequest, step: int) -> bytes | Oversize:
@@ -454,6 +459,34 @@ def test_a_position_that_is_not_of_the_stream_is_data_loss(few_server, few_confi
   assert isinstance(error, DataLossError), error
   assert "stream position" in str(error) and names in str(error), error
   assert _names(liar, kind) in str(error)
+
+
+def _sub_streams(n: int, starts: int) -> Callable[[pb.DescribeResponse], None]:
+  def lie(response: pb.DescribeResponse) -> None:
+    for d in response.datasets:
+      d.stream_shards = n
+      d.stream_starts[:] = [d.stream_start] * starts
+  return lie
+
+
+@pytest.mark.parametrize("n,starts", [(MAX_STREAM_SHARDS + 1, MAX_STREAM_SHARDS + 1),
+                                      (1 << 20, 0), (2, 1)],
+                         ids=["one past the bound", "a million, no starts", "one start for two"])
+def test_a_describe_of_impossible_sub_streams_is_refused_before_any_thread(
+    few_server, few_config, n, starts):
+  """A client runs a fetch thread per sub-stream: a Describe claiming more
+  than MAX_STREAM_SHARDS (or not a first position each) is a lie, refused
+  as DATA_LOSS naming it, with no thread started and no batch asked for."""
+  from grain_elevator.client.embedded import EmbeddedBackend  # pylint: disable=g-import-not-at-top
+  with _liar(few_server, EmbeddedBackend(few_config), None,
+             describe=_sub_streams(n, starts)) as liar:
+    threads = threading.active_count()
+    error = _refusal(lambda: _first_batch(liar.target, "few", 8, "grpc",
+                                          retry=RetryPolicy(timeout_s=1)))
+    assert liar.requests == 0 and threading.active_count() <= threads + 8
+  assert isinstance(error, DataLossError), error
+  assert (f"describes dataset 'few' as {n} sub-streams with {starts} first positions"
+          in str(error)), error
 
 
 def test_a_replica_lying_about_positions_is_shunned_and_the_stream_stays_exact(
